@@ -1,0 +1,111 @@
+"""The one place that talks to a process group: asynchronous sum-allreduce of a flat buffer.
+
+The engine only sees the :class:`Communicator` protocol, so it can run under DDP hooks, under the
+standalone aggregator, or with no ``torch.distributed`` at all (:class:`LocalCommunicator`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["Communicator", "Handle", "LocalCommunicator", "ProcessGroupCommunicator", "make_communicator"]
+
+
+class Handle(Protocol):
+    """An in-flight collective. ``wait()`` blocks until the buffer holds the result and returns it."""
+
+    def wait(self) -> Tensor: ...
+
+
+class Communicator(Protocol):
+    """Sums flat buffers across the workers of a group."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def allreduce_sum(self, buffer: Tensor) -> Handle:
+        """Start summing ``buffer`` (1-d, contiguous) over all workers, in place."""
+        ...
+
+
+class _Done:
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: Tensor) -> None:
+        self.buffer = buffer
+
+    def wait(self) -> Tensor:
+        return self.buffer
+
+
+class LocalCommunicator:
+    """A single worker: the sum over one worker is the buffer itself."""
+
+    world_size = 1
+
+    def allreduce_sum(self, buffer: Tensor) -> Handle:
+        return _Done(buffer)
+
+
+class _Pending:
+    __slots__ = ("work", "buffer", "staging")
+
+    def __init__(self, work: dist.Work, buffer: Tensor, staging: Tensor | None) -> None:
+        self.work = work
+        self.buffer = buffer
+        self.staging = staging
+
+    def wait(self) -> Tensor:
+        self.work.wait()
+        if self.staging is not None:
+            self.buffer.copy_(self.staging)
+            self.staging = None
+        return self.buffer
+
+
+class ProcessGroupCommunicator:
+    """Sum-allreduce over ``process_group`` (``None``: the default group).
+
+    ``comm_device``: where buffers travel. ``None`` keeps them where they are; e.g. ``"cpu"`` moves
+    CUDA buffers to the CPU for a gloo group and copies the result back when the collective is waited on.
+    """
+
+    __slots__ = ("process_group", "comm_device", "_world_size")
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None,
+                 comm_device: torch.device | str | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ProcessGroupCommunicator needs torch.distributed to be initialized "
+                "(call torch.distributed.init_process_group first)"
+            )
+        self.process_group = process_group
+        self.comm_device = None if comm_device is None else torch.device(comm_device)
+        self._world_size = dist.get_world_size(process_group)
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def allreduce_sum(self, buffer: Tensor) -> Handle:
+        staging = None
+        if self.comm_device is not None and buffer.device != self.comm_device:
+            staging = buffer.to(self.comm_device)
+        work = dist.all_reduce(buffer if staging is None else staging,
+                               op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+        assert work is not None
+        return _Pending(work, buffer, staging)
+
+
+def make_communicator(process_group: dist.ProcessGroup | None = None,
+                      comm_device: torch.device | str | None = None) -> Communicator:
+    """A :class:`ProcessGroupCommunicator` when ``torch.distributed`` is initialized, else local."""
+    if dist.is_available() and dist.is_initialized():
+        return ProcessGroupCommunicator(process_group, comm_device)
+    if process_group is not None:
+        raise RuntimeError("a process_group was given but torch.distributed is not initialized")
+    return LocalCommunicator()

@@ -1,0 +1,10 @@
+"""DDP communication hooks: adapters from ``GradBucket`` to the engine and to plain collectives."""
+
+from .default import (allreduce_hook, bf16_compress_hook, bf16_compress_wrapper, fp16_compress_hook,
+                      fp16_compress_wrapper)
+from .powersgd import (PowerSGDState, batched_powerSGD_hook, batched_powersgd_hook, powerSGD_hook,
+                       powersgd_hook)
+
+__all__ = ["PowerSGDState", "allreduce_hook", "batched_powerSGD_hook", "batched_powersgd_hook",
+           "bf16_compress_hook", "bf16_compress_wrapper", "fp16_compress_hook", "fp16_compress_wrapper",
+           "powerSGD_hook", "powersgd_hook"]

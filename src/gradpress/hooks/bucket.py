@@ -1,0 +1,66 @@
+"""Adapters between DDP's ``GradBucket`` and plain tensors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["CastBucket", "bucket_gradient_views", "future_tensor"]
+
+
+def bucket_gradient_views(buffer: Tensor, gradients: list[Tensor]) -> list[Tensor]:
+    """Views into ``buffer`` with the shapes of ``gradients``, at the same offsets they have in it.
+
+    DDP lays a bucket out densely (each gradient right after the previous one); that is the layout used
+    when the gradients are not views of the buffer's storage.
+    """
+    views = []
+    offset = 0
+    same_storage = all(g.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+                       for g in gradients) if gradients else False
+    for grad in gradients:
+        start = grad.storage_offset() - buffer.storage_offset() if same_storage else offset
+        views.append(buffer[start: start + grad.numel()].view(grad.shape))
+        offset = start + grad.numel()
+    return views
+
+
+class CastBucket:
+    """A ``GradBucket`` stand-in whose buffer is a cast copy of the original bucket's buffer.
+
+    Supports what hooks use: ``buffer()``, ``gradients()``, ``parameters()``, ``index()``, ``is_last()``,
+    ``set_buffer()``.
+    """
+
+    __slots__ = ("_bucket", "_buffer", "_gradients")
+
+    def __init__(self, bucket: Any, buffer: Tensor) -> None:
+        self._bucket = bucket
+        self._buffer = buffer
+        self._gradients = bucket_gradient_views(buffer, bucket.gradients())
+
+    def buffer(self) -> Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[Tensor]:
+        return self._gradients
+
+    def parameters(self) -> list[Tensor]:
+        return self._bucket.parameters()
+
+    def index(self) -> int:
+        return self._bucket.index()
+
+    def is_last(self) -> bool:
+        return self._bucket.is_last()
+
+    def set_buffer(self, buffer: Tensor) -> None:
+        self._buffer = buffer
+        self._gradients = bucket_gradient_views(buffer, self._bucket.gradients())
+
+
+def future_tensor(value: Any) -> Tensor:
+    """The tensor a hook's future holds (collective futures hold a one-element list)."""
+    return value[0] if isinstance(value, (list, tuple)) else value

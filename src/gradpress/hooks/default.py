@@ -1,0 +1,95 @@
+"""Plain and cast communication hooks, drop-in for ``torch.distributed.algorithms.ddp_comm_hooks``.
+
+>>> model.register_comm_hook(None, gradpress.fp16_compress_hook)                    # doctest: +SKIP
+>>> state = gradpress.PowerSGDState(None, matrix_approximation_rank=2)              # doctest: +SKIP
+>>> model.register_comm_hook(state, gradpress.bf16_compress_wrapper(gradpress.powerSGD_hook))  # doctest: +SKIP
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .bucket import CastBucket, future_tensor
+
+__all__ = ["allreduce_hook", "allreduce_mean_future", "bf16_compress_hook", "bf16_compress_wrapper",
+           "fp16_compress_hook", "fp16_compress_wrapper"]
+
+Hook = Callable[[Any, Any], torch.futures.Future]
+
+
+def allreduce_mean_future(buffer: Tensor, process_group: dist.ProcessGroup | None = None,
+                          wire_dtype: torch.dtype | None = None,
+                          comm_device: torch.device | str | None = None) -> torch.futures.Future:
+    """Start averaging ``buffer`` over the group; the future's value is ``buffer`` holding the mean.
+
+    The buffer is divided by the world size *before* the sum (no fp16 overflow), optionally cast to
+    ``wire_dtype`` and moved to ``comm_device`` for the trip. The completion callback only copies.
+    """
+    world_size = dist.get_world_size(process_group)
+    device = buffer.device if comm_device is None else torch.device(comm_device)
+    wire = buffer.to(device=device, dtype=wire_dtype or buffer.dtype, copy=False)
+    wire.div_(world_size)
+    fut = dist.all_reduce(wire, group=process_group, async_op=True).get_future()  # type: ignore[union-attr]
+    if wire is buffer:
+        return fut.then(lambda f: future_tensor(f.value()))
+
+    def copy_back(f: torch.futures.Future) -> Tensor:
+        buffer.copy_(future_tensor(f.value()))
+        return buffer
+
+    return fut.then(copy_back)
+
+
+def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """Average the bucket over ``process_group`` (``None``: the default group). Same as DDP without a hook."""
+    return allreduce_mean_future(bucket.buffer(), process_group)
+
+
+def fp16_compress_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """Average the bucket with half the bytes: cast to fp16, divide by the world size, sum, cast back."""
+    return allreduce_mean_future(bucket.buffer(), process_group, wire_dtype=torch.float16)
+
+
+def bf16_compress_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """Like :func:`fp16_compress_hook` with bfloat16 (fp32's range, 8 bits of mantissa)."""
+    return allreduce_mean_future(bucket.buffer(), process_group, wire_dtype=torch.bfloat16)
+
+
+# DDP refuses to register a hook whose __name__ is "bf16_compress_hook" unless CUDA and NCCL are present
+# (PyTorch's bf16 hook needs them); this one works on gloo too, so it goes by another name internally.
+bf16_compress_hook.__name__ = "gradpress_bf16_compress_hook"
+
+
+def _cast_wrapper(hook: Hook, dtype: torch.dtype) -> Hook:
+    if not callable(hook):
+        raise TypeError(f"hook must be a callable hook(state, bucket) -> Future, got {hook!r}")
+
+    def cast_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        buffer = bucket.buffer()
+        fut = hook(state, CastBucket(bucket, buffer.to(dtype)))
+
+        def cast_back(f: torch.futures.Future) -> Tensor:
+            buffer.copy_(future_tensor(f.value()))
+            return buffer
+
+        return fut.then(cast_back)
+
+    cast_hook.__name__ = f"{torch.finfo(dtype).dtype}_wrapped_{getattr(hook, '__name__', 'hook')}"
+    cast_hook.__doc__ = f"{getattr(hook, '__name__', 'hook')} run on a {dtype} copy of the bucket."
+    return cast_hook
+
+
+def fp16_compress_wrapper(hook: Hook) -> Hook:
+    """Run ``hook`` on an fp16 copy of each bucket and cast the result back.
+
+    With :func:`~gradpress.powerSGD_hook` the factors are still computed and orthogonalized in fp32.
+    """
+    return _cast_wrapper(hook, torch.float16)
+
+
+def bf16_compress_wrapper(hook: Hook) -> Hook:
+    """Run ``hook`` on a bfloat16 copy of each bucket and cast the result back."""
+    return _cast_wrapper(hook, torch.bfloat16)

@@ -1,0 +1,435 @@
+"""PowerSGD as DDP communication hooks, drop-in for ``torch.distributed.algorithms.ddp_comm_hooks``.
+
+>>> import gradpress                                                            # doctest: +SKIP
+>>> state = gradpress.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+...                                 start_powerSGD_iter=10)                      # doctest: +SKIP
+>>> ddp_model.register_comm_hook(state, gradpress.powerSGD_hook)                 # doctest: +SKIP
+
+Differences from PyTorch that users can rely on (each has a test):
+  * collectives are issued in the same order on every rank (:mod:`gradpress.pipeline`), with no
+    blocking wait inside a future callback, so gloo cannot hang or mismatch;
+  * no ``torch.cuda.synchronize``: CPU tensors work on machines that also have CUDA;
+  * ``batched_powerSGD_hook`` works (PyTorch's resizes the bucket buffer and fails);
+  * state is kept per parameter, so a checkpoint resumes correctly although DDP rebuilds its buckets
+    after the first iteration; ``state_dict()`` holds plain tensors;
+  * error memory, P and Q are fp32 for fp16/bf16 gradients, and non-finite values never enter them.
+"""
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..comm import Communicator, make_communicator
+from ..pipeline import OrderedPipeline, Task
+from ..powersgd.config import EngineConfig
+from ..powersgd.memory import ParamMemory, Segment, work_dtype_for
+from ..powersgd.plan import make_plan
+from ..powersgd.step import power_step
+from .default import allreduce_mean_future
+
+__all__ = ["PowerSGDState", "batched_powerSGD_hook", "batched_powersgd_hook", "powerSGD_hook",
+           "powersgd_hook"]
+
+logger = logging.getLogger(__name__)
+
+_STATE_DICT_VERSION = 1
+# Options that decide what the memory means; a checkpoint must agree with the state on them.
+_MEMORY_OPTIONS = ("matrix_approximation_rank", "min_compression_rate", "use_error_feedback", "warm_start",
+                   "random_seed")
+
+
+class PowerSGDState:
+    r"""State of :func:`powerSGD_hook` / :func:`batched_powerSGD_hook`: configuration, memory, counters.
+
+    Same arguments, names and defaults as PyTorch's ``PowerSGDState``, plus ``comm_device``.
+
+    Args:
+        process_group: the group to average over (``None``: the default group).
+        matrix_approximation_rank: rank r of the approximation (each matrix uses ``min(n, m, r)``).
+        start_powerSGD_iter: plain allreduce for this many iterations first (> 1 with error feedback or
+            warm start, since DDP rebuilds its buckets after the first iteration).
+        min_compression_rate: compress an ``n x m`` gradient only if ``n*m > (n+m)*r*rate``.
+        use_error_feedback: add each step's residual to the next gradient (PowerSGD paper, Alg. 2).
+        warm_start: start each power iteration from the previous step's Q.
+        orthogonalization_epsilon: added to column norms in rank-1 orthogonalization. Not needed for
+            safety here: orthogonalization never produces NaN, even for all-zero gradients.
+        random_seed: seeds the initial Q, identically on every rank.
+        compression_stats_logging_frequency: log :meth:`compression_stats` every this many iterations.
+        batch_tensors_with_same_shape: accepted for compatibility; gradpress always batches same-shape
+            matrices with ``bmm`` (results are the same either way).
+        comm_device: device the factors travel on, e.g. ``"cpu"`` for CUDA gradients over gloo.
+
+    Example::
+
+        state = PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+        ddp_model.register_comm_hook(state, powerSGD_hook)
+        ...
+        torch.save({"model": ddp_model.state_dict(), "powersgd": state.state_dict()}, path)
+    """
+
+    __slots__ = ("process_group", "start_powerSGD_iter", "compression_stats_logging_frequency",
+                 "batch_tensors_with_same_shape", "comm_device", "iter", "total_numel_before_compression",
+                 "total_numel_after_compression", "next_stats_report", "_config", "_segments", "_memory",
+                 "_keys", "_key_shapes", "_pipeline", "_comm", "_padded", "_saved_padded", "__weakref__")
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None,
+        matrix_approximation_rank: int = 1,
+        start_powerSGD_iter: int = 1_000,
+        min_compression_rate: float = 2,
+        use_error_feedback: bool = True,
+        warm_start: bool = True,
+        orthogonalization_epsilon: float = 0,
+        random_seed: int = 0,
+        compression_stats_logging_frequency: int = 10_000,
+        batch_tensors_with_same_shape: bool = False,
+        comm_device: torch.device | str | None = None,
+    ) -> None:
+        self._config = EngineConfig(
+            rank=matrix_approximation_rank, min_compression_rate=min_compression_rate,
+            use_error_feedback=use_error_feedback, warm_start=warm_start,
+            orthogonalization_epsilon=orthogonalization_epsilon, random_seed=random_seed)
+        if isinstance(start_powerSGD_iter, bool) or not isinstance(start_powerSGD_iter, int) \
+                or start_powerSGD_iter < 0:
+            raise ValueError(f"start_powerSGD_iter must be an integer >= 0, got {start_powerSGD_iter!r}")
+        if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
+            raise ValueError(
+                "Expect `start_powerSGD_iter` > 1 if `use_error_feedback` or `warm_start` is enabled, "
+                "because PowerSGD can only be applied after the first two iterations in DDP "
+                f"(got start_powerSGD_iter={start_powerSGD_iter!r}).")
+        if isinstance(compression_stats_logging_frequency, bool) \
+                or not isinstance(compression_stats_logging_frequency, int):
+            raise ValueError("compression_stats_logging_frequency must be an integer, got "
+                             f"{compression_stats_logging_frequency!r}")
+        if comm_device is not None:
+            try:
+                comm_device = torch.device(comm_device)
+            except (RuntimeError, TypeError) as exc:
+                raise ValueError(f"comm_device must be None or a torch device such as 'cpu' or 'cuda:0', "
+                                 f"got {comm_device!r}") from exc
+        self.process_group = process_group
+        self.start_powerSGD_iter = start_powerSGD_iter
+        self.compression_stats_logging_frequency = max(1, compression_stats_logging_frequency)
+        self.batch_tensors_with_same_shape = bool(batch_tensors_with_same_shape)
+        self.comm_device = comm_device
+        self.iter = 0
+        self.total_numel_before_compression = 0
+        self.total_numel_after_compression = 0
+        self.next_stats_report = 0
+        self._segments: dict[int, Segment] = {}
+        self._memory: dict[int, ParamMemory] = {}
+        self._keys: dict[int, tuple[Tensor, int]] = {}
+        self._key_shapes: list[tuple[int, ...]] = []
+        self._padded: dict[int, tuple[int, Segment, Tensor]] = {}
+        self._saved_padded: dict[int, dict[str, Any]] = {}
+        self._pipeline = OrderedPipeline()
+        self._comm: Communicator | None = None
+
+    # --- configuration, read-only (the memory's meaning depends on it) -----------------------------
+    @property
+    def matrix_approximation_rank(self) -> int:
+        return self._config.rank
+
+    @property
+    def min_compression_rate(self) -> float:
+        return self._config.min_compression_rate
+
+    @property
+    def use_error_feedback(self) -> bool:
+        return self._config.use_error_feedback
+
+    @property
+    def warm_start(self) -> bool:
+        return self._config.warm_start
+
+    @property
+    def orthogonalization_epsilon(self) -> float:
+        return self._config.orthogonalization_epsilon
+
+    @property
+    def random_seed(self) -> int:
+        return self._config.random_seed
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine configuration derived from the arguments."""
+        return self._config
+
+    # --- PyTorch's public methods --------------------------------------------------------------------
+    def maybe_increase_iter(self, bucket: Any) -> None:
+        """Count an iteration when the last bucket has been processed (PyTorch's contract)."""
+        if bucket.is_last():
+            self.iter += 1
+            if self.iter == self.start_powerSGD_iter:
+                logger.info("Start to apply PowerSGD after %s iterations.", self.iter)
+
+    def compression_stats(self) -> tuple[float, int, int]:
+        """``(rate, numel before, numel after)`` summed over every compressed bucket step so far.
+
+        ``rate = before / after`` (0 if nothing was compressed yet). Counts follow the plan:
+        ``n*m`` before and ``(n+m)*r`` after for a compressed matrix, ``numel`` for the rest.
+        """
+        before, after = self.total_numel_before_compression, self.total_numel_after_compression
+        return (before / after if after > 0 else 0, before, after)
+
+    # --- checkpoints -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Plain tensors and numbers: counters, options, and per-parameter error memory and Q.
+
+        No process group, nothing tied to a device or to DDP's bucket layout. Call between iterations
+        (on every rank that will resume; each rank's error memory is its own).
+        """
+        if len(self._pipeline):
+            raise RuntimeError("PowerSGDState.state_dict() was called while a backward pass is in flight")
+        memory = dict(self._memory)
+        for segment in self._segments.values():
+            memory.update(segment.export(self._config))
+        return {
+            "version": _STATE_DICT_VERSION,
+            "options": {
+                "matrix_approximation_rank": self.matrix_approximation_rank,
+                "min_compression_rate": self.min_compression_rate,
+                "use_error_feedback": self.use_error_feedback,
+                "warm_start": self.warm_start,
+                "orthogonalization_epsilon": self.orthogonalization_epsilon,
+                "random_seed": self.random_seed,
+                "start_powerSGD_iter": self.start_powerSGD_iter,
+                "compression_stats_logging_frequency": self.compression_stats_logging_frequency,
+                "batch_tensors_with_same_shape": self.batch_tensors_with_same_shape,
+                "comm_device": None if self.comm_device is None else str(self.comm_device),
+            },
+            "iter": self.iter,
+            "total_numel_before_compression": self.total_numel_before_compression,
+            "total_numel_after_compression": self.total_numel_after_compression,
+            "next_stats_report": self.next_stats_report,
+            "param_shapes": [list(shape) for shape in self._key_shapes],
+            "memory": {key: {"shape": list(m.shape), "error": m.error, "q": m.q} for key, m in memory.items()},
+            "padded": {index: {"numel": numel, "error": seg.work.clone(), "q": seg.q.clone(),
+                               "drawn": not seg.unsent_q}
+                       for index, (numel, seg, _) in self._padded.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved; tensors may come from another device.
+
+        Raises ``ValueError`` if the checkpoint was made with different compression options.
+        """
+        if state_dict.get("version") != _STATE_DICT_VERSION:
+            raise ValueError(f"unsupported PowerSGDState state_dict version {state_dict.get('version')!r}; "
+                             f"expected {_STATE_DICT_VERSION}")
+        options = state_dict["options"]
+        for name in _MEMORY_OPTIONS:
+            if options[name] != getattr(self, name):
+                raise ValueError(
+                    f"checkpoint was saved with {name}={options[name]!r} but this PowerSGDState has "
+                    f"{name}={getattr(self, name)!r}; construct the state with the same value to resume")
+        if len(self._pipeline):
+            raise RuntimeError("PowerSGDState.load_state_dict() was called while a backward pass is in flight")
+        self.iter = int(state_dict["iter"])
+        self.total_numel_before_compression = int(state_dict["total_numel_before_compression"])
+        self.total_numel_after_compression = int(state_dict["total_numel_after_compression"])
+        self.next_stats_report = int(state_dict["next_stats_report"])
+        saved_shapes = [tuple(int(s) for s in shape) for shape in state_dict["param_shapes"]]
+        for key, shape in enumerate(self._key_shapes[: len(saved_shapes)]):
+            if saved_shapes[key] != shape:
+                raise ValueError(f"checkpoint parameter #{key} has shape {saved_shapes[key]}, this model's "
+                                 f"has {shape}: the checkpoint belongs to a different model")
+        self._key_shapes = saved_shapes if len(saved_shapes) >= len(self._key_shapes) else self._key_shapes
+        self._segments.clear()
+        self._memory = {int(key): ParamMemory(tuple(entry["shape"]), entry["error"], entry["q"])
+                        for key, entry in state_dict["memory"].items()}
+        self._padded.clear()
+        self._saved_padded = dict(state_dict.get("padded", {}))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.state_dict()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        options = dict(state["options"])
+        self.__init__(None, **options)  # type: ignore[misc]
+        self.load_state_dict(state)
+        if dist.is_available() and dist.is_initialized():
+            logger.warning("PowerSGDState unpickled: process_group is the default group; set "
+                           "state.process_group if another group is wanted.")
+
+    # --- internals used by the hooks ------------------------------------------------------------------
+    def _communicator(self) -> Communicator:
+        if self._comm is None:
+            self._comm = make_communicator(self.process_group, self.comm_device)
+        return self._comm
+
+    def _keys_for(self, params: Sequence[Tensor]) -> tuple[int, ...]:
+        """Stable per-parameter keys: the order in which this state first saw each parameter.
+
+        That order is DDP's initial bucket layout (the layout of every process's first iteration), so a
+        resumed process assigns the same keys as the process that saved the checkpoint.
+        """
+        keys = []
+        for param in params:
+            entry = self._keys.get(id(param))
+            if entry is None or entry[0] is not param:
+                key = len(self._keys)
+                shape = tuple(param.shape)
+                if key < len(self._key_shapes) and self._key_shapes[key] != shape:
+                    raise ValueError(
+                        f"parameter #{key} has shape {shape} but the loaded PowerSGD checkpoint expects "
+                        f"{self._key_shapes[key]}: the model or its DDP bucket layout differs from the "
+                        "run that saved it")
+                if key >= len(self._key_shapes):
+                    self._key_shapes.append(shape)
+                entry = (param, key)
+                self._keys[id(param)] = entry
+            keys.append(entry[1])
+        return tuple(keys)
+
+    def _segment_for(self, index: int, keys: tuple[int, ...], grads: list[Tensor]) -> Segment:
+        segment = self._segments.get(index)
+        dtype = work_dtype_for(grads[0].dtype)
+        if segment is not None and segment.keys == keys and segment.dtype == dtype \
+                and segment.device == grads[0].device:
+            return segment
+        # New bucket, or DDP changed its layout: move affected memory to the per-parameter pool first.
+        wanted = set(keys)
+        for other in [i for i, s in self._segments.items() if i == index or wanted & set(s.keys)]:
+            self._memory.update(self._segments.pop(other).export(self._config))
+        plan = make_plan([g.shape for g in grads], self._config.rank, self._config.min_compression_rate)
+        segment = Segment(plan, keys, grads[0].device, dtype)
+        segment.load(self._memory, self._config)
+        for key in keys:
+            self._memory.pop(key, None)
+        self._segments[index] = segment
+        return segment
+
+    def _run(self, task: Task, bucket: Any, result: Tensor, before: int, after: int,
+             finish: Any = None) -> torch.futures.Future:
+        """Queue ``task`` in the ordered pipeline; complete the returned future with ``result``."""
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def done() -> None:
+            if finish is not None:
+                finish()
+            fut.set_result(result)
+
+        self._pipeline.submit(task, done, fut.set_exception)
+        self.total_numel_before_compression += before
+        self.total_numel_after_compression += after
+        if bucket.is_last():
+            self._pipeline.drain()
+            self._report_stats()
+            self.maybe_increase_iter(bucket)
+        return fut
+
+    def _report_stats(self) -> None:
+        if self.iter >= self.next_stats_report:
+            rate, before, after = self.compression_stats()
+            logger.info("Compression stats: iter %s, total before compression %s, total after compression %s, "
+                        "rate %s", self.iter, before, after, rate)
+            self.next_stats_report = self.iter + self.compression_stats_logging_frequency
+
+
+def _allreduce_phase(state: PowerSGDState, bucket: Any) -> torch.futures.Future | None:
+    """Before ``start_powerSGD_iter``: plain averaging (keys are still assigned, in DDP's first layout)."""
+    if state.iter >= state.start_powerSGD_iter:
+        return None
+    state._keys_for(bucket.parameters())
+    fut = allreduce_mean_future(bucket.buffer(), state.process_group, comm_device=state.comm_device)
+    state.maybe_increase_iter(bucket)
+    return fut
+
+
+def _check_state(state: Any, hook: str) -> PowerSGDState:
+    if not isinstance(state, PowerSGDState):
+        raise TypeError(f"{hook} expects a gradpress.PowerSGDState as its state, got {type(state).__name__}; "
+                        "construct one with gradpress.PowerSGDState(process_group, ...)")
+    return state
+
+
+def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    r"""PowerSGD (Vogels et al., 2019) on each matrix of the bucket; vectors are averaged exactly.
+
+    Register with ``ddp_model.register_comm_hook(state, powerSGD_hook)``. For the first
+    ``state.start_powerSGD_iter`` iterations it is a plain allreduce. Then, per bucket:
+
+      1. view each gradient as ``(shape[0], -1)``; compress it if the plan says so (see
+         :func:`gradpress.powersgd.make_plan`); add the error memory;
+      2. P = M Q for all matrices (one ``bmm`` per shape); allreduce ``[P | uncompressed]`` together;
+      3. orthogonalize P (fp32); Q = M^T P; allreduce Q;
+      4. gradient <- P Q^T / world size; error memory <- M - that.
+
+    The future completes with the bucket's buffer holding the result, on every rank.
+    """
+    state = _check_state(state, "powerSGD_hook")
+    fut = _allreduce_phase(state, bucket)
+    if fut is not None:
+        return fut
+    keys = state._keys_for(bucket.parameters())
+    grads = bucket.gradients()
+    segment = state._segment_for(bucket.index(), keys, grads)
+    task = power_step(segment, grads, state._communicator(), state._config, state.iter)
+    plan = segment.plan
+    return state._run(task, bucket, bucket.buffer(), plan.numel, plan.numel_sent)
+
+
+def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    r"""PowerSGD on the whole bucket viewed as one zero-padded square matrix (PyTorch's batched hook).
+
+    Cheaper than :func:`powerSGD_hook` (one small matrix product per bucket) but usually less accurate,
+    since the square view mixes unrelated layers. A bucket of L elements becomes an ``s x s`` matrix
+    with ``s = ceil(sqrt(L))``; it sends ``2 s r`` numbers instead of L. Works where PyTorch's raises
+    (it resizes DDP's bucket buffer in place; this one works on a padded copy).
+
+    The memory of this hook is per bucket: if DDP changes a bucket's size, that bucket's memory is reset
+    (with a warning).
+    """
+    state = _check_state(state, "batched_powerSGD_hook")
+    fut = _allreduce_phase(state, bucket)
+    if fut is not None:
+        return fut
+    buffer = bucket.buffer()
+    numel = buffer.numel()
+    index = bucket.index()
+    entry = state._padded.get(index)
+    if entry is None or entry[0] != numel or entry[1].device != buffer.device:
+        entry = _padded_segment(state, index, numel, buffer)
+    _, segment, square = entry
+    flat = square.view(-1)
+    flat[:numel].copy_(buffer)
+    flat[numel:].zero_()
+    task = power_step(segment, [square], state._communicator(), state._config, state.iter)
+    side = square.shape[0]
+    return state._run(task, bucket, buffer, numel, 2 * side * segment.plan.groups[0].rank,
+                      finish=lambda: buffer.copy_(flat[:numel]))
+
+
+def _padded_segment(state: PowerSGDState, index: int, numel: int, buffer: Tensor) -> tuple[int, Segment, Tensor]:
+    side = max(1, int(numel ** 0.5))
+    while side * side < numel:
+        side += 1
+    dtype = work_dtype_for(buffer.dtype)
+    plan = make_plan([(side, side)], state._config.rank, min_compression_rate=0)
+    # Negative keys: the batched hook's memory is per bucket, not per parameter.
+    segment = Segment(plan, [-1 - index], buffer.device, dtype)
+    saved = state._saved_padded.pop(index, None)
+    if saved is not None:
+        if saved["numel"] == numel:
+            memory = {-1 - index: ParamMemory((side, side), saved["error"],
+                                              saved["q"].view(side, -1) if saved["drawn"] else None)}
+            segment.load(memory, state._config)
+        else:
+            logger.warning("batched_powerSGD_hook: bucket %s has %s elements, the checkpoint %s; its memory "
+                           "is reset", index, numel, saved["numel"])
+    elif index in state._padded:
+        logger.warning("batched_powerSGD_hook: bucket %s changed size (%s -> %s elements); its memory is reset",
+                       index, state._padded[index][0], numel)
+    entry = (numel, segment, torch.zeros(side, side, device=buffer.device, dtype=dtype))
+    state._padded[index] = entry
+    return entry
+
+
+powersgd_hook = powerSGD_hook
+batched_powersgd_hook = batched_powerSGD_hook

@@ -1,0 +1,42 @@
+"""Engine configuration shared by the DDP hooks and the standalone aggregator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one PowerSGD step compresses (the part of the configuration the engine needs).
+
+    ``rank``: the requested approximation rank r (each matrix uses ``min(n, m, r)``).
+    ``min_compression_rate``: compress a matrix only if ``n*m > (n+m)*r*rate``.
+    ``use_error_feedback``: keep the residual and add it to the next gradient (PowerSGD, Alg. 2).
+    ``warm_start``: reuse last step's Q as the starting point of this step's power iteration.
+    ``orthogonalization_epsilon``: added to column norms in the rank-1 orthogonalization.
+    ``random_seed``: seeds the initial Q, identically on every rank and device.
+    """
+
+    rank: int = 1
+    min_compression_rate: float = 2.0
+    use_error_feedback: bool = True
+    warm_start: bool = True
+    orthogonalization_epsilon: float = 0.0
+    random_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"rank (matrix_approximation_rank) must be an integer >= 1, got {self.rank!r}")
+        if isinstance(self.min_compression_rate, bool) or not isinstance(self.min_compression_rate, (int, float)) \
+                or not self.min_compression_rate >= 0:
+            raise ValueError(f"min_compression_rate must be a number >= 0, got {self.min_compression_rate!r}")
+        if not isinstance(self.orthogonalization_epsilon, (int, float)) or not self.orthogonalization_epsilon >= 0:
+            raise ValueError(
+                f"orthogonalization_epsilon must be a number >= 0, got {self.orthogonalization_epsilon!r}")
+        if isinstance(self.random_seed, bool) or not isinstance(self.random_seed, int) or self.random_seed < 0:
+            raise ValueError(f"random_seed must be an integer >= 0, got {self.random_seed!r}")
+        for name in ("use_error_feedback", "warm_start"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

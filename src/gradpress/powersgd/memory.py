@@ -1,0 +1,156 @@
+"""PowerSGD state: error memory and warm-start Q, per segment for speed, per parameter for checkpoints.
+
+While training, a :class:`Segment` holds the memory of one bucket in flat buffers laid out by its
+:class:`~gradpress.powersgd.plan.Plan` (one ``bmm`` per shape group). Checkpoints and layout changes go
+through :class:`ParamMemory`, keyed by a stable per-parameter key, so state survives DDP rebuilding its
+buckets (which it does after the first iteration of every process: a state keyed by bucket index, as
+PyTorch's is, gets applied to the wrong parameters after a resume).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .config import EngineConfig
+from .plan import GroupPlan, Plan
+
+__all__ = ["ParamMemory", "Segment", "seeded_normal", "work_dtype_for"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(*parts: int) -> int:
+    """SplitMix64 over the parts: a seed that differs for every (seed, key, draw) triple."""
+    state = 0x9E3779B97F4A7C15
+    for part in parts:
+        state = (state ^ (part & _MASK64)) & _MASK64
+        state = (state + 0x9E3779B97F4A7C15) & _MASK64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        state = z ^ (z >> 31)
+    return state & ((1 << 63) - 1)
+
+
+def seeded_normal(shape: Sequence[int], seed: int, key: int, draw: int) -> Tensor:
+    """Standard normal fp32 values on the CPU, a pure function of ``(seed, key, draw)``.
+
+    Drawn on the CPU so every rank and every device gets the same numbers (design rule 4), and from a
+    private generator so the user's global RNG stream is untouched.
+    """
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(_mix(seed, key, draw))
+    return torch.randn(tuple(shape), generator=generator, dtype=torch.float32)
+
+
+def work_dtype_for(grad_dtype: torch.dtype) -> torch.dtype:
+    """Error memory, P and Q are fp32 for fp16/bf16 gradients (design rule 5), else the gradient's dtype."""
+    return torch.float32 if grad_dtype in (torch.float16, torch.bfloat16) else grad_dtype
+
+
+@dataclass
+class ParamMemory:
+    """What PowerSGD remembers about one compressed parameter, as plain tensors.
+
+    ``error``: the residual not yet applied, shape ``(n, m)`` (``None``: zero / error feedback off).
+    ``q``: the warm-start right factor, shape ``(m, r)`` (``None``: not drawn yet).
+    """
+
+    shape: tuple[int, ...]
+    error: Tensor | None = None
+    q: Tensor | None = None
+
+
+class Segment:
+    """Flat working buffers of one segment (bucket), built from a plan.
+
+    Buffers (all of ``dtype``, on ``device``):
+      * ``work``: the compressed matrices, grouped. With error feedback it *is* the error memory: a step
+        adds the gradient into it (giving M = g + e), runs the power iteration on it, and subtracts the
+        approximation (leaving e' = M - PQ^T). Without error feedback it is scratch.
+      * ``phase1``: ``[P | uncompressed]``, the first collective; ``q``: the second.
+    """
+
+    __slots__ = ("plan", "keys", "dtype", "device", "work", "phase1", "q", "group_views",
+                 "work_views", "p_views", "q_views", "unsent_q")
+
+    def __init__(self, plan: Plan, keys: Sequence[int], device: torch.device, dtype: torch.dtype) -> None:
+        if len(keys) != len(plan.tensors):
+            raise ValueError(f"{len(keys)} parameter keys for a plan of {len(plan.tensors)} tensors")
+        self.plan = plan
+        self.keys = tuple(keys)
+        self.device = device
+        self.dtype = dtype
+        self.work = torch.zeros(plan.work_numel, device=device, dtype=dtype)
+        self.phase1 = torch.empty(plan.p_numel + plan.uncompressed_numel, device=device, dtype=dtype)
+        self.q = torch.empty(plan.q_numel, device=device, dtype=dtype)
+        self.group_views: list[tuple[GroupPlan, Tensor, Tensor, Tensor]] = []
+        # Per compressed tensor, in group order: its (n, m) slice of work, (n, r) of P, (m, r) of Q.
+        self.work_views: list[Tensor] = []
+        self.p_views: list[Tensor] = []
+        self.q_views: list[Tensor] = []
+        for group in plan.groups:
+            b, n, m, r = group.batch, group.n, group.m, group.rank
+            work = self.work[group.work_offset: group.work_offset + b * n * m].view(b, n, m)
+            p = self.phase1[group.p_offset: group.p_offset + b * n * r].view(b, n, r)
+            q = self.q[group.q_offset: group.q_offset + b * m * r].view(b, m, r)
+            self.group_views.append((group, work, p, q))
+            self.work_views.extend(work.unbind(0))
+            self.p_views.extend(p.unbind(0))
+            self.q_views.extend(q.unbind(0))
+        # Positions (in group order) whose Q must be drawn before the next step.
+        self.unsent_q: list[int] = list(range(len(self.q_views)))
+
+    @property
+    def compressed_order(self) -> list[int]:
+        """Tensor indices of the compressed tensors, in group order (the order of ``work_views``)."""
+        return [i for group in self.plan.groups for i in group.members]
+
+    def draw_q(self, positions: Sequence[int], seed: int, draw: int) -> None:
+        """Fill the Q of the given compressed positions with seeded normals (same on every rank)."""
+        order = self.compressed_order
+        for position in positions:
+            view = self.q_views[position]
+            view.copy_(seeded_normal(view.shape, seed, self.keys[order[position]], draw))
+
+    def load(self, memory: Mapping[int, ParamMemory], config: EngineConfig) -> None:
+        """Fill the buffers from per-parameter memory (missing keys: zero error, Q drawn at first use)."""
+        order = self.compressed_order
+        self.unsent_q = []
+        for position, index in enumerate(order):
+            key = self.keys[index]
+            tensor = self.plan.tensors[index]
+            entry = memory.get(key)
+            if entry is not None and tuple(entry.shape) != tensor.shape:
+                raise ValueError(
+                    f"PowerSGD memory for parameter #{key} has shape {tuple(entry.shape)}, but the gradient "
+                    f"has shape {tensor.shape}: the checkpoint belongs to a different model")
+            if entry is not None and entry.error is not None and config.use_error_feedback:
+                self.work_views[position].copy_(entry.error.reshape(tensor.matrix))
+            q_view = self.q_views[position]
+            if entry is not None and entry.q is not None and config.warm_start:
+                if tuple(entry.q.shape) != tuple(q_view.shape):
+                    raise ValueError(
+                        f"PowerSGD warm-start Q for parameter #{key} has shape {tuple(entry.q.shape)}, "
+                        f"expected {tuple(q_view.shape)}: was the checkpoint taken with another "
+                        f"matrix_approximation_rank?")
+                q_view.copy_(entry.q)
+            else:
+                self.unsent_q.append(position)
+
+    def export(self, config: EngineConfig) -> dict[int, ParamMemory]:
+        """Per-parameter copies of the memory (independent of this segment's buffers)."""
+        out: dict[int, ParamMemory] = {}
+        drawn = set(range(len(self.q_views))) - set(self.unsent_q)
+        for position, index in enumerate(self.compressed_order):
+            tensor = self.plan.tensors[index]
+            out[self.keys[index]] = ParamMemory(
+                shape=tensor.shape,
+                error=self.work_views[position].clone() if config.use_error_feedback else None,
+                q=self.q_views[position].clone() if (config.warm_start and position in drawn) else None,
+            )
+        return out

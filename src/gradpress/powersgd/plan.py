@@ -1,0 +1,148 @@
+"""What PowerSGD compresses, and where each piece lives in the flat buffers.
+
+A plan is pure arithmetic over tensor shapes; the DDP hooks, the standalone aggregator and
+``gradpress inspect`` all use it, so the bytes they report are the bytes the engine sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..linalg import as_matrix_shape
+
+__all__ = ["GroupPlan", "Plan", "TensorPlan", "make_plan", "should_compress"]
+
+
+def should_compress(n: int, m: int, rank: int, min_compression_rate: float) -> bool:
+    """PyTorch's rule: compress an ``n x m`` matrix at ``rank`` iff ``(n + m) * rank * rate < n * m``."""
+    return (n + m) * rank * min_compression_rate < n * m
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor of a segment.
+
+    ``offset``: start of the tensor in the segment's flat (bucket) layout. ``matrix``: the ``(n, m)``
+    view. ``rank``: ``min(n, m, requested rank)``. ``numel_sent``: floats this tensor puts on the wire.
+    """
+
+    index: int
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+    matrix: tuple[int, int]
+    rank: int
+    compressed: bool
+
+    @property
+    def numel_sent(self) -> int:
+        n, m = self.matrix
+        return (n + m) * self.rank if self.compressed else self.numel
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Compressed matrices of one ``(n, m, rank)``, processed together with ``bmm``.
+
+    ``members``: tensor indices, in segment order. The group's matrices occupy ``len(members) * n * m``
+    elements of the work buffer from ``work_offset``; its P and Q factors ``B * n * r`` and ``B * m * r``
+    elements of the P and Q buffers from ``p_offset`` and ``q_offset``.
+    """
+
+    n: int
+    m: int
+    rank: int
+    members: tuple[int, ...]
+    work_offset: int
+    p_offset: int
+    q_offset: int
+
+    @property
+    def batch(self) -> int:
+        return len(self.members)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The compression plan of one segment (a DDP bucket, or all parameters of an aggregator).
+
+    Layout of the buffers the engine sends (design rule 2, one collective per phase):
+      * phase 1: ``[ all P factors | all uncompressed tensors ]`` (``p_numel + uncompressed_numel``)
+      * phase 2: ``[ all Q factors ]`` (``q_numel``)
+    """
+
+    tensors: tuple[TensorPlan, ...]
+    groups: tuple[GroupPlan, ...]
+    uncompressed: tuple[int, ...]
+    work_numel: int
+    p_numel: int
+    q_numel: int
+    uncompressed_numel: int
+
+    @property
+    def numel(self) -> int:
+        """Elements of the segment (the uncompressed gradient)."""
+        return sum(t.numel for t in self.tensors)
+
+    @property
+    def numel_sent(self) -> int:
+        """Elements put on the wire per step: ``sum r(n + m)`` over compressed + the rest as is."""
+        return self.p_numel + self.q_numel + self.uncompressed_numel
+
+    @property
+    def compression_rate(self) -> float:
+        sent = self.numel_sent
+        return self.numel / sent if sent else 0.0
+
+    @property
+    def compressed(self) -> tuple[TensorPlan, ...]:
+        return tuple(t for t in self.tensors if t.compressed)
+
+
+def make_plan(shapes: Sequence[torch.Size | tuple[int, ...]], rank: int,
+              min_compression_rate: float) -> Plan:
+    """Plan a segment of tensors with the given shapes (in segment order).
+
+    Each tensor is viewed as ``(shape[0], -1)``; its rank is ``min(n, m, rank)``; it is compressed iff
+    :func:`should_compress` says so. 0-d and 1-d tensors are never compressed (a vector has no low-rank
+    structure to exploit). Compressed matrices with the same ``(n, m, rank)`` form one group, in order of
+    first appearance.
+
+    >>> plan = make_plan([(64, 32), (64,), (64, 32)], rank=2, min_compression_rate=2)
+    >>> [g.members for g in plan.groups], plan.uncompressed, plan.numel_sent
+    ([(0, 2)], (1,), 448)
+    """
+    if rank < 1:
+        raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
+    if min_compression_rate < 0:
+        raise ValueError(f"min_compression_rate must be >= 0, got {min_compression_rate!r}")
+    tensors: list[TensorPlan] = []
+    offset = 0
+    for index, shape in enumerate(shapes):
+        shape = tuple(int(s) for s in shape)
+        numel = 1
+        for size in shape:
+            numel *= size
+        n, m = as_matrix_shape(shape)
+        r = max(1, min(n, m, rank))
+        compressed = len(shape) >= 2 and numel > 0 and should_compress(n, m, r, min_compression_rate)
+        tensors.append(TensorPlan(index, shape, offset, numel, (n, m), r, compressed))
+        offset += numel
+
+    by_key: dict[tuple[int, int, int], list[int]] = {}
+    for t in tensors:
+        if t.compressed:
+            by_key.setdefault((t.matrix[0], t.matrix[1], t.rank), []).append(t.index)
+    groups = []
+    work = p = q = 0
+    for (n, m, r), members in by_key.items():
+        groups.append(GroupPlan(n, m, r, tuple(members), work, p, q))
+        work += len(members) * n * m
+        p += len(members) * n * r
+        q += len(members) * m * r
+    uncompressed = tuple(t.index for t in tensors if not t.compressed)
+    return Plan(tuple(tensors), tuple(groups), uncompressed, work, p, q,
+                sum(tensors[i].numel for i in uncompressed))

@@ -1,0 +1,42 @@
+"""Small models and data shared by the tests (deterministic, generated, no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class SmallCNN(nn.Module):
+    """Convolutions, a BatchNorm-free head and biases: several shapes, two of them repeated."""
+
+    def __init__(self, width: int = 8, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, width, 3, padding=1)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1)
+        self.conv3 = nn.Conv2d(width, width, 3, padding=1)
+        self.head = nn.Linear(width * 6 * 6, 32)
+        self.out = nn.Linear(32, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv1(x))
+        x = torch.relu(self.conv2(x)) + x
+        x = torch.relu(self.conv3(x)) + x
+        x = nn.functional.max_pool2d(x, 2)
+        return self.out(torch.relu(self.head(x.flatten(1))))
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, **kwargs) -> nn.Module:
+    torch.manual_seed(seed)
+    return SmallCNN(**kwargs).to(dtype)
+
+
+def batch(rank: int, step: int, size: int = 16, dtype: torch.dtype = torch.float32):
+    """A batch that differs on every rank and step (so compression really has something to average)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(size, 1, 12, 12, generator=g, dtype=torch.float32).to(dtype)
+    y = torch.randint(0, 10, (size,), generator=g)
+    return x, y
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x).float(), y)
