@@ -8,6 +8,7 @@ per-rank results. ``run_fresh`` does the same in newly started processes (for ch
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -44,7 +45,11 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, onc
                 break
             fn, args = item
             try:
-                results.put((rank, True, fn(rank, world_size, *args)))
+                # Serialized here: tensors sent as-is are shared through file descriptors that die with
+                # this process.
+                payload = io.BytesIO()
+                torch.save(fn(rank, world_size, *args), payload)
+                results.put((rank, True, payload.getvalue()))
             except BaseException:
                 results.put((rank, False, traceback.format_exc()))
             if once:
@@ -82,7 +87,12 @@ class WorkerGroup:
                     f"{fn.__name__} timed out after {timeout}s on {self.world_size} ranks "
                     f"(answered: {sorted(out) + sorted(errors)}, dead: {dead})" +
                     "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in errors.items()))
-            (out if ok else errors)[rank] = value
+            if ok:
+                import torch
+
+                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors[rank] = value
             if errors and len(out) + len(errors) < self.world_size:
                 # Other ranks may now wait forever in a collective: give them a short grace, then stop.
                 timeout = min(timeout, 20.0)

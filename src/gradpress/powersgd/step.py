@@ -47,9 +47,9 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     unsent_buffer = segment.phase1[plan.p_numel:]
 
     # 1. M = g + e.
-    if config.use_error_feedback:
+    if matrices and config.use_error_feedback:
         torch._foreach_add_(segment.work_views, matrices)
-    else:
+    elif matrices:
         torch._foreach_copy_(segment.work_views, matrices)
     # 2. P = M Q.
     if not config.warm_start:
@@ -106,4 +106,5 @@ def _discard_non_finite(segment: Segment, config: EngineConfig) -> None:
         work[bad] = 0
         positions.extend(start + int(i) for i in bad.nonzero().flatten())
         start += q.shape[0]
-    segment.unsent_q = positions
+    # Fresh seeded factors (the same on every rank) instead of NaN for the next warm start.
+    segment.draw_q(positions, config.random_seed, 0)

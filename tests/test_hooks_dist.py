@@ -1,0 +1,355 @@
+"""DDP hooks on 2 gloo ranks: oracles against plain DDP, SVD, conservation, checkpoints, ordering."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradpress
+import models
+from distributed import run, run_fresh
+
+WORLD = 2
+
+
+def _ddp(model, **kwargs):
+    return DDP(model, **kwargs)
+
+
+def _param_digest(model) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _sgd_step(model, lr=0.05):
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+
+
+# --- full rank == plain DDP -----------------------------------------------------------------------------
+
+def full_rank_matches_ddp(rank, world, hook_name, wrapper, bucket_cap_mb, jitter):
+    ref = _ddp(models.make_model())
+    net = _ddp(models.make_model(), bucket_cap_mb=bucket_cap_mb)
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=128, min_compression_rate=0,
+                                    start_powerSGD_iter=2)
+    hook = getattr(gradpress, hook_name)
+    if wrapper:
+        hook = getattr(gradpress, wrapper)(hook)
+    net.register_comm_hook(state, hook)
+    if jitter:
+        # Different, random delays per rank between bucket hooks: collective order must not depend on timing.
+        rng = random.Random(rank)
+        for p in net.parameters():
+            p.register_hook(lambda g: (time.sleep(rng.random() * 0.003), g)[1])
+    worst = 0.0
+    for step in range(6):
+        x, y = models.batch(rank, step)
+        for m in (ref, net):
+            m.zero_grad()
+            models.loss_fn(m, x, y).backward()
+        worst = max(worst, max((a.grad - b.grad).abs().max().item()
+                               for a, b in zip(ref.parameters(), net.parameters())))
+        _sgd_step(ref)
+        with torch.no_grad():
+            for a, b in zip(ref.parameters(), net.parameters()):
+                b.copy_(a)
+    return worst, state.compression_stats(), len(list(net.parameters()))
+
+
+@pytest.mark.parametrize("hook_name, wrapper, tol", [
+    ("powerSGD_hook", None, 1e-5),
+    ("batched_powerSGD_hook", None, 1e-5),
+    ("powerSGD_hook", "fp16_compress_wrapper", 2e-3),
+    ("powerSGD_hook", "bf16_compress_wrapper", 2e-2),
+])
+def test_full_rank_gives_the_mean_gradient_of_plain_ddp(hook_name, wrapper, tol):
+    results = run(full_rank_matches_ddp, WORLD, hook_name, wrapper, 25, False)
+    for worst, (rate, before, after), _ in results:
+        assert after > 0, "compression never ran"
+        assert worst < tol
+
+
+def test_many_buckets_with_timing_jitter_keep_collective_order():
+    # One parameter per bucket (tiny cap) and random per-rank delays: a mismatched collective order would
+    # hang or mix up buckets' factors, so the full-rank result would not equal plain DDP.
+    results = run(full_rank_matches_ddp, WORLD, "powerSGD_hook", None, 0.0001, True)
+    for worst, (rate, before, after), _ in results:
+        assert after > 0 and worst < 1e-5
+
+
+# --- SVD oracle through DDP -------------------------------------------------------------------------------
+
+class _Bilinear(nn.Module):
+    """loss = <W, x>: the gradient with respect to W is exactly x."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(40, 30, dtype=torch.float64))
+
+    def forward(self, x):
+        return (self.weight * x).sum()
+
+
+def converges_to_svd(rank, world, r):
+    net = _ddp(_Bilinear())
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=r, start_powerSGD_iter=2,
+                                    min_compression_rate=0, use_error_feedback=False)
+    net.register_comm_hook(state, gradpress.powerSGD_hook)
+    g = torch.Generator().manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(40, 6, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(30, 6, generator=g, dtype=torch.float64))
+    base = u @ torch.diag(torch.tensor([9.0, 7, 5, 3, 1, 0.5], dtype=torch.float64)) @ v.T
+    # Each rank's gradient differs (+/- a full-rank perturbation); their mean is `base`.
+    local = base + (rank - (world - 1) / 2) * torch.randn(40, 30, generator=g, dtype=torch.float64)
+    for _ in range(60):
+        net.zero_grad()
+        net(local).backward()
+    return local, net.module.weight.grad.clone()
+
+
+@pytest.mark.parametrize("r", [1, 3])
+def test_warm_start_converges_to_best_rank_r_approximation_of_the_mean(r):
+    results = run(converges_to_svd, WORLD, r)
+    mean = sum(local for local, _ in results) / WORLD
+    u, s, vh = torch.linalg.svd(mean)
+    best = u[:, :r] @ torch.diag(s[:r]) @ vh[:r]
+    for _, grad in results:
+        torch.testing.assert_close(grad, best, atol=1e-7, rtol=0)
+
+
+# --- conservation, identical replicas, stats --------------------------------------------------------------
+
+def train_recording(rank, world, steps, r):
+    torch.manual_seed(0)
+    net = _ddp(models.make_model(dtype=torch.float64))
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=r, start_powerSGD_iter=2)
+    local_sum = {id(p): torch.zeros_like(p) for p in net.parameters()}
+    applied_sum = {id(p): torch.zeros_like(p) for p in net.parameters()}
+
+    def recording_hook(state, bucket):
+        params = bucket.parameters()
+        compressing = state.iter >= state.start_powerSGD_iter
+        if compressing:
+            for p, g in zip(params, bucket.gradients()):
+                local_sum[id(p)] += g
+        fut = gradpress.powerSGD_hook(state, bucket)
+
+        def record(f):
+            if compressing:
+                for p, g in zip(params, bucket.gradients()):
+                    applied_sum[id(p)] += g
+            return f.value()
+        return fut.then(record)
+
+    net.register_comm_hook(state, recording_hook)
+    for step in range(steps):
+        x, y = models.batch(rank, step, dtype=torch.float64)
+        net.zero_grad()
+        models.loss_fn(net, x, y).backward()
+        _sgd_step(net)
+    sd = state.state_dict()
+    plan = gradpress.make_plan([p.shape for p in net.parameters()], r, 2)
+    # Per compressed parameter and rank: sum of local gradients == sum of applied updates + final error.
+    # (Uncompressed tensors are averaged exactly; they keep no memory.)
+    key_of = {pid: key for pid, (_, key) in state._keys.items()}
+    worst, checked = 0.0, 0
+    for p in net.parameters():
+        entry = sd["memory"].get(key_of[id(p)])
+        if entry is None:
+            continue
+        checked += 1
+        worst = max(worst, (applied_sum[id(p)] + entry["error"].reshape(p.shape) - local_sum[id(p)]).abs().max().item())
+    assert checked == len(plan.compressed)
+    return worst, _param_digest(net), state.compression_stats(), plan.numel, plan.numel_sent
+
+
+def test_error_feedback_conserves_mass_and_replicas_stay_identical():
+    steps, r = 50 + 2, 1
+    results = run(train_recording, WORLD, steps, r)
+    digests = {digest for _, digest, *_ in results}
+    assert len(digests) == 1, "ranks hold different parameters"
+    for worst, _, (rate, before, after), numel, numel_sent in results:
+        assert worst < 1e-9
+        compressed_steps = steps - 2
+        assert before == compressed_steps * numel and after == compressed_steps * numel_sent
+        assert rate == pytest.approx(numel / numel_sent) and rate > 1.5
+
+
+# --- checkpoints -------------------------------------------------------------------------------------------
+
+def _train(net, state, rank, steps, start, opt):
+    for step in range(start, start + steps):
+        x, y = models.batch(rank, step)
+        opt.zero_grad()
+        models.loss_fn(net, x, y).backward()
+        opt.step()
+
+
+def _setup(hook_name):
+    net = _ddp(models.make_model())
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=3)
+    net.register_comm_hook(state, getattr(gradpress, hook_name))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    return net, state, opt
+
+
+def ckpt_uninterrupted(rank, world, hook_name, total):
+    net, state, opt = _setup(hook_name)
+    _train(net, state, rank, total, 0, opt)
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def ckpt_first_half(rank, world, hook_name, k, path, use_pickle):
+    net, state, opt = _setup(hook_name)
+    _train(net, state, rank, k, 0, opt)
+    blob = pickle.dumps(state) if use_pickle else state.state_dict()
+    torch.save({"model": net.module.state_dict(), "opt": opt.state_dict(), "powersgd": blob},
+               f"{path}.{rank}")
+
+
+def ckpt_second_half(rank, world, hook_name, k, total, path, use_pickle):
+    net, state, opt = _setup(hook_name)
+    saved = torch.load(f"{path}.{rank}", weights_only=False)
+    net.module.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    if use_pickle:
+        state = pickle.loads(saved["powersgd"])
+        net = _ddp(net.module)  # re-register on a fresh DDP wrapper with the unpickled state
+        net.register_comm_hook(state, getattr(gradpress, hook_name))
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        opt.load_state_dict(saved["opt"])
+    else:
+        state.load_state_dict(saved["powersgd"])
+    _train(net, state, rank, total - k, k, opt)
+    return [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("use_pickle", [False, True])
+def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path, use_pickle):
+    total, k = 14, 8
+    path = str(tmp_path / "ckpt")
+    expected = run(ckpt_uninterrupted, WORLD, "powerSGD_hook", total)
+    run_fresh(ckpt_first_half, WORLD, "powerSGD_hook", k, path, use_pickle)
+    resumed = run_fresh(ckpt_second_half, WORLD, "powerSGD_hook", k, total, path, use_pickle)
+    for want, got in zip(expected, resumed):
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+
+
+def load_moves_devices_and_checks_options(rank, world):
+    net, state, opt = _setup("powerSGD_hook")
+    _train(net, state, rank, 5, 0, opt)
+    sd = state.state_dict()
+    assert all(isinstance(v["error"], torch.Tensor) for v in sd["memory"].values())
+    assert "process_group" not in str(sd["options"])
+    other = gradpress.PowerSGDState(None, matrix_approximation_rank=3, start_powerSGD_iter=3)
+    try:
+        other.load_state_dict(sd)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_load_state_dict_rejects_other_rank():
+    for message in run(load_moves_devices_and_checks_options, WORLD):
+        assert message is not None and "matrix_approximation_rank=2" in message
+
+
+# --- dtypes, devices, plain hooks --------------------------------------------------------------------------
+
+def low_precision_training(rank, world, dtype):
+    net = _ddp(models.make_model(dtype=dtype))
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    net.register_comm_hook(state, gradpress.powerSGD_hook)
+    for step in range(8):
+        x, y = models.batch(rank, step, dtype=dtype)
+        net.zero_grad()
+        models.loss_fn(net, x, y).backward()
+        _sgd_step(net)
+    finite = all(torch.isfinite(p).all() for p in net.parameters())
+    return finite, _param_digest(net), state.compression_stats()[2] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_gradients_train_identically_on_all_ranks(dtype):
+    results = run(low_precision_training, WORLD, dtype)
+    assert all(finite and compressed for finite, _, compressed in results)
+    assert len({digest for _, digest, _ in results}) == 1
+
+
+def plain_hooks_match_ddp(rank, world, hook_name, tol):
+    ref = _ddp(models.make_model())
+    net = _ddp(models.make_model())
+    net.register_comm_hook(None, getattr(gradpress, hook_name))
+    x, y = models.batch(rank, 0)
+    for m in (ref, net):
+        models.loss_fn(m, x, y).backward()
+    return max((a.grad - b.grad).abs().max().item() for a, b in zip(ref.parameters(), net.parameters())) < tol
+
+
+@pytest.mark.parametrize("hook_name, tol", [("allreduce_hook", 1e-7), ("fp16_compress_hook", 1e-3),
+                                            ("bf16_compress_hook", 1e-2)])
+def test_plain_and_cast_hooks_match_ddp(hook_name, tol):
+    assert all(run(plain_hooks_match_ddp, WORLD, hook_name, tol))
+
+
+def cpu_tensors_on_a_cuda_machine(rank, world):
+    # PyTorch's hook calls torch.cuda.synchronize(device) whenever CUDA is available, which fails for CPU
+    # tensors. Pretend CUDA is there and make any device-wide sync an error.
+    def forbidden(*args, **kwargs):
+        raise AssertionError("device-wide synchronize called")
+    saved = torch.cuda.is_available, torch.cuda.synchronize
+    torch.cuda.is_available, torch.cuda.synchronize = (lambda: True), forbidden
+    try:
+        net = _ddp(models.make_model())
+        state = gradpress.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                        comm_device="cpu")
+        net.register_comm_hook(state, gradpress.powerSGD_hook)
+        for step in range(4):
+            x, y = models.batch(rank, step)
+            net.zero_grad()
+            models.loss_fn(net, x, y).backward()
+        return state.compression_stats()[2] > 0
+    finally:
+        torch.cuda.is_available, torch.cuda.synchronize = saved
+
+
+def test_cpu_tensors_work_when_cuda_is_available():
+    assert all(run(cpu_tensors_on_a_cuda_machine, WORLD))
+
+
+# --- bad input ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"start_powerSGD_iter": 1}, "start_powerSGD_iter"),
+    ({"matrix_approximation_rank": 0}, "rank"),
+    ({"min_compression_rate": -2}, "min_compression_rate"),
+    ({"orthogonalization_epsilon": -1.0}, "orthogonalization_epsilon"),
+    ({"comm_device": "not-a-device"}, "comm_device"),
+    ({"random_seed": -3}, "random_seed"),
+])
+def test_invalid_state_arguments_raise_value_error_naming_them(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        gradpress.PowerSGDState(None, **kwargs)
+
+
+def test_start_iter_may_be_small_without_memory():
+    state = gradpress.PowerSGDState(None, start_powerSGD_iter=0, use_error_feedback=False, warm_start=False)
+    assert state.start_powerSGD_iter == 0
+
+
+def test_hook_rejects_a_foreign_state():
+    with pytest.raises(TypeError, match="PowerSGDState"):
+        gradpress.powerSGD_hook(object(), None)  # type: ignore[arg-type]
