@@ -1,0 +1,30 @@
+"""The README's runnable snippets run as written and print what the README says they print."""
+
+import contextlib
+import io
+import pathlib
+import re
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _blocks(lang):
+    return re.findall(rf"```{lang}\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_plan_snippet_runs_and_prints_the_documented_numbers():
+    (snippet,) = [b for b in _blocks("python") if "make_plan" in b]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(snippet, "README.md", "exec"), {})
+    documented = re.search(r"# (\d+ \d+ \d+x)", snippet).group(1)
+    assert out.getvalue().splitlines()[0] == documented
+
+
+def test_setup_commands_name_files_that_exist():
+    root = README.parent
+    commands = "\n".join(_blocks("bash"))
+    assert "bash scripts/setup.sh && gradpress demo" in commands
+    assert "bash scripts/setup.sh && python3 -m pytest" in commands
+    assert (root / "scripts" / "setup.sh").exists()
+    assert "python3 -m pytest" in (root / ".ci" / "run").read_text()
