@@ -73,6 +73,11 @@ class Segment:
         adds the gradient into it (giving M = g + e), runs the power iteration on it, and subtracts the
         approximation (leaving e' = M - PQ^T). Without error feedback it is scratch.
       * ``phase1``: ``[P | uncompressed]``, the first collective; ``q``: the second.
+
+    Q is stored transposed, as ``(r, m)`` per matrix (``(B, r, m)`` per group): the power iteration then
+    computes Q^T = P^T M with both operands in their natural layout, and P = M Q reads Q column-major.
+    On CPU BLAS this is 2-4x faster than a row-major ``(m, r)`` Q for the skinny products PowerSGD does.
+    Checkpoints (:class:`ParamMemory`) keep PyTorch's ``(m, r)`` orientation.
     """
 
     __slots__ = ("plan", "keys", "dtype", "device", "work", "phase1", "q", "group_views",
@@ -89,7 +94,7 @@ class Segment:
         self.phase1 = torch.empty(plan.p_numel + plan.uncompressed_numel, device=device, dtype=dtype)
         self.q = torch.empty(plan.q_numel, device=device, dtype=dtype)
         self.group_views: list[tuple[GroupPlan, Tensor, Tensor, Tensor]] = []
-        # Per compressed tensor, in group order: its (n, m) slice of work, (n, r) of P, (m, r) of Q.
+        # Per compressed tensor, in group order: its (n, m) slice of work, (n, r) of P, (r, m) of Q^T.
         self.work_views: list[Tensor] = []
         self.p_views: list[Tensor] = []
         self.q_views: list[Tensor] = []
@@ -97,7 +102,7 @@ class Segment:
             b, n, m, r = group.batch, group.n, group.m, group.rank
             work = self.work[group.work_offset: group.work_offset + b * n * m].view(b, n, m)
             p = self.phase1[group.p_offset: group.p_offset + b * n * r].view(b, n, r)
-            q = self.q[group.q_offset: group.q_offset + b * m * r].view(b, m, r)
+            q = self.q[group.q_offset: group.q_offset + b * m * r].view(b, r, m)
             self.group_views.append((group, work, p, q))
             self.work_views.extend(work.unbind(0))
             self.p_views.extend(p.unbind(0))
@@ -114,7 +119,7 @@ class Segment:
         """Fill the Q of the given compressed positions with seeded normals (same on every rank)."""
         order = self.compressed_order
         for position in positions:
-            view = self.q_views[position]
+            view = self.q_views[position].t()
             view.copy_(seeded_normal(view.shape, seed, self.keys[order[position]], draw))
 
     def load(self, memory: Mapping[int, ParamMemory], config: EngineConfig) -> None:
@@ -131,7 +136,7 @@ class Segment:
                     f"has shape {tensor.shape}: the checkpoint belongs to a different model")
             if entry is not None and entry.error is not None and config.use_error_feedback:
                 self.work_views[position].copy_(entry.error.reshape(tensor.matrix))
-            q_view = self.q_views[position]
+            q_view = self.q_views[position].t()
             if entry is not None and entry.q is not None and config.warm_start:
                 if tuple(entry.q.shape) != tuple(q_view.shape):
                     raise ValueError(
@@ -151,6 +156,6 @@ class Segment:
             out[self.keys[index]] = ParamMemory(
                 shape=tensor.shape,
                 error=self.work_views[position].clone() if config.use_error_feedback else None,
-                q=self.q_views[position].clone() if (config.warm_start and position in drawn) else None,
+                q=self.q_views[position].t().clone(memory_format=torch.contiguous_format) if (config.warm_start and position in drawn) else None,
             )
         return out

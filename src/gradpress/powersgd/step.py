@@ -57,8 +57,8 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     if segment.unsent_q:
         segment.draw_q(segment.unsent_q, config.random_seed, 0 if config.warm_start else step + 1)
         segment.unsent_q = []
-    for _, work, p, q in segment.group_views:
-        torch.bmm(work, q, out=p)
+    for _, work, p, qt in segment.group_views:
+        _matmul(work, qt.transpose(1, 2), p)
     # 3. One collective for all P's and all uncompressed tensors.
     if unsent:
         torch._foreach_copy_(list(unsent_buffer.split([t.numel() for t in unsent])), unsent)
@@ -70,25 +70,53 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     if not segment.group_views:
         return
     # 4. Orthogonalize P, then Q = M^T P.
-    for _, work, p, q in segment.group_views:
+    for _, work, p, qt in segment.group_views:
         orthogonalize_(p, config.orthogonalization_epsilon)
-        torch.bmm(work.transpose(1, 2), p, out=q)
+        _matmul(p.transpose(1, 2), work, qt)
     # 5. Mean of Q.
     segment.q.div_(world_size)
     yield comm.allreduce_sum(segment.q)
 
-    # 6. Decompress into the gradients; the residual stays in the error memory.
-    if all(m.dtype == segment.dtype for m in matrices):
-        # One write per tensor, straight into the bucket's views: a batched bmm would need a group-sized
-        # temporary and a second pass over it to scatter into the (non-strided) bucket layout.
-        for matrix, p, q in zip(matrices, segment.p_views, segment.q_views):
-            torch.mm(p, q.t(), out=matrix)
-    else:
-        torch._foreach_copy_(matrices, [p @ q.t() for p, q in zip(segment.p_views, segment.q_views)])
+    # 6. Decompress into the gradients (one write per tensor, straight into the bucket's views); the
+    # residual M - PQ^T stays in the error memory. The residual is taken against what was written, so
+    # with fp16/bf16 gradients the rounding of the approximation is fed back too.
+    same_dtype = all(m.dtype == segment.dtype for m in matrices)
+    for matrix, p, qt in zip(matrices, segment.p_views, segment.q_views):
+        _outer_sum(p, qt, matrix, same_dtype)
     if config.use_error_feedback:
-        for _, work, p, q in segment.group_views:
-            work.baddbmm_(p, q.transpose(1, 2), alpha=-1)
+        torch._foreach_sub_(segment.work_views, matrices)
     _discard_non_finite(segment, config)
+
+
+def _matmul(a: Tensor, b: Tensor, out: Tensor) -> None:
+    """``out = a @ b`` for a group ``(B, ., .)``.
+
+    On CPU, one ``mm`` per matrix when the group holds one matrix or the product is rank-1 (a
+    matrix-vector product, which MKL's batched path handles poorly); otherwise, and on GPUs, one ``bmm``.
+    """
+    if out.device.type == "cpu" and (a.shape[0] == 1 or min(out.shape[1], out.shape[2]) == 1):
+        for x, y, o in zip(a.unbind(0), b.unbind(0), out.unbind(0)):
+            torch.mm(x, y, out=o)
+    else:
+        torch.bmm(a, b, out=out)
+
+
+def _outer_sum(p: Tensor, qt: Tensor, out: Tensor, same_dtype: bool) -> None:
+    """``out = p @ qt`` for ``p`` of shape (n, r) and ``qt`` (r, m): a GEMM with inner dimension r.
+
+    On CPU, for large matrices and r <= 4, that GEMM is 2-3x slower than r fused multiply-adds over the
+    output (measured with MKL; see BENCHMARKS.md), so those take the elementwise path.
+    """
+    rank = p.shape[1]
+    numel = out.numel()
+    if out.device.type == "cpu" and ((rank <= 2 and numel >= 1 << 16) or (rank <= 4 and numel >= 1 << 20)):
+        torch.mul(p[:, :1], qt[:1], out=out)
+        for k in range(1, rank):
+            out.addcmul_(p[:, k:k + 1], qt[k:k + 1])
+    elif same_dtype:
+        torch.mm(p, qt, out=out)
+    else:
+        out.copy_(p @ qt)
 
 
 def _discard_non_finite(segment: Segment, config: EngineConfig) -> None:
