@@ -258,7 +258,7 @@ def _nbytes(t: Tensor) -> int:
 
 def ours_state_bytes(state: Any) -> dict[str, int]:
     out = {"work": 0, "phase1": 0, "q": 0}
-    for seg in state._segments.values():
+    for seg in state._store.segments.values():
         out["work"] += _nbytes(seg.work)
         out["phase1"] += _nbytes(seg.phase1)
         out["q"] += _nbytes(seg.q)
@@ -332,7 +332,7 @@ def measure(model: str, rank: int, names: Sequence[str], rounds: int, block: int
             raise AssertionError(f"{name}: state.iter={state.iter}, expected {total_steps}")
         out["state_bytes"][name] = ours_state_bytes(state) if name == "ours" else torch_state_bytes(state)
         if name == "ours":
-            plans = [seg.plan for seg in state._segments.values()]
+            plans = [seg.plan for seg in state._store.segments.values()]
             out["plan"] = {"sent": sum(p.numel_sent for p in plans), "p": sum(p.p_numel for p in plans),
                            "q": sum(p.q_numel for p in plans)}
     grad_numel = sum(p.numel() for p in params)

@@ -39,11 +39,11 @@ def _sgd_step(model, lr=0.05):
 
 # --- full rank == plain DDP -----------------------------------------------------------------------------
 
-def full_rank_matches_ddp(rank, world, hook_name, wrapper, bucket_cap_mb, jitter):
+def full_rank_matches_ddp(rank, world, hook_name, wrapper, bucket_cap_mb, jitter, num_iters=None):
     ref = _ddp(models.make_model())
     net = _ddp(models.make_model(), bucket_cap_mb=bucket_cap_mb)
     state = gradpress.PowerSGDState(None, matrix_approximation_rank=128, min_compression_rate=0,
-                                    start_powerSGD_iter=2)
+                                    start_powerSGD_iter=2, num_iters_per_step=num_iters)
     hook = getattr(gradpress, hook_name)
     if wrapper:
         hook = getattr(gradpress, wrapper)(hook)
@@ -68,14 +68,18 @@ def full_rank_matches_ddp(rank, world, hook_name, wrapper, bucket_cap_mb, jitter
     return worst, state.compression_stats(), len(list(net.parameters()))
 
 
-@pytest.mark.parametrize("hook_name, wrapper, tol", [
-    ("powerSGD_hook", None, 1e-5),
-    ("batched_powerSGD_hook", None, 1e-5),
-    ("powerSGD_hook", "fp16_compress_wrapper", 2e-3),
-    ("powerSGD_hook", "bf16_compress_wrapper", 2e-2),
+@pytest.mark.parametrize("hook_name, wrapper, tol, num_iters", [
+    ("powerSGD_hook", None, 1e-5, None),
+    ("batched_powerSGD_hook", None, 1e-5, None),
+    ("powerSGD_hook", "fp16_compress_wrapper", 2e-3, None),
+    ("powerSGD_hook", "bf16_compress_wrapper", 2e-2, None),
+    # Multi-iteration: two one-sided iterations at full rank reconstruct exactly,
+    # (I - P P^T) M (I - Q Q^T) = 0 once either projector is the identity.
+    ("powerSGD_hook", None, 1e-5, 2),
+    ("batched_powerSGD_hook", None, 1e-5, 2),
 ])
-def test_full_rank_gives_the_mean_gradient_of_plain_ddp(hook_name, wrapper, tol):
-    results = run(full_rank_matches_ddp, WORLD, hook_name, wrapper, 25, False)
+def test_full_rank_gives_the_mean_gradient_of_plain_ddp(hook_name, wrapper, tol, num_iters):
+    results = run(full_rank_matches_ddp, WORLD, hook_name, wrapper, 25, False, num_iters)
     for worst, (rate, before, after), _ in results:
         assert after > 0, "compression never ran"
         assert worst < tol
@@ -131,10 +135,11 @@ def test_warm_start_converges_to_best_rank_r_approximation_of_the_mean(r):
 
 # --- conservation, identical replicas, stats --------------------------------------------------------------
 
-def train_recording(rank, world, steps, r):
+def train_recording(rank, world, steps, r, num_iters=None):
     torch.manual_seed(0)
     net = _ddp(models.make_model(dtype=torch.float64))
-    state = gradpress.PowerSGDState(None, matrix_approximation_rank=r, start_powerSGD_iter=2)
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=r, start_powerSGD_iter=2,
+                                    num_iters_per_step=num_iters)
     local_sum = {id(p): torch.zeros_like(p) for p in net.parameters()}
     applied_sum = {id(p): torch.zeros_like(p) for p in net.parameters()}
 
@@ -161,6 +166,8 @@ def train_recording(rank, world, steps, r):
         _sgd_step(net)
     sd = state.state_dict()
     plan = gradpress.make_plan([p.shape for p in net.parameters()], r, 2)
+    # Elements sent over all compressed steps, from the plan's arithmetic (parity alternates per step).
+    sent = sum(plan.numel_sent_per_step(num_iters, step * (num_iters or 0)) for step in range(steps - 2))
     # Per compressed parameter and rank: sum of local gradients == sum of applied updates + final error.
     # (Uncompressed tensors are averaged exactly; they keep no memory.)
     key_of = {pid: key for pid, (_, key) in state._keys.items()}
@@ -172,19 +179,20 @@ def train_recording(rank, world, steps, r):
         checked += 1
         worst = max(worst, (applied_sum[id(p)] + entry["error"].reshape(p.shape) - local_sum[id(p)]).abs().max().item())
     assert checked == len(plan.compressed)
-    return worst, _param_digest(net), state.compression_stats(), plan.numel, plan.numel_sent
+    return worst, _param_digest(net), state.compression_stats(), plan.numel, sent
 
 
-def test_error_feedback_conserves_mass_and_replicas_stay_identical():
+@pytest.mark.parametrize("num_iters", [None, 1, 2])
+def test_error_feedback_conserves_mass_and_replicas_stay_identical(num_iters):
     steps, r = 50 + 2, 1
-    results = run(train_recording, WORLD, steps, r)
+    results = run(train_recording, WORLD, steps, r, num_iters)
     digests = {digest for _, digest, *_ in results}
     assert len(digests) == 1, "ranks hold different parameters"
-    for worst, _, (rate, before, after), numel, numel_sent in results:
+    for worst, _, (rate, before, after), numel, sent in results:
         assert worst < 1e-9
         compressed_steps = steps - 2
-        assert before == compressed_steps * numel and after == compressed_steps * numel_sent
-        assert rate == pytest.approx(numel / numel_sent) and rate > 1.5
+        assert before == compressed_steps * numel and after == sent
+        assert rate == pytest.approx(compressed_steps * numel / sent) and rate > 1.5
 
 
 # --- checkpoints -------------------------------------------------------------------------------------------
@@ -197,30 +205,31 @@ def _train(net, state, rank, steps, start, opt):
         opt.step()
 
 
-def _setup(hook_name):
+def _setup(hook_name, num_iters=None):
     net = _ddp(models.make_model())
-    state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=3)
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=3,
+                                    num_iters_per_step=num_iters)
     net.register_comm_hook(state, getattr(gradpress, hook_name))
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     return net, state, opt
 
 
-def ckpt_uninterrupted(rank, world, hook_name, total):
-    net, state, opt = _setup(hook_name)
+def ckpt_uninterrupted(rank, world, hook_name, total, num_iters=None):
+    net, state, opt = _setup(hook_name, num_iters)
     _train(net, state, rank, total, 0, opt)
     return [p.detach().clone() for p in net.parameters()]
 
 
-def ckpt_first_half(rank, world, hook_name, k, path, use_pickle):
-    net, state, opt = _setup(hook_name)
+def ckpt_first_half(rank, world, hook_name, k, path, use_pickle, num_iters=None):
+    net, state, opt = _setup(hook_name, num_iters)
     _train(net, state, rank, k, 0, opt)
     blob = pickle.dumps(state) if use_pickle else state.state_dict()
     torch.save({"model": net.module.state_dict(), "opt": opt.state_dict(), "powersgd": blob},
                f"{path}.{rank}")
 
 
-def ckpt_second_half(rank, world, hook_name, k, total, path, use_pickle):
-    net, state, opt = _setup(hook_name)
+def ckpt_second_half(rank, world, hook_name, k, total, path, use_pickle, num_iters=None):
+    net, state, opt = _setup(hook_name, num_iters)
     saved = torch.load(f"{path}.{rank}", weights_only=False)
     net.module.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
@@ -236,13 +245,14 @@ def ckpt_second_half(rank, world, hook_name, k, total, path, use_pickle):
     return [p.detach().clone() for p in net.parameters()]
 
 
-@pytest.mark.parametrize("use_pickle", [False, True])
-def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path, use_pickle):
+@pytest.mark.parametrize("use_pickle, num_iters", [(False, None), (True, None), (False, 1)])
+def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path, use_pickle, num_iters):
+    # num_iters=1: the resumed run must continue on the right side (P or Q) with the saved P memory.
     total, k = 14, 8
     path = str(tmp_path / "ckpt")
-    expected = run(ckpt_uninterrupted, WORLD, "powerSGD_hook", total)
-    run_fresh(ckpt_first_half, WORLD, "powerSGD_hook", k, path, use_pickle)
-    resumed = run_fresh(ckpt_second_half, WORLD, "powerSGD_hook", k, total, path, use_pickle)
+    expected = run(ckpt_uninterrupted, WORLD, "powerSGD_hook", total, num_iters)
+    run_fresh(ckpt_first_half, WORLD, "powerSGD_hook", k, path, use_pickle, num_iters)
+    resumed = run_fresh(ckpt_second_half, WORLD, "powerSGD_hook", k, total, path, use_pickle, num_iters)
     for want, got in zip(expected, resumed):
         for a, b in zip(want, got):
             torch.testing.assert_close(b, a, atol=1e-6, rtol=0)

@@ -26,9 +26,9 @@ from torch import Tensor
 from ..comm import Communicator, make_communicator
 from ..pipeline import OrderedPipeline, Task
 from ..powersgd.config import EngineConfig
-from ..powersgd.memory import ParamMemory, Segment, work_dtype_for
+from ..powersgd.memory import ParamMemory, Segment, SegmentStore, work_dtype_for
 from ..powersgd.plan import make_plan
-from ..powersgd.step import power_step
+from ..powersgd.step import compress_step
 from .default import allreduce_mean_future
 
 __all__ = ["PowerSGDState", "batched_powerSGD_hook", "batched_powersgd_hook", "powerSGD_hook",
@@ -39,13 +39,14 @@ logger = logging.getLogger(__name__)
 _STATE_DICT_VERSION = 1
 # Options that decide what the memory means; a checkpoint must agree with the state on them.
 _MEMORY_OPTIONS = ("matrix_approximation_rank", "min_compression_rate", "use_error_feedback", "warm_start",
-                   "random_seed")
+                   "random_seed", "num_iters_per_step")
 
 
 class PowerSGDState:
     r"""State of :func:`powerSGD_hook` / :func:`batched_powerSGD_hook`: configuration, memory, counters.
 
-    Same arguments, names and defaults as PyTorch's ``PowerSGDState``, plus ``comm_device``.
+    Same arguments, names and defaults as PyTorch's ``PowerSGDState``, plus ``comm_device`` and
+    ``num_iters_per_step``.
 
     Args:
         process_group: the group to average over (``None``: the default group).
@@ -62,6 +63,10 @@ class PowerSGDState:
         batch_tensors_with_same_shape: accepted for compatibility; gradpress always batches same-shape
             matrices with ``bmm`` (results are the same either way).
         comm_device: device the factors travel on, e.g. ``"cpu"`` for CUDA gradients over gloo.
+        num_iters_per_step: ``None`` (default): classic PowerSGD, PyTorch's semantics. An integer k >= 1:
+            multi-iteration PowerSGD, k one-sided iterations per step with one rank-r factor sent
+            each (k=1 sends half of classic; k=2 about the same as classic, with error no larger).
+            Needs ``warm_start=True``. See :func:`gradpress.powersgd.step.alternating_step`.
 
     Example::
 
@@ -73,7 +78,7 @@ class PowerSGDState:
 
     __slots__ = ("process_group", "start_powerSGD_iter", "compression_stats_logging_frequency",
                  "batch_tensors_with_same_shape", "comm_device", "iter", "total_numel_before_compression",
-                 "total_numel_after_compression", "next_stats_report", "_config", "_segments", "_memory",
+                 "total_numel_after_compression", "next_stats_report", "_config", "_store",
                  "_keys", "_key_shapes", "_pipeline", "_comm", "_padded", "_saved_padded", "__weakref__")
 
     def __init__(
@@ -89,11 +94,13 @@ class PowerSGDState:
         compression_stats_logging_frequency: int = 10_000,
         batch_tensors_with_same_shape: bool = False,
         comm_device: torch.device | str | None = None,
+        num_iters_per_step: int | None = None,
     ) -> None:
         self._config = EngineConfig(
             rank=matrix_approximation_rank, min_compression_rate=min_compression_rate,
             use_error_feedback=use_error_feedback, warm_start=warm_start,
-            orthogonalization_epsilon=orthogonalization_epsilon, random_seed=random_seed)
+            orthogonalization_epsilon=orthogonalization_epsilon, random_seed=random_seed,
+            num_iters_per_step=num_iters_per_step)
         if isinstance(start_powerSGD_iter, bool) or not isinstance(start_powerSGD_iter, int) \
                 or start_powerSGD_iter < 0:
             raise ValueError(f"start_powerSGD_iter must be an integer >= 0, got {start_powerSGD_iter!r}")
@@ -121,8 +128,7 @@ class PowerSGDState:
         self.total_numel_before_compression = 0
         self.total_numel_after_compression = 0
         self.next_stats_report = 0
-        self._segments: dict[int, Segment] = {}
-        self._memory: dict[int, ParamMemory] = {}
+        self._store = SegmentStore(self._config)
         self._keys: dict[int, tuple[Tensor, int]] = {}
         self._key_shapes: list[tuple[int, ...]] = []
         self._padded: dict[int, tuple[int, Segment, Tensor]] = {}
@@ -156,6 +162,10 @@ class PowerSGDState:
         return self._config.random_seed
 
     @property
+    def num_iters_per_step(self) -> int | None:
+        return self._config.num_iters_per_step
+
+    @property
     def config(self) -> EngineConfig:
         """The engine configuration derived from the arguments."""
         return self._config
@@ -186,9 +196,7 @@ class PowerSGDState:
         """
         if len(self._pipeline):
             raise RuntimeError("PowerSGDState.state_dict() was called while a backward pass is in flight")
-        memory = dict(self._memory)
-        for segment in self._segments.values():
-            memory.update(segment.export(self._config))
+        memory = self._store.export()
         return {
             "version": _STATE_DICT_VERSION,
             "options": {
@@ -202,15 +210,15 @@ class PowerSGDState:
                 "compression_stats_logging_frequency": self.compression_stats_logging_frequency,
                 "batch_tensors_with_same_shape": self.batch_tensors_with_same_shape,
                 "comm_device": None if self.comm_device is None else str(self.comm_device),
+                "num_iters_per_step": self.num_iters_per_step,
             },
             "iter": self.iter,
             "total_numel_before_compression": self.total_numel_before_compression,
             "total_numel_after_compression": self.total_numel_after_compression,
             "next_stats_report": self.next_stats_report,
             "param_shapes": [list(shape) for shape in self._key_shapes],
-            "memory": {key: {"shape": list(m.shape), "error": m.error, "q": m.q} for key, m in memory.items()},
-            "padded": {index: {"numel": numel, "error": seg.work.clone(), "q": seg.q.clone(),
-                               "drawn": not seg.unsent_q}
+            "memory": {key: _plain(m) for key, m in memory.items()},
+            "padded": {index: {"numel": numel, **_plain(seg.export(self._config)[-1 - index])}
                        for index, (numel, seg, _) in self._padded.items()},
         }
 
@@ -224,7 +232,7 @@ class PowerSGDState:
                              f"expected {_STATE_DICT_VERSION}")
         options = state_dict["options"]
         for name in _MEMORY_OPTIONS:
-            if options[name] != getattr(self, name):
+            if options.get(name) != getattr(self, name):
                 raise ValueError(
                     f"checkpoint was saved with {name}={options[name]!r} but this PowerSGDState has "
                     f"{name}={getattr(self, name)!r}; construct the state with the same value to resume")
@@ -240,9 +248,9 @@ class PowerSGDState:
                 raise ValueError(f"checkpoint parameter #{key} has shape {saved_shapes[key]}, this model's "
                                  f"has {shape}: the checkpoint belongs to a different model")
         self._key_shapes = saved_shapes if len(saved_shapes) >= len(self._key_shapes) else self._key_shapes
-        self._segments.clear()
-        self._memory = {int(key): ParamMemory(tuple(entry["shape"]), entry["error"], entry["q"])
-                        for key, entry in state_dict["memory"].items()}
+        self._store.replace({int(key): ParamMemory(tuple(entry["shape"]), entry["error"], entry["q"],
+                                                   entry.get("p"))
+                             for key, entry in state_dict["memory"].items()})
         self._padded.clear()
         self._saved_padded = dict(state_dict.get("padded", {}))
 
@@ -288,22 +296,8 @@ class PowerSGDState:
         return tuple(keys)
 
     def _segment_for(self, index: int, keys: tuple[int, ...], grads: list[Tensor]) -> Segment:
-        segment = self._segments.get(index)
-        dtype = work_dtype_for(grads[0].dtype)
-        if segment is not None and segment.keys == keys and segment.dtype == dtype \
-                and segment.device == grads[0].device:
-            return segment
-        # New bucket, or DDP changed its layout: move affected memory to the per-parameter pool first.
-        wanted = set(keys)
-        for other in [i for i, s in self._segments.items() if i == index or wanted & set(s.keys)]:
-            self._memory.update(self._segments.pop(other).export(self._config))
-        plan = make_plan([g.shape for g in grads], self._config.rank, self._config.min_compression_rate)
-        segment = Segment(plan, keys, grads[0].device, dtype)
-        segment.load(self._memory, self._config)
-        for key in keys:
-            self._memory.pop(key, None)
-        self._segments[index] = segment
-        return segment
+        return self._store.get(index, keys, [g.shape for g in grads], grads[0].device,
+                               work_dtype_for(grads[0].dtype))
 
     def _run(self, task: Task, bucket: Any, result: Tensor, before: int, after: int,
              finish: Any = None) -> torch.futures.Future:
@@ -330,6 +324,10 @@ class PowerSGDState:
             logger.info("Compression stats: iter %s, total before compression %s, total after compression %s, "
                         "rate %s", self.iter, before, after, rate)
             self.next_stats_report = self.iter + self.compression_stats_logging_frequency
+
+
+def _plain(memory: ParamMemory) -> dict[str, Any]:
+    return {"shape": list(memory.shape), "error": memory.error, "q": memory.q, "p": memory.p}
 
 
 def _allreduce_phase(state: PowerSGDState, bucket: Any) -> torch.futures.Future | None:
@@ -361,6 +359,9 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
       3. orthogonalize P (fp32); Q = M^T P; allreduce Q;
       4. gradient <- P Q^T / world size; error memory <- M - that.
 
+    With ``state.num_iters_per_step = k``, steps 2-4 are instead k one-sided iterations, each sending
+    only P or only Q (see :func:`gradpress.powersgd.step.alternating_step`).
+
     The future completes with the bucket's buffer holding the result, on every rank.
     """
     state = _check_state(state, "powerSGD_hook")
@@ -370,9 +371,9 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     keys = state._keys_for(bucket.parameters())
     grads = bucket.gradients()
     segment = state._segment_for(bucket.index(), keys, grads)
-    task = power_step(segment, grads, state._communicator(), state._config, state.iter)
-    plan = segment.plan
-    return state._run(task, bucket, bucket.buffer(), plan.numel, plan.numel_sent)
+    task, sent = compress_step(segment, grads, state._communicator(), state._config,
+                               state.iter - state.start_powerSGD_iter)
+    return state._run(task, bucket, bucket.buffer(), segment.plan.numel, sent)
 
 
 def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
@@ -400,9 +401,9 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torc
     flat = square.view(-1)
     flat[:numel].copy_(buffer)
     flat[numel:].zero_()
-    task = power_step(segment, [square], state._communicator(), state._config, state.iter)
-    side = square.shape[0]
-    return state._run(task, bucket, buffer, numel, 2 * side * segment.plan.groups[0].rank,
+    task, sent = compress_step(segment, [square], state._communicator(), state._config,
+                               state.iter - state.start_powerSGD_iter)
+    return state._run(task, bucket, buffer, numel, sent,
                       finish=lambda: buffer.copy_(flat[:numel]))
 
 
@@ -417,8 +418,7 @@ def _padded_segment(state: PowerSGDState, index: int, numel: int, buffer: Tensor
     saved = state._saved_padded.pop(index, None)
     if saved is not None:
         if saved["numel"] == numel:
-            memory = {-1 - index: ParamMemory((side, side), saved["error"],
-                                              saved["q"].view(side, -1) if saved["drawn"] else None)}
+            memory = {-1 - index: ParamMemory((side, side), saved["error"], saved["q"], saved.get("p"))}
             segment.load(memory, state._config)
         else:
             logger.warning("batched_powerSGD_hook: bucket %s has %s elements, the checkpoint %s; its memory "

@@ -1,9 +1,9 @@
 """The PowerSGD engine: plan, memory, one step. No ``torch.distributed``, no ``GradBucket`` in here."""
 
 from .config import EngineConfig
-from .memory import ParamMemory, Segment, seeded_normal
+from .memory import ParamMemory, Segment, SegmentStore, seeded_normal
 from .plan import GroupPlan, Plan, TensorPlan, make_plan, should_compress
-from .step import power_step
+from .step import alternating_step, compress_step, power_step
 
-__all__ = ["EngineConfig", "GroupPlan", "ParamMemory", "Plan", "Segment", "TensorPlan", "make_plan",
-           "power_step", "seeded_normal", "should_compress"]
+__all__ = ["EngineConfig", "GroupPlan", "ParamMemory", "Plan", "Segment", "SegmentStore", "TensorPlan",
+           "alternating_step", "compress_step", "make_plan", "power_step", "seeded_normal", "should_compress"]

@@ -17,6 +17,9 @@ class EngineConfig:
     ``warm_start``: reuse last step's Q as the starting point of this step's power iteration.
     ``orthogonalization_epsilon``: added to column norms in the rank-1 orthogonalization.
     ``random_seed``: seeds the initial Q, identically on every rank and device.
+    ``num_iters_per_step``: ``None`` for classic PowerSGD (P = M Q, Q = M^T P, two collectives per
+    step); an integer k >= 1 for the alternating scheme of k one-sided iterations per step (one
+    collective each, every low-rank piece used; see :func:`gradpress.powersgd.step.alternating_step`).
     """
 
     rank: int = 1
@@ -25,6 +28,7 @@ class EngineConfig:
     warm_start: bool = True
     orthogonalization_epsilon: float = 0.0
     random_seed: int = 0
+    num_iters_per_step: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -40,3 +44,9 @@ class EngineConfig:
         for name in ("use_error_feedback", "warm_start"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        k = self.num_iters_per_step
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"num_iters_per_step must be None (classic PowerSGD) or an integer >= 1, got {k!r}")
+        if k is not None and not self.warm_start:
+            raise ValueError("num_iters_per_step requires warm_start=True: each iteration starts from the "
+                             "previous iteration's factor")

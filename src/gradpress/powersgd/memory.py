@@ -16,11 +16,12 @@ import torch
 from torch import Tensor
 
 from .config import EngineConfig
-from .plan import GroupPlan, Plan
+from .plan import GroupPlan, Plan, make_plan
 
-__all__ = ["ParamMemory", "Segment", "seeded_normal", "work_dtype_for"]
+__all__ = ["ParamMemory", "Segment", "SegmentStore", "seeded_normal", "work_dtype_for"]
 
 _MASK64 = (1 << 64) - 1
+_P_DRAW = 1 << 40  # draw numbers of P factors, disjoint from those of Q
 
 
 def _mix(*parts: int) -> int:
@@ -58,11 +59,13 @@ class ParamMemory:
 
     ``error``: the residual not yet applied, shape ``(n, m)`` (``None``: zero / error feedback off).
     ``q``: the warm-start right factor, shape ``(m, r)`` (``None``: not drawn yet).
+    ``p``: the left factor, shape ``(n, r)``; kept by the alternating scheme only (``None`` otherwise).
     """
 
     shape: tuple[int, ...]
     error: Tensor | None = None
     q: Tensor | None = None
+    p: Tensor | None = None
 
 
 class Segment:
@@ -72,7 +75,8 @@ class Segment:
       * ``work``: the compressed matrices, grouped. With error feedback it *is* the error memory: a step
         adds the gradient into it (giving M = g + e), runs the power iteration on it, and subtracts the
         approximation (leaving e' = M - PQ^T). Without error feedback it is scratch.
-      * ``phase1``: ``[P | uncompressed]``, the first collective; ``q``: the second.
+      * ``wire``: what is sent, ``[P | uncompressed | Q]`` (see :class:`~gradpress.powersgd.plan.Plan`);
+        ``phase1`` (``[P | uncompressed]``) and ``q`` are views of it.
 
     Q is stored transposed, as ``(r, m)`` per matrix (``(B, r, m)`` per group): the power iteration then
     computes Q^T = P^T M with both operands in their natural layout, and P = M Q reads Q column-major.
@@ -80,7 +84,7 @@ class Segment:
     Checkpoints (:class:`ParamMemory`) keep PyTorch's ``(m, r)`` orientation.
     """
 
-    __slots__ = ("plan", "keys", "dtype", "device", "work", "phase1", "q", "group_views",
+    __slots__ = ("plan", "keys", "dtype", "device", "work", "wire", "phase1", "q", "group_views",
                  "work_views", "p_views", "q_views", "unsent_q")
 
     def __init__(self, plan: Plan, keys: Sequence[int], device: torch.device, dtype: torch.dtype) -> None:
@@ -91,8 +95,10 @@ class Segment:
         self.device = device
         self.dtype = dtype
         self.work = torch.zeros(plan.work_numel, device=device, dtype=dtype)
-        self.phase1 = torch.empty(plan.p_numel + plan.uncompressed_numel, device=device, dtype=dtype)
-        self.q = torch.empty(plan.q_numel, device=device, dtype=dtype)
+        sent = plan.p_numel + plan.uncompressed_numel
+        self.wire = torch.zeros(sent + plan.q_numel, device=device, dtype=dtype)
+        self.phase1 = self.wire[:sent]
+        self.q = self.wire[sent:]
         self.group_views: list[tuple[GroupPlan, Tensor, Tensor, Tensor]] = []
         # Per compressed tensor, in group order: its (n, m) slice of work, (n, r) of P, (r, m) of Q^T.
         self.work_views: list[Tensor] = []
@@ -107,7 +113,7 @@ class Segment:
             self.work_views.extend(work.unbind(0))
             self.p_views.extend(p.unbind(0))
             self.q_views.extend(q.unbind(0))
-        # Positions (in group order) whose Q must be drawn before the next step.
+        # Positions (in group order) whose factors must be drawn before the next step.
         self.unsent_q: list[int] = list(range(len(self.q_views)))
 
     @property
@@ -115,12 +121,17 @@ class Segment:
         """Tensor indices of the compressed tensors, in group order (the order of ``work_views``)."""
         return [i for group in self.plan.groups for i in group.members]
 
-    def draw_q(self, positions: Sequence[int], seed: int, draw: int) -> None:
-        """Fill the Q of the given compressed positions with seeded normals (same on every rank)."""
+    def draw_q(self, positions: Sequence[int], seed: int, draw: int, with_p: bool = False) -> None:
+        """Fill the Q (and, with ``with_p``, the P) of the given compressed positions with seeded normals,
+        the same on every rank."""
         order = self.compressed_order
         for position in positions:
+            key = self.keys[order[position]]
             view = self.q_views[position].t()
-            view.copy_(seeded_normal(view.shape, seed, self.keys[order[position]], draw))
+            view.copy_(seeded_normal(view.shape, seed, key, draw))
+            if with_p:
+                view = self.p_views[position]
+                view.copy_(seeded_normal(view.shape, seed, key, _P_DRAW | draw))
 
     def load(self, memory: Mapping[int, ParamMemory], config: EngineConfig) -> None:
         """Fill the buffers from per-parameter memory (missing keys: zero error, Q drawn at first use)."""
@@ -137,13 +148,18 @@ class Segment:
             if entry is not None and entry.error is not None and config.use_error_feedback:
                 self.work_views[position].copy_(entry.error.reshape(tensor.matrix))
             q_view = self.q_views[position].t()
-            if entry is not None and entry.q is not None and config.warm_start:
-                if tuple(entry.q.shape) != tuple(q_view.shape):
-                    raise ValueError(
-                        f"PowerSGD warm-start Q for parameter #{key} has shape {tuple(entry.q.shape)}, "
-                        f"expected {tuple(q_view.shape)}: was the checkpoint taken with another "
-                        f"matrix_approximation_rank?")
-                q_view.copy_(entry.q)
+            alternating = config.num_iters_per_step is not None
+            factors = [(entry.q, q_view, "Q")] if entry is not None else []
+            if entry is not None and alternating:
+                factors.append((entry.p, self.p_views[position], "P"))
+            if entry is not None and config.warm_start and all(saved is not None for saved, _, _ in factors):
+                for saved, view, name in factors:
+                    if tuple(saved.shape) != tuple(view.shape):
+                        raise ValueError(
+                            f"PowerSGD warm-start {name} for parameter #{key} has shape {tuple(saved.shape)}, "
+                            f"expected {tuple(view.shape)}: was the checkpoint taken with another "
+                            f"matrix_approximation_rank?")
+                    view.copy_(saved)
             else:
                 self.unsent_q.append(position)
 
@@ -151,11 +167,60 @@ class Segment:
         """Per-parameter copies of the memory (independent of this segment's buffers)."""
         out: dict[int, ParamMemory] = {}
         drawn = set(range(len(self.q_views))) - set(self.unsent_q)
+        alternating = config.num_iters_per_step is not None
         for position, index in enumerate(self.compressed_order):
             tensor = self.plan.tensors[index]
+            keep = config.warm_start and position in drawn
             out[self.keys[index]] = ParamMemory(
                 shape=tensor.shape,
                 error=self.work_views[position].clone() if config.use_error_feedback else None,
-                q=self.q_views[position].t().clone(memory_format=torch.contiguous_format) if (config.warm_start and position in drawn) else None,
+                q=self.q_views[position].t().clone(memory_format=torch.contiguous_format) if keep else None,
+                p=self.p_views[position].clone() if keep and alternating else None,
             )
         return out
+
+
+class SegmentStore:
+    """The segments of one PowerSGD state, by slot (a bucket index, a dtype group), and a per-parameter
+    pool holding the memory of parameters that are in no segment right now.
+
+    When the tensors of a slot change (DDP rebuilt its buckets, a parameter got no gradient this step),
+    the memory of every affected segment goes back to the pool first and the new segment takes its
+    parameters' memory from there: memory follows parameters, never positions.
+    """
+
+    __slots__ = ("config", "segments", "pool")
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.segments: dict[object, Segment] = {}
+        self.pool: dict[int, ParamMemory] = {}
+
+    def get(self, slot: object, keys: tuple[int, ...], shapes: Sequence[Sequence[int]],
+            device: torch.device, dtype: torch.dtype) -> Segment:
+        """The segment of ``slot`` for parameters ``keys`` (with gradient ``shapes``), built if needed."""
+        segment = self.segments.get(slot)
+        if segment is not None and segment.keys == keys and segment.dtype == dtype and segment.device == device:
+            return segment
+        wanted = set(keys)
+        for other in [s for s, seg in self.segments.items() if s == slot or wanted & set(seg.keys)]:
+            self.pool.update(self.segments.pop(other).export(self.config))
+        plan = make_plan(shapes, self.config.rank, self.config.min_compression_rate)
+        segment = Segment(plan, keys, device, dtype)
+        segment.load(self.pool, self.config)
+        for key in keys:
+            self.pool.pop(key, None)
+        self.segments[slot] = segment
+        return segment
+
+    def export(self) -> dict[int, ParamMemory]:
+        """Per-parameter copies of all memory (pool and segments)."""
+        memory = dict(self.pool)
+        for segment in self.segments.values():
+            memory.update(segment.export(self.config))
+        return memory
+
+    def replace(self, memory: dict[int, ParamMemory]) -> None:
+        """Drop every segment and make ``memory`` the pool (segments are rebuilt from it on use)."""
+        self.segments.clear()
+        self.pool = dict(memory)

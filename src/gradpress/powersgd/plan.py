@@ -69,9 +69,11 @@ class GroupPlan:
 class Plan:
     """The compression plan of one segment (a DDP bucket, or all parameters of an aggregator).
 
-    Layout of the buffers the engine sends (design rule 2, one collective per phase):
-      * phase 1: ``[ all P factors | all uncompressed tensors ]`` (``p_numel + uncompressed_numel``)
-      * phase 2: ``[ all Q factors ]`` (``q_numel``)
+    The engine sends from one buffer laid out ``[ all P | all uncompressed | all Q ]`` (design rule 2,
+    one collective per phase), so that every phase is one contiguous slice:
+      * classic PowerSGD: phase 1 ``[P | uncompressed]``, phase 2 ``[Q]``;
+      * alternating (``num_iters_per_step``): the first iteration sends ``[P | uncompressed]`` or
+        ``[uncompressed | Q]``, the others ``[P]`` or ``[Q]``.
     """
 
     tensors: tuple[TensorPlan, ...]
@@ -96,6 +98,29 @@ class Plan:
     def compression_rate(self) -> float:
         sent = self.numel_sent
         return self.numel / sent if sent else 0.0
+
+    def numel_sent_per_step(self, num_iters_per_step: int | None = None, first_iteration: int = 0) -> int:
+        """Elements sent by one step. ``None``: classic PowerSGD (:attr:`numel_sent`). ``k``: the
+        alternating scheme, whose iteration ``i`` sends P if ``i`` is even, else Q, for
+        ``i = first_iteration, ..., first_iteration + k - 1``; plus the uncompressed tensors once.
+
+        >>> plan = make_plan([(100, 10)], rank=1, min_compression_rate=1)
+        >>> plan.numel_sent, plan.numel_sent_per_step(1, 0), plan.numel_sent_per_step(1, 1)
+        (110, 100, 10)
+        """
+        if num_iters_per_step is None:
+            return self.numel_sent
+        evens = (num_iters_per_step + (1 - first_iteration % 2)) // 2
+        return self.uncompressed_numel + evens * self.p_numel + (num_iters_per_step - evens) * self.q_numel
+
+    def mean_numel_sent(self, num_iters_per_step: int | None = None) -> float:
+        """Elements sent per step, averaged over steps (the alternating scheme's cost depends on parity).
+
+        Classic PowerSGD sends ``P + Q``; ``k`` alternating iterations send ``k (P + Q) / 2`` on average.
+        """
+        if num_iters_per_step is None:
+            return float(self.numel_sent)
+        return self.uncompressed_numel + num_iters_per_step * (self.p_numel + self.q_numel) / 2
 
     @property
     def compressed(self) -> tuple[TensorPlan, ...]:

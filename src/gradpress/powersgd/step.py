@@ -17,7 +17,7 @@ from ..pipeline import Task
 from .config import EngineConfig
 from .memory import Segment
 
-__all__ = ["power_step"]
+__all__ = ["alternating_step", "compress_step", "power_step"]
 
 
 def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
@@ -54,9 +54,7 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     # 2. P = M Q.
     if not config.warm_start:
         segment.unsent_q = list(range(len(segment.q_views)))
-    if segment.unsent_q:
-        segment.draw_q(segment.unsent_q, config.random_seed, 0 if config.warm_start else step + 1)
-        segment.unsent_q = []
+    _draw_missing(segment, config, 0 if config.warm_start else step + 1)
     for _, work, p, qt in segment.group_views:
         _matmul(work, qt.transpose(1, 2), p)
     # 3. One collective for all P's and all uncompressed tensors.
@@ -88,6 +86,104 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     _discard_non_finite(segment, config)
 
 
+def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
+                     first_iteration: int) -> Task:
+    """Multi-iteration PowerSGD: ``config.num_iters_per_step`` one-sided iterations, one collective each.
+
+    As in the PowerSGD authors' reference aggregator (github.com/epfml/powersgd): iteration ``i``
+    (counted across steps, starting at ``first_iteration``) multiplies the residual R (initially
+    M = g + e) from the right if ``i`` is even and from the left if odd, with the *other* factor of
+    the previous iteration as input, orthonormalized:
+
+      * even: P = R Q̂, allreduce P (mean), piece = P Q̂^T;
+      * odd:  Q = R^T P̂, allreduce Q (mean), piece = P̂ Q^T;
+
+    then R <- R - piece, and the output accumulates the piece. Every piece is used, so one step's
+    approximation has rank up to ``k r`` while each collective carries one rank-r factor: one
+    iteration per step sends half of what classic PowerSGD sends, two send the same and are close to
+    it in quality (their error is ``(I - P̂P̂^T) M (I - Q̂Q̂^T)``, never larger than the classic
+    ``(I - P̂P̂^T) M``). The residual left after the last iteration is the new error memory.
+
+    The pieces are the same on every rank (their factors are means), so ``g + e = output + e'`` holds
+    on each rank: error feedback conserves mass. The uncompressed tensors travel with the first
+    iteration's factor (``[P | uncompressed]`` or ``[uncompressed | Q]``, contiguous in ``wire``).
+    """
+    plan = segment.plan
+    world_size = comm.world_size
+    iterations = config.num_iters_per_step
+    assert iterations is not None
+    order = segment.compressed_order
+    matrices = [grads[i].view(plan.tensors[i].matrix) for i in order]
+    unsent = [grads[i].view(-1) for i in plan.uncompressed]
+    p_end = plan.p_numel
+    q_start = plan.p_numel + plan.uncompressed_numel
+    unsent_buffer = segment.wire[p_end:q_start]
+    epsilon = config.orthogonalization_epsilon
+
+    if matrices and config.use_error_feedback:
+        torch._foreach_add_(segment.work_views, matrices)
+    elif matrices:
+        torch._foreach_copy_(segment.work_views, matrices)
+    _draw_missing(segment, config, 0)
+    same_dtype = all(m.dtype == segment.dtype for m in matrices)
+
+    for it in range(iterations):
+        right = (first_iteration + it) % 2 == 0  # multiply from the right: P = R Q̂
+        for _, work, p, qt in segment.group_views:
+            if right:
+                orthogonalize_(qt.transpose(1, 2), epsilon)
+                _matmul(work, qt.transpose(1, 2), p)
+            else:
+                orthogonalize_(p, epsilon)
+                _matmul(p.transpose(1, 2), work, qt)
+        start, end = (0, p_end) if right else (q_start, segment.wire.numel())
+        if it == 0 and unsent:
+            torch._foreach_copy_(list(unsent_buffer.split([t.numel() for t in unsent])), unsent)
+            start, end = (0, q_start) if right else (p_end, segment.wire.numel())
+        buffer = segment.wire[start:end]
+        if buffer.numel():
+            buffer.div_(world_size)
+            yield comm.allreduce_sum(buffer)
+        if it == 0 and unsent:
+            torch._foreach_copy_(unsent, list(unsent_buffer.split([t.numel() for t in unsent])))
+        if not segment.group_views:
+            return
+        last = it == iterations - 1
+        if it == 0:
+            # The output is this piece; the residual is M minus what was written (one pass).
+            for matrix, p, qt in zip(matrices, segment.p_views, segment.q_views):
+                _outer_sum(p, qt, matrix, same_dtype)
+            if config.use_error_feedback or not last:
+                torch._foreach_sub_(segment.work_views, matrices)
+        else:
+            for matrix, work, p, qt in zip(matrices, segment.work_views, segment.p_views, segment.q_views):
+                _outer_sum(p, qt, matrix, same_dtype, accumulate=True)
+                if config.use_error_feedback or not last:
+                    _outer_sum(p, qt, work, True, accumulate=True, alpha=-1.0)
+    _discard_non_finite(segment, config, with_p=True)
+
+
+def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
+                  compressed_step: int) -> tuple[Task, int]:
+    """The engine's entry point: the task for step number ``compressed_step`` (0 for the first
+    compressed step) of the configured scheme, and the number of elements it will send."""
+    k = config.num_iters_per_step
+    if k is None:
+        return power_step(segment, grads, comm, config, compressed_step), segment.plan.numel_sent
+    first = compressed_step * k
+    return alternating_step(segment, grads, comm, config, first), segment.plan.numel_sent_per_step(k, first)
+
+
+def _draw_missing(segment: Segment, config: EngineConfig, draw: int) -> None:
+    """Draw the factors a step needs but the memory does not hold (all of Q when warm start is off)."""
+    if not config.warm_start:
+        segment.unsent_q = list(range(len(segment.q_views)))
+    if segment.unsent_q:
+        segment.draw_q(segment.unsent_q, config.random_seed, draw,
+                       with_p=config.num_iters_per_step is not None)
+        segment.unsent_q = []
+
+
 def _matmul(a: Tensor, b: Tensor, out: Tensor) -> None:
     """``out = a @ b`` for a group ``(B, ., .)``.
 
@@ -101,38 +197,52 @@ def _matmul(a: Tensor, b: Tensor, out: Tensor) -> None:
         torch.bmm(a, b, out=out)
 
 
-def _outer_sum(p: Tensor, qt: Tensor, out: Tensor, same_dtype: bool) -> None:
-    """``out = p @ qt`` for ``p`` of shape (n, r) and ``qt`` (r, m): a GEMM with inner dimension r.
+def _outer_sum(p: Tensor, qt: Tensor, out: Tensor, same_dtype: bool, accumulate: bool = False,
+               alpha: float = 1.0) -> None:
+    """``out = p @ qt`` (or ``out += alpha * p @ qt`` with ``accumulate``), ``p`` (n, r), ``qt`` (r, m).
 
-    On CPU, for large matrices and r <= 4, that GEMM is 2-3x slower than r fused multiply-adds over the
-    output (measured with MKL; see BENCHMARKS.md), so those take the elementwise path.
+    On CPU, for large matrices and r <= 4, that GEMM (inner dimension r) is 2-3x slower than r fused
+    multiply-adds over the output (measured with MKL; see BENCHMARKS.md), so those take the elementwise
+    path.
     """
     rank = p.shape[1]
     numel = out.numel()
     if out.device.type == "cpu" and ((rank <= 2 and numel >= 1 << 16) or (rank <= 4 and numel >= 1 << 20)):
-        torch.mul(p[:, :1], qt[:1], out=out)
-        for k in range(1, rank):
-            out.addcmul_(p[:, k:k + 1], qt[k:k + 1])
+        first = 0
+        if not accumulate:
+            torch.mul(p[:, :1], qt[:1], out=out)
+            first = 1
+        for k in range(first, rank):
+            out.addcmul_(p[:, k:k + 1], qt[k:k + 1], value=alpha)
     elif same_dtype:
-        torch.mm(p, qt, out=out)
+        if accumulate:
+            out.addmm_(p, qt, alpha=alpha)
+        else:
+            torch.mm(p, qt, out=out)
+    elif accumulate:
+        out.add_(p @ qt, alpha=alpha)
     else:
         out.copy_(p @ qt)
 
 
-def _discard_non_finite(segment: Segment, config: EngineConfig) -> None:
-    """Drop the memory of matrices whose Q came back non-finite (design rule 5).
+def _discard_non_finite(segment: Segment, config: EngineConfig, with_p: bool = False) -> None:
+    """Drop the memory of matrices whose factors came back non-finite (design rule 5).
 
-    Q is the allreduced mean, so every rank takes the same branch. ``bool()`` on a tiny tensor is a
-    host sync of the current stream only (no device-wide sync), and only that one flag is read.
+    The factors are allreduced means, so every rank takes the same branch. ``bool()`` on a tiny tensor
+    is a host sync of the current stream only (no device-wide sync), and only that one flag is read.
+    ``with_p``: P is memory too (the alternating scheme), check it as well.
     """
-    if bool(torch.isfinite(segment.q).all()):
+    checked = segment.wire if with_p else segment.q
+    if bool(torch.isfinite(checked).all()):
         return
     positions = []
     start = 0
-    for _, work, _, q in segment.group_views:
+    for _, work, p, q in segment.group_views:
         bad = ~torch.isfinite(q).flatten(1).all(dim=1)
+        if with_p:
+            bad |= ~torch.isfinite(p).flatten(1).all(dim=1)
         work[bad] = 0
         positions.extend(start + int(i) for i in bad.nonzero().flatten())
         start += q.shape[0]
     # Fresh seeded factors (the same on every rank) instead of NaN for the next warm start.
-    segment.draw_q(positions, config.random_seed, 0)
+    segment.draw_q(positions, config.random_seed, 0, with_p=with_p)
