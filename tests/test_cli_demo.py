@@ -18,6 +18,11 @@ from gradpress.cli.main import main
 from gradpress.workloads.digits import DemoConfig, make_model
 
 
+def _demo_children() -> list:
+    """The demo's worker processes still alive (other tests' persistent worker pools don't count)."""
+    return [p for p in mp.active_children() if p.name.startswith("gradpress-demo")]
+
+
 def _floats_sent_by_hand(shapes: list[tuple[int, ...]], rank: int, min_rate: float) -> int:
     """PowerSGD's per-step payload, from the rule itself: ``(n + m) r`` per compressed matrix."""
     total = 0
@@ -112,11 +117,11 @@ def test_worker_crash_stops_the_others_and_reports_the_traceback(monkeypatch: py
     assert "worker rank 1 failed during allreduce" in err
     assert "Traceback" in err and "injected failure on rank 1 at step 5" in err
     assert "stopped all workers" in err
-    assert mp.active_children() == []
+    assert _demo_children() == []
 
 
 def test_run_workers_raises_worker_failure() -> None:
     with pytest.raises(WorkerFailure, match="injected failure on rank 0 at step 6"):
         run_workers(DemoConfig(steps=10, start_iter=4, fail_at_step=6, fail_rank=0), 2, timeout=60,
                     methods=("powersgd",))
-    assert mp.active_children() == []
+    assert _demo_children() == []

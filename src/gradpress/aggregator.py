@@ -1,0 +1,332 @@
+"""PowerSGD without DDP: an aggregator that works with any optimizer and any training loop.
+
+The API of the PowerSGD authors' reference implementation (github.com/epfml/powersgd)::
+
+    from gradpress import PowerSGD, Config, optimizer_step
+    powersgd = PowerSGD(model.parameters(), config=Config(
+        rank=1,                      # lower rank => more aggressive compression
+        min_compression_rate=10,     # don't compress gradients with less compression
+        num_iters_per_step=2,        # lower number => more aggressive compression
+        start_compressing_after_num_steps=0,
+    ))
+    for x, y in loader:
+        loss_fn(model(x), y).backward()
+        optimizer_step(optimizer, powersgd)
+
+It runs the same engine as :func:`gradpress.powerSGD_hook` (:func:`gradpress.powersgd.compress_step`),
+averaging over ``torch.distributed``'s default group when it is initialised and over nothing (one
+worker) when it is not. Unlike the reference, the error memory lives inside the aggregator, not in
+``.grad``: the ordinary loop (``zero_grad``, ``backward``, ``optimizer_step``) and the reference's loop
+(no ``zero_grad``) both work, and so does gradient accumulation over several backward passes.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .comm import Communicator, make_communicator
+from .pipeline import OrderedPipeline, Task
+from .powersgd.config import EngineConfig
+from .powersgd.memory import ParamMemory, SegmentStore, work_dtype_for
+from .powersgd.plan import Plan, make_plan
+from .powersgd.step import compress_step
+
+__all__ = ["AllReduce", "Aggregator", "Config", "PowerSGD", "optimizer_step"]
+
+_STATE_DICT_VERSION = 1
+# Config fields a checkpoint's memory depends on.
+_MEMORY_FIELDS = ("rank", "min_compression_rate", "num_iters_per_step", "random_seed")
+
+
+class Aggregator(ABC):
+    """Turns every worker's gradients into (an approximation of) their average over the workers.
+
+    All workers must call :meth:`aggregate` / :meth:`aggregate_` together, with the same tensors (same
+    shapes, same ones ``None``), as with any collective.
+    """
+
+    @abstractmethod
+    def aggregate_(self, gradients: Sequence[Tensor | None]) -> None:
+        """Replace each gradient, in place, by the average; ``None`` entries are skipped."""
+
+    def aggregate(self, gradients: Sequence[Tensor | None]) -> list[Tensor | None]:
+        """The averages as new tensors; the inputs are left unchanged (the reference's signature)."""
+        out = [None if g is None else g.detach().clone() for g in gradients]
+        self.aggregate_(out)
+        return out
+
+
+def _average_task(tensors: Sequence[Tensor], comm: Communicator) -> Task:
+    """Average ``tensors`` (one device and dtype) over the workers, in place, in one collective."""
+    if comm.world_size == 1 or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    flat.div_(comm.world_size)
+    yield comm.allreduce_sum(flat)
+    torch._foreach_copy_([t.view(-1) for t in tensors], list(flat.split([t.numel() for t in tensors])))
+
+
+def _dense(gradients: Sequence[Tensor | None], what: str) -> list[tuple[int, Tensor]]:
+    out = []
+    for index, grad in enumerate(gradients):
+        if grad is None:
+            continue
+        if grad.is_sparse:
+            raise ValueError(f"{what}: gradient #{index} is sparse; only dense gradients can be aggregated")
+        out.append((index, grad))
+    return out
+
+
+def _by_device_dtype(items: Sequence[tuple[int, Tensor]]) -> dict[tuple[torch.device, torch.dtype],
+                                                                   list[tuple[int, Tensor]]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, Tensor]]] = {}
+    for index, grad in items:
+        groups.setdefault((grad.device, grad.dtype), []).append((index, grad))
+    return groups
+
+
+class _Contiguous:
+    """Contiguous stand-ins for non-contiguous gradients (e.g. channels-last), copied back on exit."""
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        self.originals = list(tensors)
+        self.tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+
+    def __enter__(self) -> list[Tensor]:
+        return self.tensors
+
+    def __exit__(self, *exc: Any) -> None:
+        for original, tensor in zip(self.originals, self.tensors):
+            if tensor is not original:
+                original.copy_(tensor)
+
+
+class AllReduce(Aggregator):
+    """Exact averaging: one allreduce per device and dtype, no compression.
+
+    >>> AllReduce().aggregate([torch.ones(2)])     # one worker: the average is the input
+    [tensor([1., 1.])]
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None,
+                 comm_device: torch.device | str | None = None) -> None:
+        self.process_group = process_group
+        self.comm_device = comm_device
+
+    def aggregate_(self, gradients: Sequence[Tensor | None]) -> None:
+        comm = make_communicator(self.process_group, self.comm_device)
+        pipeline = OrderedPipeline()
+        for group in _by_device_dtype(_dense(gradients, "AllReduce")).values():
+            with _Contiguous([g for _, g in group]) as tensors:
+                pipeline.submit(_average_task(tensors, comm), lambda: None, lambda exc: None)
+                pipeline.drain()
+
+
+@dataclass(frozen=True)
+class Config:
+    """Configuration of :class:`PowerSGD` (the reference's fields and defaults, plus ``random_seed``).
+
+    Args:
+        rank: rank r of each approximation (each matrix uses ``min(n, m, r)``); lower is more aggressive.
+        min_compression_rate: compress an ``n x m`` gradient only if ``n*m > (n+m)*r*rate``.
+        num_iters_per_step: one-sided power iterations per step, each sending one rank-r factor
+            (P or Q, alternating); lower is more aggressive. 1 sends half of classic PowerSGD, 2 about
+            the same. ``None``: classic two-sided PowerSGD (as :func:`gradpress.powerSGD_hook`).
+        start_compressing_after_num_steps: exact averaging for this many steps first.
+        random_seed: seeds the initial factors, identically on every worker.
+    """
+
+    rank: int
+    min_compression_rate: float = 2
+    num_iters_per_step: int | None = 1
+    start_compressing_after_num_steps: int = 100
+    random_seed: int = 0
+
+    def __post_init__(self) -> None:
+        steps = self.start_compressing_after_num_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"start_compressing_after_num_steps must be an integer >= 0, got {steps!r}")
+        self.engine_config()  # validates rank, min_compression_rate, num_iters_per_step, random_seed
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's view of this configuration (error feedback and warm start on)."""
+        return EngineConfig(rank=self.rank, min_compression_rate=self.min_compression_rate,
+                            use_error_feedback=True, warm_start=True, random_seed=self.random_seed,
+                            num_iters_per_step=self.num_iters_per_step)
+
+
+class PowerSGD(Aggregator):
+    """PowerSGD gradient compression with error feedback, for any optimizer (no DDP needed).
+
+    ``aggregate_(gradients)`` takes the gradients of ``params``, in the same order (``None`` for a
+    parameter without gradient this step: it is skipped and its memory kept). Matrices (tensors of
+    2+ dimensions, viewed as ``(shape[0], -1)``) that compress by at least ``min_compression_rate`` are
+    compressed; the rest are averaged exactly, in the same collective.
+
+    Example::
+
+        powersgd = PowerSGD(model.parameters(), Config(rank=2, start_compressing_after_num_steps=10))
+        for x, y in loader:
+            optimizer.zero_grad()                  # optional: optimizer_step leaves .grad at zero
+            loss_fn(model(x), y).backward()
+            optimizer_step(optimizer, powersgd)
+        print(powersgd.compression_rate, powersgd.floats_per_step)
+        torch.save(powersgd.state_dict(), f"powersgd.{rank}.pt")   # error memory is per worker
+
+    Args:
+        params: the parameters whose gradients will be aggregated (order fixes the gradients' order).
+        config: a :class:`Config`.
+        process_group: the group to average over (``None``: the default group, or one worker when
+            ``torch.distributed`` is not initialised).
+        comm_device: device the factors travel on (e.g. ``"cpu"`` for CUDA gradients over gloo).
+    """
+
+    def __init__(self, params: Iterable[Tensor], config: Config, *,
+                 process_group: dist.ProcessGroup | None = None,
+                 comm_device: torch.device | str | None = None) -> None:
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be a gradpress.Config, got {type(config).__name__}")
+        self.params: list[Tensor] = list(params)
+        if not self.params:
+            raise ValueError("params is empty: PowerSGD needs the parameters whose gradients it aggregates")
+        if len({id(p) for p in self.params}) != len(self.params):
+            raise ValueError("params contains the same tensor twice")
+        self.config = config
+        self.process_group = process_group
+        self.comm_device = comm_device
+        self.step_counter = 0
+        self.total_numel = 0
+        self.total_floats_sent = 0
+        self._engine = config.engine_config()
+        self._store = SegmentStore(self._engine)
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+
+    # --- compression figures ------------------------------------------------------------------------
+    def _plan(self) -> Plan:
+        return make_plan([p.shape for p in self.params], self.config.rank, self.config.min_compression_rate)
+
+    @property
+    def numel(self) -> int:
+        """Elements of all parameters (what plain averaging sends per step)."""
+        return sum(p.numel() for p in self.params)
+
+    @property
+    def floats_per_step(self) -> float:
+        """Elements sent per compressed step, averaged over steps (alternating P/Q sides)."""
+        return self._plan().mean_numel_sent(self.config.num_iters_per_step)
+
+    @property
+    def compression_rate(self) -> float:
+        """``numel / floats_per_step``: how many times fewer floats a compressed step sends."""
+        sent = self.floats_per_step
+        return self.numel / sent if sent else math.inf
+
+    # --- aggregation --------------------------------------------------------------------------------
+    def aggregate_(self, gradients: Sequence[Tensor | None]) -> None:
+        if len(gradients) != len(self.params):
+            raise ValueError(f"expected {len(self.params)} gradients (one per parameter, None for none), "
+                             f"got {len(gradients)}")
+        items = _dense(gradients, "PowerSGD")
+        for index, grad in items:
+            if grad.shape != self.params[index].shape:
+                raise ValueError(f"gradient #{index} has shape {tuple(grad.shape)}, its parameter "
+                                 f"{tuple(self.params[index].shape)}")
+        comm = make_communicator(self.process_group, self.comm_device)
+        compressed_step = self.step_counter - self.config.start_compressing_after_num_steps
+        pipeline = OrderedPipeline()
+        contexts = []
+        try:
+            for (device, dtype), group in _by_device_dtype(items).items():
+                context = _Contiguous([g for _, g in group])
+                contexts.append(context)
+                tensors = context.tensors
+                numel = sum(t.numel() for t in tensors)
+                if compressed_step < 0:
+                    task, sent = _average_task(tensors, comm), numel
+                else:
+                    keys = tuple(i for i, _ in group)
+                    segment = self._store.get((device, dtype), keys, [t.shape for t in tensors], device,
+                                              work_dtype_for(dtype))
+                    task, sent = compress_step(segment, tensors, comm, self._engine, compressed_step)
+                pipeline.submit(task, lambda: None, lambda exc: None)
+                self.total_numel += numel
+                self.total_floats_sent += sent
+            pipeline.drain()
+        finally:
+            for context in contexts:
+                context.__exit__()
+        self.step_counter += 1
+
+    # --- checkpoints ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Step counter, configuration and per-parameter error memory and factors, as plain tensors."""
+        return {
+            "version": _STATE_DICT_VERSION,
+            "config": asdict(self.config),
+            "step_counter": self.step_counter,
+            "total_numel": self.total_numel,
+            "total_floats_sent": self.total_floats_sent,
+            "param_shapes": [list(p.shape) for p in self.params],
+            "memory": {key: {"shape": list(m.shape), "error": m.error, "q": m.q, "p": m.p}
+                       for key, m in self._store.export().items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (tensors may come from another device).
+
+        Raises ``ValueError`` if it was saved for other parameter shapes or another compression setting.
+        """
+        if state_dict.get("version") != _STATE_DICT_VERSION:
+            raise ValueError(f"unsupported PowerSGD state_dict version {state_dict.get('version')!r}; "
+                             f"expected {_STATE_DICT_VERSION}")
+        saved = state_dict["config"]
+        for name in _MEMORY_FIELDS:
+            if saved.get(name) != getattr(self.config, name):
+                raise ValueError(f"checkpoint was saved with {name}={saved.get(name)!r} but this PowerSGD has "
+                                 f"{name}={getattr(self.config, name)!r}; use the same Config to resume")
+        shapes = [tuple(s) for s in state_dict["param_shapes"]]
+        if shapes != [tuple(p.shape) for p in self.params]:
+            raise ValueError("checkpoint was saved for parameters of other shapes: "
+                             f"{len(shapes)} saved, {len(self.params)} here")
+        self.step_counter = int(state_dict["step_counter"])
+        self.total_numel = int(state_dict["total_numel"])
+        self.total_floats_sent = int(state_dict["total_floats_sent"])
+        self._store.replace({int(key): ParamMemory(tuple(m["shape"]), m["error"], m["q"], m.get("p"))
+                             for key, m in state_dict["memory"].items()})
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, aggregator: Aggregator) -> None:
+    """Average the gradients with ``aggregator``, take the optimizer step, then zero the gradients.
+
+    Works with any ``torch.optim`` optimizer. The gradients hold the average during
+    ``optimizer.step()`` and are zero afterwards (the part compression deferred is in the
+    aggregator's error memory), so the next ``backward()`` starts from zero whether or not the loop
+    calls ``zero_grad()``. Parameters without gradient are skipped. For gradient clipping or
+    inspection of the averaged gradients, call ``aggregator.aggregate_([p.grad ...])`` yourself.
+    """
+    in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
+    if isinstance(aggregator, PowerSGD):
+        unknown = [i for i, p in enumerate(in_optimizer) if id(p) not in aggregator._index and p.grad is not None]
+        if unknown:
+            raise ValueError(f"the optimizer's parameters #{unknown[:5]} are not among the PowerSGD "
+                             "aggregator's params, so they would not be averaged; build PowerSGD with "
+                             "all of the optimizer's parameters")
+        params = aggregator.params
+    else:
+        params = in_optimizer
+    grads = [p.grad for p in params]
+    aggregator.aggregate_(grads)
+    optimizer.step()
+    with torch.no_grad():
+        for grad in grads:
+            if grad is not None:
+                grad.zero_()
+
