@@ -21,6 +21,15 @@ def test_plan_snippet_runs_and_prints_the_documented_numbers():
     assert out.getvalue().splitlines()[0] == documented
 
 
+def test_aggregator_snippet_runs_as_written_and_prints_the_documented_figures():
+    (snippet,) = [b for b in _blocks("python") if "optimizer_step(optimizer, powersgd)" in b]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(snippet, "README.md", "exec"), {})
+    documented = re.search(r"# (\d+ [\d.]+ [\d.]+x)\n", snippet).group(1)
+    assert out.getvalue().splitlines()[-1] == documented
+
+
 def test_setup_commands_name_files_that_exist():
     root = README.parent
     commands = "\n".join(_blocks("bash"))
