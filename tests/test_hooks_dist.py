@@ -27,7 +27,8 @@ def _ddp(model, **kwargs):
 def _param_digest(model) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        # Bitwise digest without numpy (not a dependency: a fresh install does not have it).
+        h.update(bytes(p.detach().cpu().contiguous().view(-1).view(torch.uint8).tolist()))
     return h.hexdigest()
 
 
