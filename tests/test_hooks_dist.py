@@ -109,8 +109,9 @@ class _Bilinear(nn.Module):
 
 def converges_to_svd(rank, world, r):
     net = _ddp(_Bilinear())
+    # bytes_per_weight=8: fp64 on the wire for these fp64 gradients (the default 4 would send fp32).
     state = gradpress.PowerSGDState(None, matrix_approximation_rank=r, start_powerSGD_iter=2,
-                                    min_compression_rate=0, use_error_feedback=False)
+                                    min_compression_rate=0, use_error_feedback=False, bytes_per_weight=8)
     net.register_comm_hook(state, gradpress.powerSGD_hook)
     g = torch.Generator().manual_seed(0)
     u, _ = torch.linalg.qr(torch.randn(40, 6, generator=g, dtype=torch.float64))

@@ -31,6 +31,10 @@ class Communicator(Protocol):
         """Start summing ``buffer`` (1-d, contiguous) over all workers, in place."""
         ...
 
+    def allreduce_max(self, buffer: Tensor) -> Handle:
+        """Start taking the elementwise maximum of ``buffer`` over all workers, in place."""
+        ...
+
 
 class _Done:
     __slots__ = ("buffer",)
@@ -48,6 +52,9 @@ class LocalCommunicator:
     world_size = 1
 
     def allreduce_sum(self, buffer: Tensor) -> Handle:
+        return _Done(buffer)
+
+    def allreduce_max(self, buffer: Tensor) -> Handle:
         return _Done(buffer)
 
 
@@ -92,11 +99,17 @@ class ProcessGroupCommunicator:
         return self._world_size
 
     def allreduce_sum(self, buffer: Tensor) -> Handle:
+        return self._allreduce(buffer, dist.ReduceOp.SUM)
+
+    def allreduce_max(self, buffer: Tensor) -> Handle:
+        return self._allreduce(buffer, dist.ReduceOp.MAX)
+
+    def _allreduce(self, buffer: Tensor, op: dist.ReduceOp) -> Handle:
         staging = None
         if self.comm_device is not None and buffer.device != self.comm_device:
             staging = buffer.to(self.comm_device)
         work = dist.all_reduce(buffer if staging is None else staging,
-                               op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+                               op=op, group=self.process_group, async_op=True)
         assert work is not None
         return _Pending(work, buffer, staging)
 

@@ -37,6 +37,19 @@ __all__ = ["PowerSGDState", "batched_powerSGD_hook", "batched_powersgd_hook", "p
 logger = logging.getLogger(__name__)
 
 _STATE_DICT_VERSION = 1
+
+
+class _DefaultTrue:
+    """``True`` as the default of ``use_error_feedback``, told apart from an explicit ``True``."""
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "True"
+
+
+_DEFAULT_ERROR_FEEDBACK: Any = _DefaultTrue()
 # Options that decide what the memory means; a checkpoint must agree with the state on them.
 _MEMORY_OPTIONS = ("matrix_approximation_rank", "min_compression_rate", "use_error_feedback", "warm_start",
                    "random_seed", "num_iters_per_step")
@@ -67,6 +80,21 @@ class PowerSGDState:
             multi-iteration PowerSGD, k one-sided iterations per step with one rank-r factor sent
             each (k=1 sends half of classic; k=2 about the same as classic, with error no larger).
             Needs ``warm_start=True``. See :func:`gradpress.powersgd.step.alternating_step`.
+        error_feedback: alias of ``use_error_feedback`` (giving both with different values is an error).
+        bytes_per_weight: precision of P, Q and the uncompressed tensors *on the wire*: 4 = fp32
+            (default), 2 = half (bf16 for bf16 gradients, else fp16 scaled so the sum cannot overflow,
+            at the cost of a one-element max-allreduce per phase), 8 = fp64. Error memory and
+            orthogonalization keep fp32 (or the gradient's wider dtype). ``bytes_stats()`` counts it.
+        lr_scheduler: a ``torch.optim.lr_scheduler.LRScheduler`` or anything with ``get_last_lr()``.
+            The error memory is kept in update units: when the learning rate (of the first parameter
+            group) goes from ``lr_old`` to ``lr_new``, the memory is multiplied by ``lr_old / lr_new``
+            before it is added back, so ``sum_t lr_t * applied_t + lr_last * error`` equals
+            ``sum_t lr_t * gradient_t``. Constant LR: bitwise no-op.
+        feedback_every_n_iters: the residual of every compressed step is accumulated, but the error
+            memory is added back into the gradient only on every n-th compressed step (1: standard).
+        warm_up_beta_factor: beta in (0, 1]: during the first ``start_powerSGD_iter`` compressed steps
+            the stored residual is ``beta * residual`` (error memory damped while the warm-start factors
+            are still untrained); then full feedback. ``None``: off.
 
     Example::
 
@@ -79,7 +107,9 @@ class PowerSGDState:
     __slots__ = ("process_group", "start_powerSGD_iter", "compression_stats_logging_frequency",
                  "batch_tensors_with_same_shape", "comm_device", "iter", "total_numel_before_compression",
                  "total_numel_after_compression", "next_stats_report", "_config", "_store",
-                 "_keys", "_key_shapes", "_pipeline", "_comm", "_padded", "_saved_padded", "__weakref__")
+                 "_keys", "_key_shapes", "_pipeline", "_comm", "_padded", "_saved_padded", "lr_scheduler",
+                 "total_bytes_before_compression", "total_bytes_after_compression", "_last_lr", "_lr_iter",
+                 "__weakref__")
 
     def __init__(
         self,
@@ -87,7 +117,7 @@ class PowerSGDState:
         matrix_approximation_rank: int = 1,
         start_powerSGD_iter: int = 1_000,
         min_compression_rate: float = 2,
-        use_error_feedback: bool = True,
+        use_error_feedback: bool = _DEFAULT_ERROR_FEEDBACK,
         warm_start: bool = True,
         orthogonalization_epsilon: float = 0,
         random_seed: int = 0,
@@ -95,12 +125,34 @@ class PowerSGDState:
         batch_tensors_with_same_shape: bool = False,
         comm_device: torch.device | str | None = None,
         num_iters_per_step: int | None = None,
+        *,
+        error_feedback: bool | None = None,
+        bytes_per_weight: int = 4,
+        lr_scheduler: Any = None,
+        feedback_every_n_iters: int = 1,
+        warm_up_beta_factor: float | None = None,
     ) -> None:
+        if error_feedback is not None:
+            if not isinstance(error_feedback, bool):
+                raise TypeError(f"error_feedback must be a bool, got {error_feedback!r}")
+            if use_error_feedback is not _DEFAULT_ERROR_FEEDBACK and use_error_feedback != error_feedback:
+                raise ValueError(f"error_feedback={error_feedback!r} and use_error_feedback={use_error_feedback!r} "
+                                 "disagree; they are the same option, give one of them")
+            use_error_feedback = error_feedback
+        if use_error_feedback is _DEFAULT_ERROR_FEEDBACK:
+            use_error_feedback = True
+        if lr_scheduler is not None and not callable(getattr(lr_scheduler, "get_last_lr", None)):
+            raise TypeError(f"lr_scheduler must be None or have a get_last_lr() method (a "
+                            f"torch.optim.lr_scheduler.LRScheduler), got {type(lr_scheduler).__name__}")
+        if bytes_per_weight is None:
+            raise ValueError("bytes_per_weight must be 2, 4 or 8, got None")
         self._config = EngineConfig(
             rank=matrix_approximation_rank, min_compression_rate=min_compression_rate,
             use_error_feedback=use_error_feedback, warm_start=warm_start,
             orthogonalization_epsilon=orthogonalization_epsilon, random_seed=random_seed,
-            num_iters_per_step=num_iters_per_step)
+            num_iters_per_step=num_iters_per_step, bytes_per_weight=bytes_per_weight,
+            feedback_every_n_iters=feedback_every_n_iters, warm_up_beta_factor=warm_up_beta_factor,
+            warm_up_steps=start_powerSGD_iter if isinstance(start_powerSGD_iter, int) else 0)
         if isinstance(start_powerSGD_iter, bool) or not isinstance(start_powerSGD_iter, int) \
                 or start_powerSGD_iter < 0:
             raise ValueError(f"start_powerSGD_iter must be an integer >= 0, got {start_powerSGD_iter!r}")
@@ -135,6 +187,11 @@ class PowerSGDState:
         self._saved_padded: dict[int, dict[str, Any]] = {}
         self._pipeline = OrderedPipeline()
         self._comm: Communicator | None = None
+        self.lr_scheduler = lr_scheduler
+        self.total_bytes_before_compression = 0
+        self.total_bytes_after_compression = 0
+        self._last_lr: float | None = None  # the learning rate the error memory is expressed for
+        self._lr_iter = -1  # the iteration at which the learning rate was last read
 
     # --- configuration, read-only (the memory's meaning depends on it) -----------------------------
     @property
@@ -166,6 +223,23 @@ class PowerSGDState:
         return self._config.num_iters_per_step
 
     @property
+    def error_feedback(self) -> bool:
+        return self._config.use_error_feedback
+
+    @property
+    def bytes_per_weight(self) -> int:
+        assert self._config.bytes_per_weight is not None
+        return self._config.bytes_per_weight
+
+    @property
+    def feedback_every_n_iters(self) -> int:
+        return self._config.feedback_every_n_iters
+
+    @property
+    def warm_up_beta_factor(self) -> float | None:
+        return self._config.warm_up_beta_factor
+
+    @property
     def config(self) -> EngineConfig:
         """The engine configuration derived from the arguments."""
         return self._config
@@ -177,6 +251,39 @@ class PowerSGDState:
             self.iter += 1
             if self.iter == self.start_powerSGD_iter:
                 logger.info("Start to apply PowerSGD after %s iterations.", self.iter)
+
+    def update_state(self) -> None:
+        """Advance the state by one iteration that the hook did not see (a skipped or accumulated step),
+        and re-read the learning rate from ``lr_scheduler``.
+
+        Call it on **every** rank (the iteration counter decides when compression starts, and all ranks
+        must agree), between iterations, never while a backward pass is in flight.
+        """
+        if len(self._pipeline):
+            raise RuntimeError("PowerSGDState.update_state() was called while a backward pass is in flight")
+        self.iter += 1
+        self._sync_lr(force=True)
+
+    def bytes_stats(self) -> tuple[float, int, int]:
+        """``(rate, bytes before, bytes after)``: like :meth:`compression_stats`, in bytes, counting the
+        gradients' dtype before and ``bytes_per_weight`` (the wire dtype) after."""
+        before, after = self.total_bytes_before_compression, self.total_bytes_after_compression
+        return (before / after if after > 0 else 0, before, after)
+
+    def _sync_lr(self, force: bool = False) -> None:
+        """Once per iteration: if the learning rate changed, rescale the error memory to the new one."""
+        if self.lr_scheduler is None or (self._lr_iter == self.iter and not force):
+            return
+        self._lr_iter = self.iter
+        lr = float(self.lr_scheduler.get_last_lr()[0])
+        if not lr > 0:
+            raise ValueError(f"lr_scheduler.get_last_lr()[0] is {lr!r}; LR-aware error feedback needs a "
+                             "positive learning rate")
+        if self._last_lr is not None and lr != self._last_lr:
+            self._store.scale_errors(self._last_lr / lr)
+            for _, segment, _ in self._padded.values():
+                segment.work.mul_(self._last_lr / lr)
+        self._last_lr = lr
 
     def compression_stats(self) -> tuple[float, int, int]:
         """``(rate, numel before, numel after)`` summed over every compressed bucket step so far.
@@ -211,7 +318,13 @@ class PowerSGDState:
                 "batch_tensors_with_same_shape": self.batch_tensors_with_same_shape,
                 "comm_device": None if self.comm_device is None else str(self.comm_device),
                 "num_iters_per_step": self.num_iters_per_step,
+                "bytes_per_weight": self.bytes_per_weight,
+                "feedback_every_n_iters": self.feedback_every_n_iters,
+                "warm_up_beta_factor": self.warm_up_beta_factor,
             },
+            "last_lr": self._last_lr,
+            "total_bytes_before_compression": self.total_bytes_before_compression,
+            "total_bytes_after_compression": self.total_bytes_after_compression,
             "iter": self.iter,
             "total_numel_before_compression": self.total_numel_before_compression,
             "total_numel_after_compression": self.total_numel_after_compression,
@@ -242,6 +355,10 @@ class PowerSGDState:
         self.total_numel_before_compression = int(state_dict["total_numel_before_compression"])
         self.total_numel_after_compression = int(state_dict["total_numel_after_compression"])
         self.next_stats_report = int(state_dict["next_stats_report"])
+        self._last_lr = state_dict.get("last_lr")
+        self._lr_iter = -1
+        self.total_bytes_before_compression = int(state_dict.get("total_bytes_before_compression", 0))
+        self.total_bytes_after_compression = int(state_dict.get("total_bytes_after_compression", 0))
         saved_shapes = [tuple(int(s) for s in shape) for shape in state_dict["param_shapes"]]
         for key, shape in enumerate(self._key_shapes[: len(saved_shapes)]):
             if saved_shapes[key] != shape:
@@ -300,7 +417,7 @@ class PowerSGDState:
                                work_dtype_for(grads[0].dtype))
 
     def _run(self, task: Task, bucket: Any, result: Tensor, before: int, after: int,
-             finish: Any = None) -> torch.futures.Future:
+             finish: Any = None, grad_dtype: torch.dtype = torch.float32) -> torch.futures.Future:
         """Queue ``task`` in the ordered pipeline; complete the returned future with ``result``."""
         fut: torch.futures.Future = torch.futures.Future()
 
@@ -312,6 +429,9 @@ class PowerSGDState:
         self._pipeline.submit(task, done, fut.set_exception)
         self.total_numel_before_compression += before
         self.total_numel_after_compression += after
+        wire = self._config.wire_dtype(grad_dtype, work_dtype_for(grad_dtype))
+        self.total_bytes_before_compression += before * torch.empty(0, dtype=grad_dtype).element_size()
+        self.total_bytes_after_compression += after * torch.empty(0, dtype=wire).element_size()
         if bucket.is_last():
             self._pipeline.drain()
             self._report_stats()
@@ -371,9 +491,10 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     keys = state._keys_for(bucket.parameters())
     grads = bucket.gradients()
     segment = state._segment_for(bucket.index(), keys, grads)
+    state._sync_lr()
     task, sent = compress_step(segment, grads, state._communicator(), state._config,
                                state.iter - state.start_powerSGD_iter)
-    return state._run(task, bucket, bucket.buffer(), segment.plan.numel, sent)
+    return state._run(task, bucket, bucket.buffer(), segment.plan.numel, sent, grad_dtype=grads[0].dtype)
 
 
 def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
@@ -401,10 +522,11 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torc
     flat = square.view(-1)
     flat[:numel].copy_(buffer)
     flat[numel:].zero_()
+    state._sync_lr()
     task, sent = compress_step(segment, [square], state._communicator(), state._config,
                                state.iter - state.start_powerSGD_iter)
     return state._run(task, bucket, buffer, numel, sent,
-                      finish=lambda: buffer.copy_(flat[:numel]))
+                      finish=lambda: buffer.copy_(flat[:numel]), grad_dtype=buffer.dtype)
 
 
 def _padded_segment(state: PowerSGDState, index: int, numel: int, buffer: Tensor) -> tuple[int, Segment, Tensor]:

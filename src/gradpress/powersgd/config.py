@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 __all__ = ["EngineConfig"]
 
 
@@ -20,6 +22,13 @@ class EngineConfig:
     ``num_iters_per_step``: ``None`` for classic PowerSGD (P = M Q, Q = M^T P, two collectives per
     step); an integer k >= 1 for the alternating scheme of k one-sided iterations per step (one
     collective each, every low-rank piece used; see :func:`gradpress.powersgd.step.alternating_step`).
+    ``bytes_per_weight``: precision of what is allreduced (P, Q, uncompressed tensors): ``None`` sends the
+    working dtype; 2 = half precision (bf16 for bf16 gradients, else fp16, scaled by a power of two
+    agreed on by a one-element max-allreduce so that the sum cannot overflow), 4 = fp32, 8 = fp64.
+    ``feedback_every_n_iters``: add the error memory back into the gradient on every n-th compressed
+    step only (the residual of every step is accumulated); 1 is standard PowerSGD.
+    ``warm_up_beta_factor``, ``warm_up_steps``: store ``beta * residual`` instead of the residual during
+    the first ``warm_up_steps`` compressed steps (``None``: no damping).
     """
 
     rank: int = 1
@@ -29,6 +38,10 @@ class EngineConfig:
     orthogonalization_epsilon: float = 0.0
     random_seed: int = 0
     num_iters_per_step: int | None = None
+    bytes_per_weight: int | None = None
+    feedback_every_n_iters: int = 1
+    warm_up_beta_factor: float | None = None
+    warm_up_steps: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -50,3 +63,24 @@ class EngineConfig:
         if k is not None and not self.warm_start:
             raise ValueError("num_iters_per_step requires warm_start=True: each iteration starts from the "
                              "previous iteration's factor")
+        if self.bytes_per_weight is not None and (isinstance(self.bytes_per_weight, bool)
+                                                  or self.bytes_per_weight not in (2, 4, 8)):
+            raise ValueError(f"bytes_per_weight must be 2 (fp16, or bf16 for bf16 gradients), 4 (fp32) or 8 "
+                             f"(fp64), got {self.bytes_per_weight!r}")
+        n = self.feedback_every_n_iters
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"feedback_every_n_iters must be an integer >= 1, got {n!r}")
+        beta = self.warm_up_beta_factor
+        if beta is not None and (isinstance(beta, bool) or not isinstance(beta, (int, float))
+                                 or not 0 < beta <= 1):
+            raise ValueError(f"warm_up_beta_factor must be None (off) or a number in (0, 1], got {beta!r}")
+        if isinstance(self.warm_up_steps, bool) or not isinstance(self.warm_up_steps, int) or self.warm_up_steps < 0:
+            raise ValueError(f"warm_up_steps must be an integer >= 0, got {self.warm_up_steps!r}")
+
+    def wire_dtype(self, grad_dtype: torch.dtype, work_dtype: torch.dtype) -> torch.dtype:
+        """The dtype P, Q and the uncompressed tensors are allreduced in, for gradients of ``grad_dtype``."""
+        if self.bytes_per_weight is None:
+            return work_dtype
+        if self.bytes_per_weight == 2:
+            return torch.bfloat16 if grad_dtype == torch.bfloat16 else torch.float16
+        return torch.float32 if self.bytes_per_weight == 4 else torch.float64

@@ -220,6 +220,14 @@ class SegmentStore:
             memory.update(segment.export(self.config))
         return memory
 
+    def scale_errors(self, factor: float) -> None:
+        """Multiply all error memory (segments and pool) by ``factor``."""
+        for segment in self.segments.values():
+            segment.work.mul_(factor)
+        for entry in self.pool.values():
+            if entry.error is not None:
+                entry.error = entry.error * factor
+
     def replace(self, memory: dict[int, ParamMemory]) -> None:
         """Drop every segment and make ``memory`` the pool (segments are rebuilt from it on use)."""
         self.segments.clear()

@@ -40,7 +40,6 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     skips the step) but never survive in the error memory or the warm-start Q.
     """
     plan = segment.plan
-    world_size = comm.world_size
     order = segment.compressed_order
     matrices = [grads[i].view(plan.tensors[i].matrix) for i in order]
     unsent = [grads[i].view(-1) for i in plan.uncompressed]
@@ -60,8 +59,8 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     # 3. One collective for all P's and all uncompressed tensors.
     if unsent:
         torch._foreach_copy_(list(unsent_buffer.split([t.numel() for t in unsent])), unsent)
-    segment.phase1.div_(world_size)
-    yield comm.allreduce_sum(segment.phase1)
+    wire_dtype = config.wire_dtype(grads[0].dtype, segment.dtype) if grads else segment.dtype
+    yield from _send(segment.phase1, comm, wire_dtype)
 
     if unsent:
         torch._foreach_copy_(unsent, list(unsent_buffer.split([t.numel() for t in unsent])))
@@ -72,8 +71,7 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
         orthogonalize_(p, config.orthogonalization_epsilon)
         _matmul(p.transpose(1, 2), work, qt)
     # 5. Mean of Q.
-    segment.q.div_(world_size)
-    yield comm.allreduce_sum(segment.q)
+    yield from _send(segment.q, comm, wire_dtype)
 
     # 6. Decompress into the gradients (one write per tensor, straight into the bucket's views); the
     # residual M - PQ^T stays in the error memory. The residual is taken against what was written, so
@@ -109,7 +107,6 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
     iteration's factor (``[P | uncompressed]`` or ``[uncompressed | Q]``, contiguous in ``wire``).
     """
     plan = segment.plan
-    world_size = comm.world_size
     iterations = config.num_iters_per_step
     assert iterations is not None
     order = segment.compressed_order
@@ -126,6 +123,7 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
         torch._foreach_copy_(segment.work_views, matrices)
     _draw_missing(segment, config, 0)
     same_dtype = all(m.dtype == segment.dtype for m in matrices)
+    wire_dtype = config.wire_dtype(grads[0].dtype, segment.dtype) if grads else segment.dtype
 
     for it in range(iterations):
         right = (first_iteration + it) % 2 == 0  # multiply from the right: P = R Q̂
@@ -142,8 +140,7 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
             start, end = (0, q_start) if right else (p_end, segment.wire.numel())
         buffer = segment.wire[start:end]
         if buffer.numel():
-            buffer.div_(world_size)
-            yield comm.allreduce_sum(buffer)
+            yield from _send(buffer, comm, wire_dtype)
         if it == 0 and unsent:
             torch._foreach_copy_(unsent, list(unsent_buffer.split([t.numel() for t in unsent])))
         if not segment.group_views:
@@ -169,9 +166,61 @@ def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator,
     compressed step) of the configured scheme, and the number of elements it will send."""
     k = config.num_iters_per_step
     if k is None:
-        return power_step(segment, grads, comm, config, compressed_step), segment.plan.numel_sent
-    first = compressed_step * k
-    return alternating_step(segment, grads, comm, config, first), segment.plan.numel_sent_per_step(k, first)
+        task, sent = power_step(segment, grads, comm, config, compressed_step), segment.plan.numel_sent
+    else:
+        first = compressed_step * k
+        task = alternating_step(segment, grads, comm, config, first)
+        sent = segment.plan.numel_sent_per_step(k, first)
+    if config.use_error_feedback and config.warm_up_beta_factor is not None \
+            and compressed_step < config.warm_up_steps:
+        task = _damped(task, segment, config.warm_up_beta_factor)
+    if config.use_error_feedback and (compressed_step + 1) % config.feedback_every_n_iters != 0:
+        task = _without_feedback(task, segment)
+    return task, sent
+
+
+def _damped(task: Task, segment: Segment, beta: float) -> Task:
+    """Run ``task``, then keep only ``beta`` times the residual it stored (warm-up damping)."""
+    yield from task
+    segment.work.mul_(beta)
+
+
+def _without_feedback(task: Task, segment: Segment) -> Task:
+    """Run ``task`` on the gradient alone (M = g) and add its residual to the error memory, which is
+    set aside meanwhile: the error is accumulated but not fed back this step."""
+    saved = segment.work.clone()
+    segment.work.zero_()
+    yield from task
+    segment.work.add_(saved)
+
+
+def _send(buffer: Tensor, comm: Communicator, wire_dtype: torch.dtype) -> Task:
+    """Average ``buffer`` over the workers, in place, sending it as ``wire_dtype``.
+
+    The buffer is divided by the world size first, so a sum of W terms is bounded by W times the largest
+    term. For an fp16 wire, that bound is agreed on by a one-element max-allreduce and the buffer is
+    scaled by the power of two that puts it at 2^14 (well inside fp16's 65504, and using its precision):
+    no overflow whatever the gradients' magnitude. bf16 has fp32's range and needs no scaling.
+    """
+    buffer.div_(comm.world_size)
+    if wire_dtype == buffer.dtype:
+        yield comm.allreduce_sum(buffer)
+        return
+    scale = None
+    if wire_dtype == torch.float16:
+        peak = buffer.abs().max().reshape(1).float() if buffer.numel() else buffer.new_zeros(1, dtype=torch.float32)
+        yield comm.allreduce_max(peak)
+        bound = peak * comm.world_size
+        usable = torch.isfinite(bound) & (bound > 0)
+        scale = torch.where(usable, torch.exp2(torch.ceil(torch.log2(bound.clamp_min(1e-30))) - 14),
+                            torch.ones_like(bound)).to(buffer.dtype)
+        wire = (buffer / scale).to(wire_dtype)
+    else:
+        wire = buffer.to(wire_dtype)
+    yield comm.allreduce_sum(wire)
+    buffer.copy_(wire)
+    if scale is not None:
+        buffer.mul_(scale)
 
 
 def _draw_missing(segment: Segment, config: EngineConfig, draw: int) -> None:
