@@ -12,22 +12,23 @@ def _blocks(lang):
     return re.findall(rf"```{lang}\n(.*?)```", README.read_text(), flags=re.S)
 
 
-def test_plan_snippet_runs_and_prints_the_documented_numbers():
-    (snippet,) = [b for b in _blocks("python") if "make_plan" in b]
+def _run_snippet(marker, documented_pattern):
+    """Run the one python block containing ``marker``; return (its printed lines, the documented output)."""
+    (snippet,) = [b for b in _blocks("python") if marker in b]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(snippet, "README.md", "exec"), {})
-    documented = re.search(r"# (\d+ \d+ \d+x)", snippet).group(1)
-    assert out.getvalue().splitlines()[0] == documented
+    return out.getvalue().splitlines(), re.search(documented_pattern, snippet).group(1)
+
+
+def test_plan_snippet_runs_and_prints_the_documented_numbers():
+    printed, documented = _run_snippet("make_plan", r"# (\d+ \d+ \d+x)")
+    assert printed[0] == documented
 
 
 def test_aggregator_snippet_runs_as_written_and_prints_the_documented_figures():
-    (snippet,) = [b for b in _blocks("python") if "optimizer_step(optimizer, powersgd)" in b]
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(snippet, "README.md", "exec"), {})
-    documented = re.search(r"# (\d+ [\d.]+ [\d.]+x)\n", snippet).group(1)
-    assert out.getvalue().splitlines()[-1] == documented
+    printed, documented = _run_snippet("optimizer_step(optimizer, powersgd)", r"# (\d+ [\d.]+ [\d.]+x)\n")
+    assert printed[-1] == documented
 
 
 def test_setup_commands_name_files_that_exist():
