@@ -275,8 +275,7 @@ class PowerSGD(Aggregator):
             "total_numel": self.total_numel,
             "total_floats_sent": self.total_floats_sent,
             "param_shapes": [list(p.shape) for p in self.params],
-            "memory": {key: {"shape": list(m.shape), "error": m.error, "q": m.q, "p": m.p}
-                       for key, m in self._store.export().items()},
+            "memory": {key: m.to_dict() for key, m in self._store.export().items()},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -299,8 +298,7 @@ class PowerSGD(Aggregator):
         self.step_counter = int(state_dict["step_counter"])
         self.total_numel = int(state_dict["total_numel"])
         self.total_floats_sent = int(state_dict["total_floats_sent"])
-        self._store.replace({int(key): ParamMemory(tuple(m["shape"]), m["error"], m["q"], m.get("p"))
-                             for key, m in state_dict["memory"].items()})
+        self._store.replace({int(key): ParamMemory.from_dict(m) for key, m in state_dict["memory"].items()})
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, aggregator: Aggregator) -> None:

@@ -330,8 +330,8 @@ class PowerSGDState:
             "total_numel_after_compression": self.total_numel_after_compression,
             "next_stats_report": self.next_stats_report,
             "param_shapes": [list(shape) for shape in self._key_shapes],
-            "memory": {key: _plain(m) for key, m in memory.items()},
-            "padded": {index: {"numel": numel, **_plain(seg.export(self._config)[-1 - index])}
+            "memory": {key: m.to_dict() for key, m in memory.items()},
+            "padded": {index: {"numel": numel, **seg.export(self._config)[-1 - index].to_dict()}
                        for index, (numel, seg, _) in self._padded.items()},
         }
 
@@ -365,9 +365,7 @@ class PowerSGDState:
                 raise ValueError(f"checkpoint parameter #{key} has shape {saved_shapes[key]}, this model's "
                                  f"has {shape}: the checkpoint belongs to a different model")
         self._key_shapes = saved_shapes if len(saved_shapes) >= len(self._key_shapes) else self._key_shapes
-        self._store.replace({int(key): ParamMemory(tuple(entry["shape"]), entry["error"], entry["q"],
-                                                   entry.get("p"))
-                             for key, entry in state_dict["memory"].items()})
+        self._store.replace({int(key): ParamMemory.from_dict(entry) for key, entry in state_dict["memory"].items()})
         self._padded.clear()
         self._saved_padded = dict(state_dict.get("padded", {}))
 
@@ -430,8 +428,8 @@ class PowerSGDState:
         self.total_numel_before_compression += before
         self.total_numel_after_compression += after
         wire = self._config.wire_dtype(grad_dtype, work_dtype_for(grad_dtype))
-        self.total_bytes_before_compression += before * torch.empty(0, dtype=grad_dtype).element_size()
-        self.total_bytes_after_compression += after * torch.empty(0, dtype=wire).element_size()
+        self.total_bytes_before_compression += before * grad_dtype.itemsize
+        self.total_bytes_after_compression += after * wire.itemsize
         if bucket.is_last():
             self._pipeline.drain()
             self._report_stats()
@@ -444,10 +442,6 @@ class PowerSGDState:
             logger.info("Compression stats: iter %s, total before compression %s, total after compression %s, "
                         "rate %s", self.iter, before, after, rate)
             self.next_stats_report = self.iter + self.compression_stats_logging_frequency
-
-
-def _plain(memory: ParamMemory) -> dict[str, Any]:
-    return {"shape": list(memory.shape), "error": memory.error, "q": memory.q, "p": memory.p}
 
 
 def _allreduce_phase(state: PowerSGDState, bucket: Any) -> torch.futures.Future | None:
@@ -540,7 +534,7 @@ def _padded_segment(state: PowerSGDState, index: int, numel: int, buffer: Tensor
     saved = state._saved_padded.pop(index, None)
     if saved is not None:
         if saved["numel"] == numel:
-            memory = {-1 - index: ParamMemory((side, side), saved["error"], saved["q"], saved.get("p"))}
+            memory = {-1 - index: ParamMemory.from_dict({**saved, "shape": (side, side)})}
             segment.load(memory, state._config)
         else:
             logger.warning("batched_powerSGD_hook: bucket %s has %s elements, the checkpoint %s; its memory "

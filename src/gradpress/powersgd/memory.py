@@ -67,6 +67,15 @@ class ParamMemory:
     q: Tensor | None = None
     p: Tensor | None = None
 
+    def to_dict(self) -> dict[str, object]:
+        """The checkpoint form: plain lists and tensors."""
+        return {"shape": list(self.shape), "error": self.error, "q": self.q, "p": self.p}
+
+    @classmethod
+    def from_dict(cls, entry: Mapping[str, object]) -> ParamMemory:
+        """Inverse of :meth:`to_dict` (checkpoints without ``p`` load with ``p=None``)."""
+        return cls(tuple(entry["shape"]), entry["error"], entry["q"], entry.get("p"))  # type: ignore[arg-type]
+
 
 class Segment:
     """Flat working buffers of one segment (bucket), built from a plan.

@@ -40,19 +40,10 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     skips the step) but never survive in the error memory or the warm-start Q.
     """
     plan = segment.plan
-    order = segment.compressed_order
-    matrices = [grads[i].view(plan.tensors[i].matrix) for i in order]
-    unsent = [grads[i].view(-1) for i in plan.uncompressed]
     unsent_buffer = segment.phase1[plan.p_numel:]
-
     # 1. M = g + e.
-    if matrices and config.use_error_feedback:
-        torch._foreach_add_(segment.work_views, matrices)
-    elif matrices:
-        torch._foreach_copy_(segment.work_views, matrices)
+    matrices, unsent = _load(segment, grads, config)
     # 2. P = M Q.
-    if not config.warm_start:
-        segment.unsent_q = list(range(len(segment.q_views)))
     _draw_missing(segment, config, 0 if config.warm_start else step + 1)
     for _, work, p, qt in segment.group_views:
         _matmul(work, qt.transpose(1, 2), p)
@@ -109,18 +100,11 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
     plan = segment.plan
     iterations = config.num_iters_per_step
     assert iterations is not None
-    order = segment.compressed_order
-    matrices = [grads[i].view(plan.tensors[i].matrix) for i in order]
-    unsent = [grads[i].view(-1) for i in plan.uncompressed]
     p_end = plan.p_numel
     q_start = plan.p_numel + plan.uncompressed_numel
     unsent_buffer = segment.wire[p_end:q_start]
     epsilon = config.orthogonalization_epsilon
-
-    if matrices and config.use_error_feedback:
-        torch._foreach_add_(segment.work_views, matrices)
-    elif matrices:
-        torch._foreach_copy_(segment.work_views, matrices)
+    matrices, unsent = _load(segment, grads, config)
     _draw_missing(segment, config, 0)
     same_dtype = all(m.dtype == segment.dtype for m in matrices)
     wire_dtype = config.wire_dtype(grads[0].dtype, segment.dtype) if grads else segment.dtype
@@ -221,6 +205,19 @@ def _send(buffer: Tensor, comm: Communicator, wire_dtype: torch.dtype) -> Task:
     buffer.copy_(wire)
     if scale is not None:
         buffer.mul_(scale)
+
+
+def _load(segment: Segment, grads: Sequence[Tensor], config: EngineConfig) -> tuple[list[Tensor], list[Tensor]]:
+    """The gradients as the segment's compressed matrices (group order) and uncompressed vectors, with
+    M = g + e (or M = g without error feedback) accumulated into the work buffer."""
+    plan = segment.plan
+    matrices = [grads[i].view(plan.tensors[i].matrix) for i in segment.compressed_order]
+    unsent = [grads[i].view(-1) for i in plan.uncompressed]
+    if matrices and config.use_error_feedback:
+        torch._foreach_add_(segment.work_views, matrices)
+    elif matrices:
+        torch._foreach_copy_(segment.work_views, matrices)
+    return matrices, unsent
 
 
 def _draw_missing(segment: Segment, config: EngineConfig, draw: int) -> None:
