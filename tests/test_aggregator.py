@@ -365,3 +365,112 @@ def test_allreduce_aggregator_averages_over_the_group():
     for grads in run(allreduce_aggregator, WORLD):
         assert torch.equal(grads[0], torch.full((3, 2), 1.5)) and grads[1] is None
         assert torch.equal(grads[2], torch.arange(4.0, dtype=torch.float64) * 1.5)
+
+
+# --- the options PowerSGDState has (issue 8), on the aggregator -----------------------------------------
+
+def _trace(config, steps=12, lrs=None, **kwargs):
+    """Run the aggregator alone (one worker) on float64 gradients; return per-step gradients, outputs,
+    and the final error memory per parameter."""
+    net = _Net().double()
+    params = list(net.parameters())
+    scheduler = None
+    if lrs is not None:
+        class Schedule:
+            t = 0
+
+            def get_last_lr(self):
+                return [lrs[self.t]]
+        scheduler = Schedule()
+    powersgd = PowerSGD(params, config, lr_scheduler=scheduler, **kwargs)
+    grads, outs = [], []
+    for step in range(steps):
+        if scheduler is not None:
+            scheduler.t = step
+        net.zero_grad()
+        _loss(net, step, torch.float64).backward()
+        g = [None if p.grad is None else p.grad.clone() for p in params]
+        grads.append(g)
+        outs.append(powersgd.aggregate(g))
+    memory = powersgd.state_dict()["memory"]
+    errors = [memory[i]["error"].reshape(p.shape) if i in memory else torch.zeros_like(p)
+              for i, p in enumerate(params)]
+    return grads, outs, errors, powersgd
+
+
+def test_config_bytes_per_weight_halves_the_bytes_on_the_wire():
+    full = _trace(Config(rank=2, start_compressing_after_num_steps=0, bytes_per_weight=4), steps=4)[3]
+    half = _trace(Config(rank=2, start_compressing_after_num_steps=0, bytes_per_weight=2), steps=4)[3]
+    assert full.total_floats_sent == half.total_floats_sent > 0
+    assert half.total_bytes_sent * 2 == full.total_bytes_sent
+    # The default sends the working precision: fp64 gradients travel as fp64.
+    default = _trace(Config(rank=2, start_compressing_after_num_steps=0), steps=4)[3]
+    assert default.total_bytes_sent == 8 * default.total_floats_sent
+    assert default.bytes_per_step == 8 * default.floats_per_step
+    assert half.bytes_per_step == 2 * half.floats_per_step
+
+
+def test_config_lr_scheduler_conserves_updates_and_constant_lr_is_a_no_op():
+    lrs = [0.1] * 4 + [0.01] * 4 + [0.002] * 4
+    config = Config(rank=1, start_compressing_after_num_steps=0)
+    grads, outs, errors, _ = _trace(config, lrs=lrs)
+    for i, error in enumerate(errors):
+        if grads[0][i] is None:
+            continue
+        want = sum(lr * g[i] for lr, g in zip(lrs, grads))
+        got = sum(lr * o[i] for lr, o in zip(lrs, outs)) + lrs[-1] * error
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    # Without the rescaling, the same identity fails (the test can tell the feature apart).
+    plain = _trace(config)
+    gap = max((sum(lr * o[i] for lr, o in zip(lrs, plain[1])) + lrs[-1] * plain[2][i]
+               - sum(lr * g[i] for lr, g in zip(lrs, plain[0]))).abs().max().item()
+              for i in range(len(errors)) if grads[0][i] is not None)
+    assert gap > 1e-6
+    constant = _trace(config, lrs=[0.1] * 12)
+    for a, b in zip(constant[1], plain[1]):
+        for x, y in zip(a, b):
+            assert (x is None and y is None) or torch.equal(x, y)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_config_feedback_every_n_iters_conserves_mass(n):
+    grads, outs, errors, _ = _trace(Config(rank=1, start_compressing_after_num_steps=0, feedback_every_n_iters=n))
+    for i, error in enumerate(errors):
+        if grads[0][i] is not None:
+            torch.testing.assert_close(sum(o[i] for o in outs) + error, sum(g[i] for g in grads),
+                                       atol=1e-12, rtol=0)
+
+
+def test_config_warm_up_beta_damps_exactly_the_first_compressed_steps():
+    beta, warm = 0.25, 3
+    config = Config(rank=1, start_compressing_after_num_steps=warm, warm_up_beta_factor=beta)
+    net_params = list(_Net().double().parameters())
+    for steps in range(warm + 1, 2 * warm + 3):
+        grads, outs, errors, _ = _trace(config, steps=steps)
+        previous = _trace(config, steps=steps - 1)[2]
+        compressed_step = steps - 1 - warm
+        factor = beta if compressed_step < warm else 1.0
+        for i in range(len(net_params)):
+            if grads[-1][i] is None or errors[i].abs().max() == 0:
+                continue
+            # e_t = factor * (g_t + e_{t-1} - applied_t)
+            torch.testing.assert_close(errors[i], factor * (grads[-1][i] + previous[i] - outs[-1][i]),
+                                       atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="start_compressing_after_num_steps"):
+        Config(rank=1, start_compressing_after_num_steps=0, warm_up_beta_factor=0.5)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"bytes_per_weight": 3}, "bytes_per_weight"),
+    ({"feedback_every_n_iters": 0}, "feedback_every_n_iters"),
+    ({"warm_up_beta_factor": 1.5}, "warm_up_beta_factor"),
+    ({"warm_up_beta_factor": 0}, "warm_up_beta_factor"),
+])
+def test_config_invalid_options_name_the_field(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        Config(rank=1, **kwargs)
+
+
+def test_lr_scheduler_without_get_last_lr_is_a_type_error():
+    with pytest.raises(TypeError, match="lr_scheduler"):
+        PowerSGD(_Net().parameters(), Config(rank=1), lr_scheduler=object())

@@ -142,6 +142,18 @@ class Config:
             the same. ``None``: classic two-sided PowerSGD (as :func:`gradpress.powerSGD_hook`).
         start_compressing_after_num_steps: exact averaging for this many steps first.
         random_seed: seeds the initial factors, identically on every worker.
+        bytes_per_weight: precision of what goes on the wire (P, Q, uncompressed gradients), as in
+            :class:`gradpress.PowerSGDState`: 2 = half (bf16 for bf16 gradients, else fp16 scaled so
+            the sum cannot overflow), 4 = fp32, 8 = fp64. ``None`` (default, the reference's
+            behaviour): the working precision (fp32 for fp16/bf16/fp32 gradients, fp64 for fp64).
+        feedback_every_n_iters: add the error memory back into the gradient only on every n-th
+            compressed step (every step's residual is accumulated); 1 is standard PowerSGD.
+        warm_up_beta_factor: beta in (0, 1]: during the first ``start_compressing_after_num_steps``
+            compressed steps the stored residual is ``beta * residual``; ``None``: off. Needs
+            ``start_compressing_after_num_steps > 0`` (the damping lasts as long as the exact warm-up).
+
+    >>> Config(rank=2, bytes_per_weight=2).engine_config().bytes_per_weight
+    2
     """
 
     rank: int
@@ -149,18 +161,29 @@ class Config:
     num_iters_per_step: int | None = 1
     start_compressing_after_num_steps: int = 100
     random_seed: int = 0
+    bytes_per_weight: int | None = None
+    feedback_every_n_iters: int = 1
+    warm_up_beta_factor: float | None = None
 
     def __post_init__(self) -> None:
         steps = self.start_compressing_after_num_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"start_compressing_after_num_steps must be an integer >= 0, got {steps!r}")
-        self.engine_config()  # validates rank, min_compression_rate, num_iters_per_step, random_seed
+        self.engine_config()  # validates the engine's fields
+        if self.warm_up_beta_factor is not None and steps == 0:
+            raise ValueError("warm_up_beta_factor damps the error memory during the first "
+                             "start_compressing_after_num_steps compressed steps, so it needs "
+                             "start_compressing_after_num_steps > 0 (got 0); set both, or leave "
+                             "warm_up_beta_factor=None")
 
     def engine_config(self) -> EngineConfig:
         """The engine's view of this configuration (error feedback and warm start on)."""
         return EngineConfig(rank=self.rank, min_compression_rate=self.min_compression_rate,
                             use_error_feedback=True, warm_start=True, random_seed=self.random_seed,
-                            num_iters_per_step=self.num_iters_per_step)
+                            num_iters_per_step=self.num_iters_per_step, bytes_per_weight=self.bytes_per_weight,
+                            feedback_every_n_iters=self.feedback_every_n_iters,
+                            warm_up_beta_factor=self.warm_up_beta_factor,
+                            warm_up_steps=self.start_compressing_after_num_steps)
 
 
 class PowerSGD(Aggregator):
@@ -187,13 +210,21 @@ class PowerSGD(Aggregator):
         process_group: the group to average over (``None``: the default group, or one worker when
             ``torch.distributed`` is not initialised).
         comm_device: device the factors travel on (e.g. ``"cpu"`` for CUDA gradients over gloo).
+        lr_scheduler: keep the error memory in update units, as ``PowerSGDState(lr_scheduler=...)``
+            does: when ``lr_scheduler.get_last_lr()[0]`` goes from ``lr_old`` to ``lr_new`` between
+            steps, the memory is multiplied by ``lr_old / lr_new``. ``None``: the memory is in
+            gradient units (the reference's behaviour; the same as a constant learning rate).
     """
 
     def __init__(self, params: Iterable[Tensor], config: Config, *,
                  process_group: dist.ProcessGroup | None = None,
-                 comm_device: torch.device | str | None = None) -> None:
+                 comm_device: torch.device | str | None = None,
+                 lr_scheduler: Any = None) -> None:
         if not isinstance(config, Config):
             raise TypeError(f"config must be a gradpress.Config, got {type(config).__name__}")
+        if lr_scheduler is not None and not callable(getattr(lr_scheduler, "get_last_lr", None)):
+            raise TypeError(f"lr_scheduler must be None or have a get_last_lr() method (a "
+                            f"torch.optim.lr_scheduler.LRScheduler), got {type(lr_scheduler).__name__}")
         self.params: list[Tensor] = list(params)
         if not self.params:
             raise ValueError("params is empty: PowerSGD needs the parameters whose gradients it aggregates")
@@ -205,6 +236,9 @@ class PowerSGD(Aggregator):
         self.step_counter = 0
         self.total_numel = 0
         self.total_floats_sent = 0
+        self.total_bytes_sent = 0
+        self.lr_scheduler = lr_scheduler
+        self._last_lr: float | None = None  # the learning rate the error memory is expressed for
         self._engine = config.engine_config()
         self._store = SegmentStore(self._engine)
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -224,6 +258,17 @@ class PowerSGD(Aggregator):
         return self._plan().mean_numel_sent(self.config.num_iters_per_step)
 
     @property
+    def bytes_per_step(self) -> float:
+        """Bytes sent per compressed step (averaged over steps), with ``bytes_per_weight`` on the wire."""
+        total = 0.0
+        for dtype in {p.dtype for p in self.params}:
+            shapes = [p.shape for p in self.params if p.dtype == dtype]
+            plan = make_plan(shapes, self.config.rank, self.config.min_compression_rate)
+            wire = self._engine.wire_dtype(dtype, work_dtype_for(dtype))
+            total += plan.mean_numel_sent(self.config.num_iters_per_step) * wire.itemsize
+        return total
+
+    @property
     def compression_rate(self) -> float:
         """``numel / floats_per_step``: how many times fewer floats a compressed step sends."""
         sent = self.floats_per_step
@@ -241,6 +286,7 @@ class PowerSGD(Aggregator):
                                  f"{tuple(self.params[index].shape)}")
         comm = make_communicator(self.process_group, self.comm_device)
         compressed_step = self.step_counter - self.config.start_compressing_after_num_steps
+        self._sync_lr()
         pipeline = OrderedPipeline()
         contexts = []
         try:
@@ -251,7 +297,9 @@ class PowerSGD(Aggregator):
                 numel = sum(t.numel() for t in tensors)
                 if compressed_step < 0:
                     task, sent = _average_task(tensors, comm), numel
+                    wire = dtype
                 else:
+                    wire = self._engine.wire_dtype(dtype, work_dtype_for(dtype))
                     keys = tuple(i for i, _ in group)
                     segment = self._store.get((device, dtype), keys, [t.shape for t in tensors], device,
                                               work_dtype_for(dtype))
@@ -259,11 +307,24 @@ class PowerSGD(Aggregator):
                 pipeline.submit(task, lambda: None, lambda exc: None)
                 self.total_numel += numel
                 self.total_floats_sent += sent
+                self.total_bytes_sent += sent * wire.itemsize
             pipeline.drain()
         finally:
             for context in contexts:
                 context.__exit__()
         self.step_counter += 1
+
+    def _sync_lr(self) -> None:
+        """If the learning rate changed since the last step, rescale the error memory to the new one."""
+        if self.lr_scheduler is None:
+            return
+        lr = float(self.lr_scheduler.get_last_lr()[0])
+        if not lr > 0:
+            raise ValueError(f"lr_scheduler.get_last_lr()[0] is {lr!r}; LR-aware error feedback needs a "
+                             "positive learning rate")
+        if self._last_lr is not None and lr != self._last_lr:
+            self._store.scale_errors(self._last_lr / lr)
+        self._last_lr = lr
 
     # --- checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -274,6 +335,8 @@ class PowerSGD(Aggregator):
             "step_counter": self.step_counter,
             "total_numel": self.total_numel,
             "total_floats_sent": self.total_floats_sent,
+            "total_bytes_sent": self.total_bytes_sent,
+            "last_lr": self._last_lr,
             "param_shapes": [list(p.shape) for p in self.params],
             "memory": {key: m.to_dict() for key, m in self._store.export().items()},
         }
@@ -298,6 +361,8 @@ class PowerSGD(Aggregator):
         self.step_counter = int(state_dict["step_counter"])
         self.total_numel = int(state_dict["total_numel"])
         self.total_floats_sent = int(state_dict["total_floats_sent"])
+        self.total_bytes_sent = int(state_dict.get("total_bytes_sent", 0))
+        self._last_lr = state_dict.get("last_lr")
         self._store.replace({int(key): ParamMemory.from_dict(m) for key, m in state_dict["memory"].items()})
 
 
