@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import io
 import json
+import math
 import multiprocessing as mp
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import gradpress
 from gradpress.cli import demo
 from gradpress.cli.demo import WorkerFailure, run_workers
 from gradpress.cli.main import main
-from gradpress.workloads.digits import DemoConfig, make_model
+from gradpress.workloads import DemoConfig, get_task, parse_methods
 
 
 def _demo_children() -> list:
@@ -39,42 +41,106 @@ def _floats_sent_by_hand(shapes: list[tuple[int, ...]], rank: int, min_rate: flo
     return total
 
 
-def test_demo_runs_both_methods_and_reports_consistent_traffic(tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "demo.json"
-    code = main(["demo", "--workers", "2", "--steps", "12", "--start-iter", "4", "--rank", "2",
-                 "--json", str(out)])
+def test_demo_end_to_end_writes_three_files_consistent_with_the_plan(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    code = main(["demo", "--workers", "2", "--steps", "12", "--start-iter", "4",
+                 "--methods", "allreduce,fp16,powersgd:2,multi:2", "--out", str(out), "--bandwidth", "100mbit"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert "ranks agree" in captured.out
-    assert "allreduce" in captured.out and "powersgd" in captured.out
+    assert sorted(p.name for p in out.iterdir()) == ["demo.json", "demo.md", "demo.png"]
+    assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "ranks agree" in captured.out and f"to {out}/" in captured.out
+    assert "MODELLED" in captured.out
 
-    report = json.loads(out.read_text())
+    report = json.loads((out / "demo.json").read_text())
     methods = report["methods"]
-    assert set(methods) == {"allreduce", "powersgd"}
-    assert report["workers"] == 2 and report["config"]["steps"] == 12
+    assert list(methods) == ["allreduce", "fp16", "powersgd:2", "multi:2"]
+    assert report["workers"] == 2 and report["config"]["steps"] == 12 and report["task"] == "digits"
+    md = (out / "demo.md").read_text()
+    assert all(m["label"] in md for m in methods.values()) and "demo.png" in md
 
-    shapes = [tuple(p.shape) for p in make_model(DemoConfig(**report["config"])).parameters()]
+    shapes = [tuple(p.shape) for p in get_task("digits").model(0).parameters()]
     plan = gradpress.make_plan(shapes, 2, report["config"]["min_compression_rate"])
-    allreduce, powersgd = methods["allreduce"], methods["powersgd"]
-    assert allreduce["floats_per_step"] == plan.numel == sum(p.numel() for p in
-                                                             make_model(DemoConfig()).parameters())
-    assert powersgd["floats_per_step"] == plan.numel_sent == _floats_sent_by_hand(shapes, 2, 2.0)
-    assert powersgd["floats_per_step"] < allreduce["floats_per_step"]
-    assert powersgd["compression_rate"] == pytest.approx(plan.numel / plan.numel_sent)
-
-    # PowerSGDState.compression_stats() counted exactly the plan's payload on each compressed step.
-    assert powersgd["compressed_steps"] == 12 - 4
-    assert powersgd["stats"]["numel_after"] == plan.numel_sent * 8
-    assert powersgd["stats"]["numel_before"] == plan.numel * 8
-    assert report["cross_check"]["ok"]
-
-    assert report["ranks_agree"]
+    numel = sum(math.prod(s) for s in shapes)
+    allreduce, fp16, powersgd, multi = methods.values()
+    assert allreduce["bytes_per_step"] == 4 * numel == 4 * plan.numel
+    assert fp16["bytes_per_step"] * 2 == allreduce["bytes_per_step"]
+    assert powersgd["bytes_per_step"] == 4 * _floats_sent_by_hand(shapes, 2, 2.0) == 4 * plan.numel_sent
+    # The bytes ratio is the plan's compression ratio.
+    assert allreduce["bytes_per_step"] / powersgd["bytes_per_step"] == pytest.approx(plan.compression_rate)
+    assert powersgd["compression_ratio"] == pytest.approx(plan.compression_rate)
+    # Multi-iteration sends one factor per step: half of classic on the compressed matrices.
+    compressed_half = (plan.p_numel + plan.q_numel) / 2
+    assert multi["bytes_per_step"] == pytest.approx(4 * (plan.uncompressed_numel + compressed_half))
+    # Totals: plain steps before start_iter, then compressed ones; PowerSGDState counted the same bytes.
+    assert powersgd["bytes_total"] == 4 * (4 * numel + 8 * plan.numel_sent)
+    assert powersgd["counted"]["bytes_after"] == 8 * 4 * plan.numel_sent and powersgd["counted"]["ok"]
+    assert multi["counted"]["ok"] and report["bytes_check_ok"]
     for entry in methods.values():
-        assert entry["ranks_agree"] and len(entry["checksums"]) == 2
-        assert entry["checksums"][0] == entry["checksums"][1]
-        assert 0.0 <= entry["test_accuracy"] <= 1.0 and entry["train_loss"] > 0
-        assert entry["steps"] == 12
+        assert entry["ranks_agree"] and len(set(entry["checksums"])) == 1
+        assert 0.0 <= entry["metric"] <= 1.0 and entry["test_loss"] > 0 and entry["steps"] == 12
+        assert entry["curve"][-1]["bytes"] == entry["bytes_total"] and entry["curve"][-1]["step"] == 12
+        ring = 2 * (2 - 1) / 2
+        assert entry["modelled_time_s"] == pytest.approx(entry["wall_time_s"] + ring * entry["bytes_total"] / 12.5e6)
+
+
+def test_demo_char_language_model_task(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["demo", "--task", "charlm", "--workers", "2", "--steps", "4", "--start-iter", "2",
+                 "--methods", "powersgd:1", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads((tmp_path / "demo.json").read_text())
+    entry = report["methods"]["powersgd:1"]
+    assert report["metric_name"] == "perplexity" and "test ppl" in captured.out
+    # Perplexity is exp(mean held-out cross-entropy) and starts near the vocabulary size.
+    assert entry["metric"] == pytest.approx(math.exp(entry["test_loss"]))
+    assert entry["curve"][0]["metric"] > 50 and entry["metric"] < entry["curve"][0]["metric"]
+    assert entry["counted"]["ok"] and entry["ranks_agree"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--task", "mnist"], ["unknown task 'mnist'", "digits", "charlm"]),
+    (["--methods", "allreduce,topk"], ["unknown method 'topk'", "allreduce", "fp16", "powersgd", "multi"]),
+    (["--methods", "fp16:2"], ["takes no rank"]),
+    (["--methods", "powersgd:0"], ["integer >= 1"]),
+    (["--rank", "0"], ["--rank", ">= 1"]),
+    (["--bandwidth", "fast"], ["--bandwidth", "1gbit"]),
+    (["--warm-up-beta", "1.5"], ["--warm-up-beta", "(0, 1]"]),
+])
+def test_demo_bad_arguments_give_one_line_errors(argv, words, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    for word in words:
+        assert word in err
+
+
+def test_parse_bandwidth_units() -> None:
+    assert demo.parse_bandwidth("1gbit") == 125e6
+    assert demo.parse_bandwidth("100mbit") == demo.parse_bandwidth("100Mbit/s") == 12.5e6
+    assert demo.parse_bandwidth("10Gbps") == 1.25e9
+    assert demo.parse_bandwidth("125MB/s") == 125e6
+    with pytest.raises(Exception, match="1gbit"):
+        demo.parse_bandwidth("0mbit")
+
+
+def test_demo_defaults_are_the_documented_ones() -> None:
+    from gradpress.cli.main import build_parser
+    args = build_parser().parse_args(["demo"])
+    assert args.workers == 4 and args.task == "digits" and args.rank == [1, 2]
+    assert [m.label for m in parse_methods(args.methods, args.rank)] == [
+        "allreduce", "fp16", "powersgd r=1", "powersgd r=2", "multi r=1", "multi r=2"]
+    assert str(args.out) == "gradpress-demo"
+
+
+def test_progress_prints_milestones_when_not_a_terminal() -> None:
+    stream = io.StringIO()
+    progress = demo.Progress(stream)
+    for step in range(1, 11):
+        progress("powersgd r=1", step, 10, 1.0 / step)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2 and "5/10" in lines[0] and "10/10" in lines[1] and "#" * 24 in lines[1]
 
 
 @pytest.mark.parametrize("option", ["--workers", "--steps", "--rank"])
@@ -106,12 +172,13 @@ def test_python_dash_m_gradpress() -> None:
     assert "--workers" in proc.stdout
 
 
-def test_worker_crash_stops_the_others_and_reports_the_traceback(monkeypatch: pytest.MonkeyPatch,
+def test_worker_crash_stops_the_others_and_reports_the_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     # The demo builds its DemoConfig in the parent and ships it to the workers as a dict, so this makes
     # rank 1 raise at step 5 while rank 0 is inside a collective.
     monkeypatch.setattr(demo, "DemoConfig", functools.partial(DemoConfig, fail_at_step=5, fail_rank=1))
-    code = main(["demo", "--steps", "30", "--start-iter", "4", "--timeout", "60"])
+    code = main(["demo", "--workers", "2", "--steps", "30", "--start-iter", "4", "--timeout", "60",
+                 "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 1
     assert "worker rank 1 failed during allreduce" in err
@@ -123,5 +190,5 @@ def test_worker_crash_stops_the_others_and_reports_the_traceback(monkeypatch: py
 def test_run_workers_raises_worker_failure() -> None:
     with pytest.raises(WorkerFailure, match="injected failure on rank 0 at step 6"):
         run_workers(DemoConfig(steps=10, start_iter=4, fail_at_step=6, fail_rank=0), 2, timeout=60,
-                    methods=("powersgd",))
+                    methods=parse_methods("powersgd:1", []))
     assert _demo_children() == []

@@ -1,10 +1,11 @@
-"""``gradpress demo``: train the same small model with plain allreduce and with PowerSGD, side by side.
+"""``gradpress demo``: train one model on real data with several gradient-communication methods.
 
-The parent process spawns ``--workers`` local processes (gloo on CPU, one thread each). Every worker
-runs :func:`gradpress.workloads.digits.train` once per method, with the same seed and data order, and
-sends progress, results or its traceback back through a queue. The parent prints a table comparing
-accuracy, loss, floats sent per step and wall time, checks that every rank ended with identical
-parameters and that PowerSGD's counted traffic matches :func:`gradpress.make_plan`.
+The parent process spawns ``--workers`` local processes (gloo on CPU with one thread each; NCCL when
+there is one GPU per worker). Every worker runs :func:`gradpress.workloads.training.train` once per
+method, with the same seed, weights and data order, and sends progress, results or its traceback back
+through a queue. The parent shows progress bars, then prints a table (test metric, loss, bytes per
+step, compression, time) and writes ``demo.json``, ``demo.md`` and ``demo.png`` to ``--out``. It checks
+that every worker ended with identical parameters and that PowerSGD's counted bytes match the plan.
 
 If a worker fails, the parent stops the others, prints the failing worker's traceback and exits 1;
 it never waits longer than ``--timeout`` seconds.
@@ -30,12 +31,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ..workloads.digits import METHODS, DemoConfig, ProgressFn, make_model
+from ..workloads.tasks import TASKS, get_task
+from ..workloads.training import METHOD_KINDS, DemoConfig, Method, ProgressFn, parse_methods
 
-__all__ = ["WorkerFailure", "format_report", "free_port", "register", "run", "run_workers"]
+__all__ = ["WorkerFailure", "format_report", "free_port", "parse_bandwidth", "register", "run", "run_workers",
+           "summarize"]
 
 _DEFAULTS = DemoConfig()
-DEFAULT_TIMEOUT = 300.0
+DEFAULT_TIMEOUT = 600.0
+DEFAULT_METHODS = "allreduce,fp16,powersgd,multi"
+DEFAULT_RANKS = "1,2"
 
 
 class WorkerFailure(RuntimeError):
@@ -70,28 +75,86 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _beta(text: str) -> float:
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
+def _ranks(text: str) -> list[int]:
+    try:
+        ranks = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 1:
+        raise argparse.ArgumentTypeError(f"must be integers >= 1 separated by commas (e.g. 1,2), got {text!r}")
+    return list(dict.fromkeys(ranks))
+
+
+_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_BANDWIDTH = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kKmMgGtT]?)(bit|bits|bps|bit/s|B/s|Bps|byte/s|bytes/s)\s*$")
+
+
+def parse_bandwidth(text: str) -> float:
+    """Link rate in **bytes** per second from ``"1gbit"``, ``"100mbit"``, ``"10Gbit/s"``, ``"125MB/s"``.
+
+    Decimal prefixes (k = 1000). ``bit``/``bps``/``bit/s`` are bits, ``B/s``/``Bps``/``byte/s`` bytes.
+
+    >>> parse_bandwidth("1gbit")
+    125000000.0
+    """
+    match = _BANDWIDTH.match(text)
+    if not match or not float(match.group(1)) > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive rate such as 1gbit, 100mbit, 10Gbit/s or "
+                                         f"125MB/s, got {text!r}")
+    value = float(match.group(1)) * _PREFIX[match.group(2).lower()]
+    unit = match.group(3)
+    return value if unit.startswith(("B", "byte")) else value / 8
+
+
+def _format_rate(bytes_per_s: float) -> str:
+    bits = bytes_per_s * 8
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if bits >= scale:
+            return f"{bits / scale:g} {prefix}bit/s"
+    return f"{bits:g} bit/s"
+
+
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``demo`` subcommand to ``subparsers`` (an ``add_subparsers()`` result)."""
+    methods_help = "; ".join(f"{k}: {v}" for k, v in METHOD_KINDS.items())
+    tasks_help = "; ".join(f"{t.name}: {t.description}" for t in TASKS.values())
     parser: argparse.ArgumentParser = subparsers.add_parser(
-        "demo", help="train a small model with allreduce and with PowerSGD and compare",
-        description="Train a small MLP on generated 8x8 data with DDP on local CPU workers (gloo), once "
-                    "with plain allreduce and once with PowerSGD (same seed, same data order), and print "
-                    "accuracy, loss, floats sent per step and wall time side by side. Nothing is "
-                    "downloaded.")
-    parser.add_argument("--workers", type=_int_at_least(1), default=2, metavar="N",
+        "demo", help="train a model on real data with several methods and compare accuracy, bytes and time",
+        description="Train one model on real data that ships with scikit-learn or Python (nothing is "
+                    "downloaded) with DDP on local worker processes, once per communication method, same "
+                    "seed and data order; print accuracy, loss, bytes sent per step and time side by side, "
+                    "and write demo.json, demo.md and demo.png to --out.")
+    parser.add_argument("--workers", type=_int_at_least(1), default=4, metavar="N",
                         help="number of local worker processes (integer >= 1; default: %(default)s)")
+    parser.add_argument("--task", default=_DEFAULTS.task, metavar="NAME",
+                        help=f"what to train ({tasks_help}; default: %(default)s)")
+    parser.add_argument("--methods", default=DEFAULT_METHODS, metavar="LIST",
+                        help=f"comma-separated methods to compare ({methods_help}). powersgd and multi run "
+                             "once per --rank, or at one rank as powersgd:R (default: %(default)s)")
+    parser.add_argument("--rank", type=_ranks, default=_ranks(DEFAULT_RANKS), metavar="R[,R...]",
+                        help=f"PowerSGD approximation rank(s) (integers >= 1; default: {DEFAULT_RANKS})")
     parser.add_argument("--steps", type=_int_at_least(1), default=_DEFAULTS.steps, metavar="N",
                         help="training steps per method (integer >= 1; default: %(default)s)")
-    parser.add_argument("--rank", type=_int_at_least(1), default=_DEFAULTS.rank, metavar="R",
-                        help="PowerSGD approximation rank (integer >= 1; default: %(default)s)")
     parser.add_argument("--start-iter", type=_int_at_least(2), default=_DEFAULTS.start_iter, metavar="N",
                         help="plain-allreduce steps before PowerSGD starts (integer >= 2, less than "
                              "--steps; default: %(default)s)")
     parser.add_argument("--seed", type=_int_at_least(0), default=_DEFAULTS.seed, metavar="S",
-                        help="seed for data, initialisation and batch order (integer >= 0; "
+                        help="seed for the split, initialisation and batch order (integer >= 0; "
                              "default: %(default)s)")
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
-                        help="also write the results as JSON to PATH")
+    parser.add_argument("--out", type=Path, default=Path("gradpress-demo"), metavar="DIR",
+                        help="folder for demo.json, demo.md and demo.png (created; default: %(default)s)")
+    parser.add_argument("--bandwidth", type=parse_bandwidth, default=None, metavar="RATE",
+                        help="also report each method's MODELLED time on a link of this rate, e.g. 1gbit, "
+                             "100mbit, 10Gbit/s, 125MB/s: measured time + 2(n-1)/n x bytes sent / rate")
+    parser.add_argument("--warm-up-beta", type=_beta, default=None, metavar="BETA",
+                        help="PowerSGDState(warm_up_beta_factor=BETA) for the PowerSGD methods (in (0, 1])")
     parser.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                         help="give up (and stop the workers) after this long (default: %(default)s)")
     parser.set_defaults(func=run)
@@ -107,34 +170,42 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _worker(rank: int, world_size: int, port: int, config: dict[str, Any], methods: Sequence[str],
+def _worker(rank: int, world_size: int, port: int, config: dict[str, Any], methods: Sequence[Method],
             messages: Any, timeout: float) -> None:
-    """Worker process: join the gloo group, train every method, report through ``messages``.
+    """Worker process: join the group, train every method, report through ``messages``.
 
-    Messages: ``("progress", rank, method, step, steps, loss)``, ``("result", rank, method, dict)``,
-    ``("error", rank, method or None, traceback text)``. Exits 1 after an error.
+    Messages: ``("progress", rank, label, step, steps, loss)``, ``("result", rank, spec, dict)``,
+    ``("error", rank, label or None, traceback text)``. Exits 1 after an error. NCCL with GPU ``rank``
+    when there are at least ``world_size`` GPUs, gloo on CPU otherwise.
     """
-    method: str | None = None
+    label: str | None = None
     try:
         import torch
         import torch.distributed as dist
 
-        from ..workloads.digits import DemoConfig, train
+        from ..workloads.training import DemoConfig, train
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout))
+        use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+        device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         cfg = DemoConfig(**config)
 
         def progress(name: str, step: int, steps: int, loss: float) -> None:
             messages.put(("progress", rank, name, step, steps, loss))
 
         for method in methods:
-            messages.put(("result", rank, method, train(rank, world_size, method, cfg, on_progress=progress)))
-        method = None
+            label = method.label
+            result = train(rank, world_size, method, cfg, on_progress=progress, device=device)
+            result["backend"] = dist.get_backend()
+            messages.put(("result", rank, method.spec, result))
+        label = None
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - everything goes to the parent, which decides
-        messages.put(("error", rank, method, traceback.format_exc()))
+        messages.put(("error", rank, label, traceback.format_exc()))
         sys.exit(1)
 
 
@@ -232,9 +303,9 @@ def _raise_on_sigterm() -> Any:
 
 
 def run_workers(config: DemoConfig, workers: int, *, timeout: float = DEFAULT_TIMEOUT,
-                methods: Sequence[str] = METHODS,
+                methods: Sequence[Method],
                 on_progress: ProgressFn | None = None) -> dict[str, list[dict[str, Any]]]:
-    """Run every method on ``workers`` spawned gloo processes; ``{method: [result of rank 0, 1, ...]}``.
+    """Run every method on ``workers`` spawned processes; ``{method.spec: [result of rank 0, 1, ...]}``.
 
     Raises :class:`WorkerFailure` (after stopping every worker) if a worker raises, dies or the run
     takes longer than ``timeout`` seconds. No worker process outlives this call.
@@ -245,7 +316,7 @@ def run_workers(config: DemoConfig, workers: int, *, timeout: float = DEFAULT_TI
     procs = [ctx.Process(target=_worker, name=f"gradpress-demo-rank{rank}",
                          args=(rank, workers, port, config.to_dict(), tuple(methods), messages, timeout),
                          daemon=True) for rank in range(workers)]
-    results: dict[str, dict[int, dict[str, Any]]] = {method: {} for method in methods}
+    results: dict[str, dict[int, dict[str, Any]]] = {method.spec: {} for method in methods}
     errors: dict[int, tuple[str | None, str]] = {}
     expected = workers * len(methods)
     received = 0
@@ -311,7 +382,7 @@ def run_workers(config: DemoConfig, workers: int, *, timeout: float = DEFAULT_TI
         messages.join_thread()
         if saved_sigterm is not None:
             signal.signal(signal.SIGTERM, saved_sigterm)
-    return {method: [results[method][rank] for rank in range(workers)] for method in methods}
+    return {m.spec: [results[m.spec][rank] for rank in range(workers)] for m in methods}
 
 
 # --- report -------------------------------------------------------------------------------------------
@@ -323,79 +394,196 @@ def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'es' if noun.endswith('s') else 's'}"
 
 
-def _label(method: str, config: DemoConfig) -> str:
-    return f"powersgd (r={config.rank})" if method == "powersgd" else method
+def _format_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
-def summarize(results: dict[str, list[dict[str, Any]]], config: DemoConfig, workers: int,
-              wall_time: float) -> dict[str, Any]:
-    """The JSON document: config, per-method metrics (from rank 0) and the agreement checks."""
+def summarize(results: dict[str, list[dict[str, Any]]], config: DemoConfig, workers: int, wall_time: float,
+              bandwidth: float | None = None, command: str = "gradpress demo") -> dict[str, Any]:
+    """The JSON document: settings, per-method figures (rank 0's, plus every rank's checksum) and checks.
+
+    With ``bandwidth`` (bytes/s), each method gets ``modelled_time_s``: its measured training time plus
+    ``2 (n - 1) / n * bytes_total / bandwidth``, the time a ring allreduce of its payload takes on a link
+    of that rate (no latency, no overlap with computation).
+    """
+    task = get_task(config.task)
+    ring = 2 * (workers - 1) / workers
     methods: dict[str, Any] = {}
-    for method, per_rank in results.items():
+    for spec, per_rank in results.items():
         entry = {k: v for k, v in per_rank[0].items() if k not in ("rank", "checksum", "digest")}
         entry["checksums"] = [r["checksum"] for r in per_rank]
-        entry["ranks_agree"] = len({r["digest"] for r in per_rank}) == 1 \
-            and len({r["checksum"] for r in per_rank}) == 1
-        methods[method] = entry
-    cross_check: dict[str, Any] | None = None
-    if "powersgd" in methods:
-        ps = methods["powersgd"]
-        stats = ps["stats"] or {}
-        steps = ps["compressed_steps"]
-        cross_check = {
-            "plan_floats_per_step": ps["floats_per_step"],
-            "stats_floats_per_step": stats.get("floats_per_step"),
-            "compressed_steps": steps,
-            "ok": steps > 0 and stats.get("numel_after") == ps["floats_per_step"] * steps
-            and stats.get("numel_before") == ps["numel"] * steps,
-        }
+        entry["ranks_agree"] = len({r["digest"] for r in per_rank}) == 1
+        if bandwidth is not None:
+            entry["modelled_time_s"] = entry["wall_time_s"] + ring * entry["bytes_total"] / bandwidth
+        methods[spec] = entry
+    first = next(iter(results.values()))[0]
     return {
-        "command": "gradpress demo",
+        "command": command,
+        "task": config.task,
+        "task_description": task.description,
+        "metric_name": task.metric,
         "workers": workers,
+        "backend": first.get("backend", "gloo"),
         "config": config.to_dict(),
+        "batch_size": config.resolved_batch_size(),
+        "lr": config.resolved_lr(),
+        "parameters": first["numel"],
         "methods": methods,
         "ranks_agree": all(m["ranks_agree"] for m in methods.values()),
-        "cross_check": cross_check,
+        "bytes_check_ok": all(m["counted"]["ok"] for m in methods.values() if "counted" in m),
+        "bandwidth_bytes_per_s": bandwidth,
         "wall_time_s": wall_time,
     }
 
 
-def format_report(summary: dict[str, Any]) -> str:
-    """The side-by-side table and the check lines, as printed by ``gradpress demo``."""
-    config = DemoConfig(**summary["config"])
-    methods = summary["methods"]
-    header = ("method", "test acc", "train loss", "floats/step", "compression", "steps", "time (s)")
+def _table(summary: dict[str, Any], markdown: bool = False) -> list[str]:
+    metric = summary["metric_name"]
+    bandwidth = summary["bandwidth_bytes_per_s"]
+    header = ["method", "test acc" if metric == "accuracy" else "test ppl", "test loss", "train loss",
+              "bytes/step", "compression", "steps", "time (s)", "ms/step"]
+    if bandwidth is not None:
+        header.append(f"@{_format_rate(bandwidth)} (s)*")
     rows = [header]
-    for method, m in methods.items():
-        rows.append((_label(method, config), f"{100 * m['test_accuracy']:.1f}%", f"{m['train_loss']:.4f}",
-                     f"{m['floats_per_step']:,}", f"{m['compression_rate']:.1f}x", str(m["steps"]),
-                     f"{m['wall_time_s']:.2f}"))
+    for m in summary["methods"].values():
+        score = f"{100 * m['metric']:.1f}%" if metric == "accuracy" else f"{m['metric']:.2f}"
+        row = [m["label"], score, f"{m['test_loss']:.4f}", f"{m['train_loss']:.4f}",
+               _format_bytes(m["bytes_per_step"]), f"{m['compression_ratio']:.1f}x", str(m["steps"]),
+               f"{m['wall_time_s']:.1f}", f"{1000 * m['time_per_step_s']:.1f}"]
+        if bandwidth is not None:
+            row.append(f"{m['modelled_time_s']:.1f}")
+        rows.append(row)
+    if markdown:
+        return ["| " + " | ".join(r) + " |" for r in rows[:1]] + ["|" + "---|" * len(header)] + \
+               ["| " + " | ".join(r) + " |" for r in rows[1:]]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i])
-                       for i, cell in enumerate(row)) for row in rows]
+    lines = ["  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row))
+             for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    any_method = next(iter(methods.values()))
-    lines.append("")
-    lines.append(f"floats/step: floats each worker sends per step ({any_method['numel']:,} parameters; "
-                 f"PowerSGD after its first {config.start_iter} allreduce steps); time: training loop, "
-                 "slowest rank")
-    check = summary["cross_check"]
-    if check is not None:
-        status = "OK" if check["ok"] else "MISMATCH"
-        counted = check["stats_floats_per_step"]
-        counted_text = f"{counted:,.0f}" if counted is not None else "nothing"
-        lines.append(f"cross-check: make_plan says {check['plan_floats_per_step']:,} floats/step, "
-                     f"PowerSGDState.compression_stats() counted {counted_text} per step over "
-                     f"{check['compressed_steps']} compressed steps: {status}")
+    return lines
+
+
+def _notes(summary: dict[str, Any]) -> list[str]:
+    config = summary["config"]
+    metric = summary["metric_name"]
+    n = summary["workers"]
+    lines = [
+        ("test acc: accuracy on the held-out test set after the last step (higher is better)"
+         if metric == "accuracy" else
+         "test ppl: held-out perplexity per character after the last step (lower is better)"),
+        "test loss: mean cross-entropy on the test set; train loss: mean over the last logged interval",
+        "bytes/step: what each worker puts on the wire per step once compression runs (PowerSGD sends "
+        f"everything for its first {config['start_iter']} steps); compression: allreduce's bytes/step / "
+        "this method's",
+        f"time: training loop of the slowest worker, here ({summary['backend']}, {_plural(n, 'local process')}"
+        "), evaluation excluded",
+    ]
+    bandwidth = summary["bandwidth_bytes_per_s"]
+    if bandwidth is not None:
+        lines.append(f"* MODELLED, not measured: time here + 2(n-1)/n x bytes sent / rate, for n={n} workers "
+                     f"on a {_format_rate(bandwidth)} link (ring allreduce, no latency, no overlap)")
+    methods = summary["methods"]
+    counted = [m for m in methods.values() if "counted" in m]
+    if counted:
+        status = "OK" if summary["bytes_check_ok"] else "MISMATCH"
+        lines.append(f"bytes check: PowerSGDState.bytes_stats() counted exactly the plan's bytes for "
+                     f"{', '.join(m['label'] for m in counted)}: {status}")
     if summary["ranks_agree"]:
-        sums = ", ".join(f"{method} {m['checksums'][0]:.6f}" for method, m in methods.items())
-        lines.append(f"ranks agree: parameters identical on {_plural(summary['workers'], 'rank')} for every "
-                     f"method (parameter sums: {sums})")
+        lines.append(f"ranks agree: parameters identical on all {n} workers for every method")
     else:
-        for method, m in methods.items():
-            if not m["ranks_agree"]:
-                lines.append(f"RANKS DISAGREE for {method}: parameter sums per rank {m['checksums']}")
+        lines += [f"RANKS DISAGREE for {m['label']}: parameter sums per rank {m['checksums']}"
+                  for m in methods.values() if not m["ranks_agree"]]
+    return lines
+
+
+def _header(summary: dict[str, Any]) -> str:
+    config = summary["config"]
+    return (f"{summary['task']}: {summary['task_description']}; {summary['parameters']:,} parameters; "
+            f"{_plural(summary['workers'], 'worker')} ({summary['backend']}), {config['steps']} steps x batch "
+            f"{summary['batch_size']} per worker, SGD lr {summary['lr']:g} momentum {config['momentum']:g}, "
+            f"seed {config['seed']}")
+
+
+def format_report(summary: dict[str, Any]) -> str:
+    """The side-by-side table and its notes, as printed by ``gradpress demo``."""
+    return "\n".join([_header(summary), ""] + _table(summary) + [""] + _notes(summary))
+
+
+def format_markdown(summary: dict[str, Any], plot: str | None) -> str:
+    """``demo.md``: the same table and notes, in Markdown, with the plot."""
+    lines = ["# gradpress demo", "", f"`{summary['command']}`", "", _header(summary) + ".", ""]
+    lines += _table(summary, markdown=True) + [""] + [f"- {note}" for note in _notes(summary)]
+    lines += ["", f"Total wall time {summary['wall_time_s']:.1f} s, including starting the workers.", ""]
+    if plot:
+        lines += [f"![test metric and loss vs step and vs bytes sent]({plot})", ""]
     return "\n".join(lines)
+
+
+def plot(summary: dict[str, Any], path: Path) -> bool:
+    """Write the 2x2 figure (test metric and train loss, vs step and vs MB sent); ``False`` without
+    matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    metric = "test accuracy" if summary["metric_name"] == "accuracy" else "test perplexity (log)"
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8), constrained_layout=True)
+    for m in summary["methods"].values():
+        curve = m["curve"]
+        steps = [c["step"] for c in curve]
+        mb = [c["bytes"] / 1e6 for c in curve]
+        score = [c["metric"] for c in curve]
+        axes[0][0].plot(steps, score, label=m["label"])
+        axes[0][1].plot(mb[1:], score[1:], label=m["label"])  # step 0 has sent nothing (log axis)
+        axes[1][0].plot(steps[1:], [c["train_loss"] for c in curve[1:]], label=m["label"])
+        axes[1][1].plot(mb[1:], [c["train_loss"] for c in curve[1:]], label=m["label"])
+    for row, ylabel in ((0, metric), (1, "train loss (log)")):
+        for col, xlabel in ((0, "step"), (1, "MB sent per worker (log)")):
+            ax = axes[row][col]
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.grid(True, alpha=0.3)
+            if col == 1:
+                ax.set_xscale("log")
+            if row == 1 or summary["metric_name"] != "accuracy":
+                ax.set_yscale("log")
+    axes[0][0].axvline(summary["config"]["start_iter"], color="grey", linestyle=":", linewidth=1)
+    axes[0][0].legend()
+    fig.suptitle(f"gradpress demo: {summary['task']}, {summary['workers']} workers")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+class Progress:
+    """Progress bars on stderr: one line redrawn in place on a terminal, a line per milestone otherwise."""
+
+    def __init__(self, stream: Any = None, width: int = 24) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.width = width
+        self.started = time.perf_counter()
+        self.method_started: dict[str, float] = {}
+        self.milestones: dict[str, int] = {}
+
+    def __call__(self, label: str, step: int, steps: int, loss: float) -> None:
+        now = time.perf_counter()
+        began = self.method_started.setdefault(label, now)
+        filled = round(self.width * step / steps)
+        line = (f"  {label:<14} [{'#' * filled}{'.' * (self.width - filled)}] {step:>{len(str(steps))}}/{steps}"
+                f"  loss {loss:.4f}  {now - began:5.1f} s")
+        if self.tty:
+            self.stream.write("\r" + line + ("\n" if step == steps else ""))
+        else:
+            milestone = 2 * step // steps  # halfway and done
+            if milestone > self.milestones.get(label, 0):
+                self.milestones[label] = milestone
+                self.stream.write(line + "\n")
+        self.stream.flush()
 
 
 # --- the command --------------------------------------------------------------------------------------
@@ -406,48 +594,58 @@ def _fail(message: str, code: int = 2) -> int:
     return code
 
 
+def write_outputs(summary: dict[str, Any], out: Path) -> list[Path]:
+    """Write ``demo.json``, ``demo.png`` (if matplotlib is installed) and ``demo.md`` into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "demo.json"]
+    written[0].write_text(json.dumps(summary, indent=2) + "\n")
+    has_plot = plot(summary, out / "demo.png")
+    if has_plot:
+        written.append(out / "demo.png")
+    (out / "demo.md").write_text(format_markdown(summary, "demo.png" if has_plot else None))
+    written.append(out / "demo.md")
+    return written
+
+
 def run(args: argparse.Namespace) -> int:
     """``gradpress demo``: returns 0 on success, 1 if a worker or a check failed, 2 for bad arguments."""
-    if args.start_iter >= args.steps:
+    try:
+        task = get_task(args.task)
+        methods = parse_methods(args.methods, args.rank)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if args.start_iter >= args.steps and any(m.rank is not None for m in methods):
         return _fail(f"--start-iter must be smaller than --steps so that PowerSGD runs "
                      f"(got --start-iter {args.start_iter}, --steps {args.steps})")
-    json_path: Path | None = args.json
-    if json_path is not None and not json_path.parent.is_dir():
-        return _fail(f"--json: directory {str(json_path.parent)!r} does not exist")
-    config = DemoConfig(steps=args.steps, rank=args.rank, start_iter=args.start_iter, seed=args.seed,
-                        log_every=max(1, args.steps // 6))
-    model = make_model(config)
-    n_params = sum(p.numel() for p in model.parameters())
-    sizes = [model.fc1.in_features] + [layer.out_features for layer in (model.fc1, model.fc2, model.fc3)]
-    print(f"gradpress demo: {_plural(args.workers, 'worker')} (gloo, CPU), "
-          f"{config.steps} steps x batch {config.batch_size} per worker, MLP {'-'.join(map(str, sizes))} "
-          f"({n_params:,} parameters), generated 8x8 data ({config.n_train} train / {config.n_test} test)",
+    out: Path = args.out
+    if out.exists() and not out.is_dir():
+        return _fail(f"--out: {str(out)!r} exists and is not a folder")
+    config = DemoConfig(task=task.name, steps=args.steps, start_iter=args.start_iter, seed=args.seed,
+                        evals=min(15, args.steps), warm_up_beta=args.warm_up_beta)
+    argv = getattr(args, "argv", None)
+    command = "gradpress demo" + ("" if not argv else " " + " ".join(argv))
+    print(f"gradpress demo: {task.name} ({task.description}), {_plural(args.workers, 'worker')}, "
+          f"{len(methods)} methods x {config.steps} steps: {', '.join(m.label for m in methods)}",
           file=sys.stderr, flush=True)
-
     start = time.perf_counter()
-
-    def progress(method: str, step: int, steps: int, loss: float) -> None:
-        print(f"  [{_label(method, config)}] step {step:>{len(str(steps))}}/{steps}  loss {loss:.4f}  "
-              f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
-
     try:
-        results = run_workers(config, args.workers, timeout=args.timeout, on_progress=progress)
+        results = run_workers(config, args.workers, timeout=args.timeout, methods=methods, on_progress=Progress())
     except WorkerFailure as exc:
         return _fail(str(exc), code=1)
     wall_time = time.perf_counter() - start
 
-    summary = summarize(results, config, args.workers, wall_time)
+    summary = summarize(results, config, args.workers, wall_time, args.bandwidth, command)
     print(format_report(summary))
-    print(f"total wall time: {wall_time:.1f} s "
-          f"(including starting {_plural(args.workers, 'worker process')})")
-    if json_path is not None:
-        try:
-            json_path.write_text(json.dumps(summary, indent=2) + "\n")
-        except OSError as exc:
-            return _fail(f"--json: could not write {str(json_path)!r}: {exc}", code=1)
-        print(f"wrote {json_path}", file=sys.stderr)
+    print(f"total wall time: {wall_time:.1f} s (including starting {_plural(args.workers, 'worker process')})")
+    try:
+        written = write_outputs(summary, out)
+    except OSError as exc:
+        return _fail(f"--out: could not write to {str(out)!r}: {exc}", code=1)
+    if not any(p.name == "demo.png" for p in written):
+        print("no demo.png: matplotlib is not installed (pip install 'gradpress[demo]')", file=sys.stderr)
+    print(f"wrote {', '.join(p.name for p in written)} to {out}/")
     if not summary["ranks_agree"]:
-        return _fail("ranks ended with different parameters", code=1)
-    if summary["cross_check"] is not None and not summary["cross_check"]["ok"]:
-        return _fail("PowerSGD's counted traffic does not match make_plan", code=1)
+        return _fail("workers ended with different parameters", code=1)
+    if not summary["bytes_check_ok"]:
+        return _fail("PowerSGD's counted bytes do not match the plan", code=1)
     return 0

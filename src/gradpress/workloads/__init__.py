@@ -1,5 +1,8 @@
-"""Small, deterministic training workloads used by ``gradpress demo`` (generated data, no downloads)."""
+"""Training workloads for ``gradpress demo`` and ``examples/train.py``: real data that ships with
+scikit-learn or Python (nothing is downloaded), a model per task, and the data-parallel training loop."""
 
-from .digits import METHODS, DemoConfig, make_dataset, make_model, make_templates, param_checksum, train
+from .tasks import TASKS, Task, TaskData, get_task, task_names
+from .training import METHOD_KINDS, DemoConfig, Method, param_checksum, parse_methods, train
 
-__all__ = ["METHODS", "DemoConfig", "make_dataset", "make_model", "make_templates", "param_checksum", "train"]
+__all__ = ["METHOD_KINDS", "TASKS", "DemoConfig", "Method", "Task", "TaskData", "get_task", "param_checksum",
+           "parse_methods", "task_names", "train"]

@@ -1,0 +1,186 @@
+"""The demo's tasks: real data that ships with an installed package or with Python, and a model each.
+
+Nothing is downloaded.
+
+* ``digits``: scikit-learn's handwritten digits (1,797 scanned 8x8 images, 10 classes; the UCI "Optical
+  Recognition of Handwritten Digits" test set), a fixed seeded split of 1,497 train / 300 test images,
+  and a small CNN (:class:`DigitsCNN`). Metric: test accuracy.
+* ``charlm``: a character-level language model (:class:`CharLSTM`) on the English text of Python's own
+  documentation topics (``pydoc_data.topics``, ~465,000 characters, shipped with CPython). The last
+  10% of the text is held out. Metric: held-out perplexity per character.
+
+>>> task = get_task("digits")                                 # doctest: +SKIP
+>>> data = task.load(seed=0); model = task.model(seed=0)      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["CharLSTM", "DigitsCNN", "TASKS", "Task", "TaskData", "get_task", "task_names"]
+
+
+@dataclass
+class TaskData:
+    """Train and test tensors: inputs ``x`` and targets ``y`` (class indices or next characters)."""
+
+    x_train: Tensor
+    y_train: Tensor
+    x_test: Tensor
+    y_test: Tensor
+    description: str
+
+
+class DigitsCNN(nn.Module):
+    """1x8x8 -> conv 16 -> conv 32 -> max-pool -> 128 -> 10 (five weight tensors PowerSGD can compress)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc1 = nn.Linear(32 * 4 * 4, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.relu(self.conv1(x))
+        x = nn.functional.max_pool2d(torch.relu(self.conv2(x)), 2)
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+
+class CharLSTM(nn.Module):
+    """Character-level LSTM language model: embedding 64, one LSTM layer of 256, linear decoder."""
+
+    def __init__(self, vocab: int, embedding: int = 64, hidden: int = 256) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, embedding)
+        self.lstm = nn.LSTM(embedding, hidden, batch_first=True)
+        self.decoder = nn.Linear(hidden, vocab)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, _ = self.lstm(self.embed(x))
+        return self.decoder(out)  # (batch, sequence, vocab)
+
+
+def _load_digits(seed: int) -> TaskData:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as exc:
+        raise RuntimeError("the digits task needs scikit-learn (it ships the data): "
+                           "pip install 'gradpress[demo]' or pip install scikit-learn") from exc
+    bunch = load_digits()
+    x = torch.tensor(bunch.images.tolist(), dtype=torch.float32).unsqueeze(1) / 16.0  # (1797, 1, 8, 8)
+    x = (x - x.mean()) / x.std()
+    y = torch.tensor(bunch.target.tolist(), dtype=torch.long)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(40_000 + seed))
+    test, train = order[:300], order[300:]
+    return TaskData(x[train], y[train], x[test], y[test],
+                    f"scikit-learn handwritten digits ({len(train)} train / {len(test)} test, 8x8)")
+
+
+#: Characters the language model knows: newline and printable ASCII; everything else maps to index 0.
+CHARSET = "\0\n" + "".join(chr(c) for c in range(32, 127))
+SEQUENCE = 64
+
+
+def _load_text() -> str:
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as exc:  # some minimal Python builds leave pydoc_data out
+        raise RuntimeError("the charlm task reads Python's documentation topics (pydoc_data), which this "
+                           "Python installation does not include") from exc
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def _load_charlm(seed: int) -> TaskData:
+    text = _load_text()
+    lookup = {c: i for i, c in enumerate(CHARSET)}
+    codes = torch.tensor([lookup.get(c, 0) for c in text], dtype=torch.long)
+    split = int(len(codes) * 0.9)
+
+    def windows(part: Tensor, count: int | None, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        n = (len(part) - 1) // SEQUENCE
+        starts = torch.arange(n) * SEQUENCE
+        if count is not None:
+            starts = starts[torch.randperm(n, generator=gen)[:count]]
+        index = starts[:, None] + torch.arange(SEQUENCE + 1)
+        chunk = part[index]
+        return chunk[:, :-1], chunk[:, 1:]
+
+    gen = torch.Generator().manual_seed(50_000 + seed)
+    x_train, y_train = windows(codes[:split], None, gen)
+    x_test, y_test = windows(codes[split:], 256, gen)  # a fixed sample of held-out windows
+    return TaskData(x_train, y_train, x_test, y_test,
+                    f"Python's documentation text (pydoc_data, {len(text):,} characters; "
+                    f"{len(x_train)} train / {len(x_test)} held-out windows of {SEQUENCE})")
+
+
+@dataclass(frozen=True)
+class Task:
+    """A demo task: how to load its data, build its model, and score it.
+
+    ``metric`` names the test score (``"accuracy"``: higher is better; ``"perplexity"``: lower is).
+    ``evaluate(model, x, y)`` returns ``(loss sum, score numerator, count)`` over the batch so that sums
+    across workers give the dataset's mean loss and score.
+    """
+
+    name: str
+    description: str
+    metric: str
+    load: Callable[[int], TaskData]
+    build: Callable[[], nn.Module]
+    lr: float
+    batch_size: int
+
+    def model(self, seed: int) -> nn.Module:
+        """The model, initialised from ``seed`` only (the same on every worker and for every method)."""
+        state = torch.random.get_rng_state()
+        try:
+            torch.manual_seed(seed)
+            return self.build()
+        finally:
+            torch.random.set_rng_state(state)
+
+    def loss(self, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        """Mean cross-entropy of the batch."""
+        out = model(x)
+        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    def evaluate(self, model: nn.Module, x: Tensor, y: Tensor) -> tuple[float, float, float]:
+        with torch.no_grad():
+            out = model(x)
+            out, target = out.reshape(-1, out.shape[-1]), y.reshape(-1)
+            loss = float(nn.functional.cross_entropy(out, target, reduction="sum"))
+            correct = float((out.argmax(dim=1) == target).sum())
+        return loss, correct, float(target.numel())
+
+    def score(self, loss_sum: float, correct: float, count: float) -> float:
+        """The metric from summed :meth:`evaluate` results."""
+        if self.metric == "accuracy":
+            return correct / count
+        return math.exp(loss_sum / count)
+
+
+TASKS: dict[str, Task] = {
+    "digits": Task("digits", "small CNN on scikit-learn's handwritten digits", "accuracy", _load_digits,
+                   DigitsCNN, lr=0.05, batch_size=32),
+    "charlm": Task("charlm", "character-level LSTM on Python's documentation text", "perplexity",
+                   _load_charlm, lambda: CharLSTM(len(CHARSET)), lr=0.5, batch_size=16),
+}
+
+
+def task_names() -> tuple[str, ...]:
+    """The valid ``--task`` values."""
+    return tuple(TASKS)
+
+
+def get_task(name: str) -> Task:
+    """The task called ``name``; ``ValueError`` listing the valid names otherwise."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}") from None

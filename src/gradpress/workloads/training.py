@@ -1,0 +1,277 @@
+"""One data-parallel training run of a demo task with one communication method, and its figures.
+
+Used by ``gradpress demo`` (which spawns the workers) and by ``examples/train.py`` (under ``torchrun``):
+the same code path. Every run with the same :class:`DemoConfig` sees the same data in the same order
+and starts from the same weights, so methods differ only in how gradients are communicated.
+
+>>> # inside each worker, after dist.init_process_group(...)                     # doctest: +SKIP
+>>> result = train(rank, world_size, parse_methods("powersgd", [2])[0], DemoConfig(steps=100))
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..hooks import PowerSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook, powerSGD_hook
+from ..powersgd import Plan, make_plan
+from .tasks import get_task
+
+__all__ = ["DemoConfig", "METHOD_KINDS", "Method", "ProgressFn", "param_checksum", "parse_methods", "train"]
+
+#: Method kinds: what each sends per step (``powersgd`` and ``multi`` take a rank).
+METHOD_KINDS: dict[str, str] = {
+    "allreduce": "plain allreduce of fp32 gradients (the baseline)",
+    "fp16": "gradients cast to fp16 for the allreduce (fp16_compress_hook)",
+    "bf16": "gradients cast to bf16 for the allreduce (bf16_compress_hook)",
+    "powersgd": "PowerSGD DDP hook, rank r (classic: P and Q every step)",
+    "multi": "multi-iteration PowerSGD, one one-sided iteration per step (half of powersgd's floats)",
+}
+_RANKED = ("powersgd", "multi")
+
+#: ``on_progress(label, step, steps, loss)``: called on rank 0 at every logged step.
+ProgressFn = Callable[[str, int, int, float], None]
+
+
+@dataclass(frozen=True)
+class Method:
+    """A communication method: ``kind`` (a key of :data:`METHOD_KINDS`) and, for PowerSGD, its rank."""
+
+    kind: str
+    rank: int | None = None
+
+    @property
+    def label(self) -> str:
+        """``"allreduce"``, ``"powersgd r=2"``, ``"multi r=2"``."""
+        return self.kind if self.rank is None else f"{self.kind} r={self.rank}"
+
+    @property
+    def spec(self) -> str:
+        """The ``--methods`` spelling that selects exactly this method (``"powersgd:2"``)."""
+        return self.kind if self.rank is None else f"{self.kind}:{self.rank}"
+
+
+def parse_methods(text: str | Sequence[str], ranks: Sequence[int]) -> list[Method]:
+    """``"allreduce,powersgd,multi:4"`` -> methods; a PowerSGD kind without ``:R`` runs once per rank.
+
+    Raises ``ValueError`` (naming the valid methods) for an unknown name or a bad rank.
+    """
+    names = [t.strip() for t in (text.split(",") if isinstance(text, str) else text) if t.strip()]
+    if not names:
+        raise ValueError(f"--methods is empty; valid methods: {', '.join(METHOD_KINDS)}")
+    out: list[Method] = []
+    for name in names:
+        kind, _, rank_text = name.partition(":")
+        if kind not in METHOD_KINDS:
+            raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(METHOD_KINDS)} "
+                             "(powersgd and multi also as powersgd:R)")
+        if kind not in _RANKED:
+            if rank_text:
+                raise ValueError(f"method {kind!r} takes no rank (got {name!r})")
+            candidates = [Method(kind)]
+        elif rank_text:
+            if not rank_text.isdigit() or int(rank_text) < 1:
+                raise ValueError(f"method {name!r}: the rank after ':' must be an integer >= 1")
+            candidates = [Method(kind, int(rank_text))]
+        else:
+            candidates = [Method(kind, r) for r in ranks]
+        out += [m for m in candidates if m not in out]
+    return out
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Everything that defines a run (identical on every worker).
+
+    ``batch_size`` (per worker) and ``lr`` default to the task's. ``start_iter``: plain-allreduce steps
+    before PowerSGD starts. ``evals``: how many times the test metric is measured along the run.
+    ``warm_up_beta``: ``PowerSGDState(warm_up_beta_factor=...)`` for the PowerSGD methods.
+    ``fail_at_step``/``fail_rank``: make that rank raise at that step (to exercise failure handling).
+    """
+
+    task: str = "digits"
+    steps: int = 300
+    start_iter: int = 30
+    seed: int = 0
+    batch_size: int | None = None
+    lr: float | None = None
+    momentum: float = 0.9
+    min_compression_rate: float = 2.0
+    evals: int = 15
+    warm_up_beta: float | None = None
+    fail_at_step: int | None = None
+    fail_rank: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (JSON-serialisable, picklable)."""
+        return asdict(self)
+
+    def resolved_batch_size(self) -> int:
+        return self.batch_size if self.batch_size is not None else get_task(self.task).batch_size
+
+    def resolved_lr(self) -> float:
+        return self.lr if self.lr is not None else get_task(self.task).lr
+
+
+def param_checksum(model: nn.Module) -> tuple[float, str]:
+    """``(sum of all parameters in float64, sha256 of their bytes)``: equal iff workers hold equal weights."""
+    digest = hashlib.sha256()
+    total = 0.0
+    for param in model.parameters():
+        data = param.detach().cpu().contiguous()
+        total += float(data.double().sum())
+        digest.update(ctypes.string_at(data.data_ptr(), data.numel() * data.element_size()))  # no numpy
+    return total, digest.hexdigest()
+
+
+def bytes_schedule(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
+    """Payload bytes one worker sends at each step (1-based index - 1), from the plan.
+
+    fp32 gradients: allreduce 4 bytes per element, fp16/bf16 2; PowerSGD sends every element (fp32)
+    for ``start_iter`` steps, then ``(n + m) r`` per compressed matrix (classic), or one factor per step
+    for ``multi`` (alternately ``n r`` and ``m r``).
+    """
+    out = []
+    for step in range(config.steps):
+        if method.kind in ("fp16", "bf16"):
+            out.append(2 * plan.numel)
+        elif method.kind == "allreduce" or step < config.start_iter:
+            out.append(4 * plan.numel)
+        elif method.kind == "powersgd":
+            out.append(4 * plan.numel_sent)
+        else:
+            out.append(4 * plan.numel_sent_per_step(1, step - config.start_iter))
+    return out
+
+
+def _hook(method: Method, config: DemoConfig) -> tuple[Any, Any]:
+    if method.kind == "allreduce":
+        return None, allreduce_hook
+    if method.kind == "fp16":
+        return None, fp16_compress_hook
+    if method.kind == "bf16":
+        return None, bf16_compress_hook
+    state = PowerSGDState(None, matrix_approximation_rank=method.rank or 1, start_powerSGD_iter=config.start_iter,
+                          min_compression_rate=config.min_compression_rate, random_seed=config.seed,
+                          num_iters_per_step=1 if method.kind == "multi" else None,
+                          warm_up_beta_factor=config.warm_up_beta)
+    return state, powerSGD_hook
+
+
+def _evaluate(task: Any, model: nn.Module, x: Tensor, y: Tensor, device: torch.device) -> tuple[float, float]:
+    """(mean test loss, metric) over the whole test set, summed across workers."""
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64)
+    for start in range(0, len(y), 256):
+        sums += torch.tensor(task.evaluate(model, x[start: start + 256].to(device), y[start: start + 256].to(device)),
+                             dtype=torch.float64)
+    model.train()
+    sums = sums.to(device)
+    dist.all_reduce(sums)
+    loss_sum, correct, count = (float(v) for v in sums.cpu())
+    return loss_sum / count, task.score(loss_sum, correct, count)
+
+
+def train(rank: int, world_size: int, method: Method, config: DemoConfig,
+          on_progress: ProgressFn | None = None, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Train ``config.task``'s model with DDP and ``method``; return metrics, curves and a checksum.
+
+    Needs an initialised default process group. Worker ``rank`` trains on its shard of the training
+    set (``rank::world_size``), reshuffled every epoch from the seed; the test metric is over the whole
+    test set (sharded, summed across workers). ``wall_time_s`` is the training loop without the
+    evaluations, slowest worker. Bytes are the payload one worker sends (:func:`bytes_schedule`);
+    for PowerSGD they are cross-checked against ``PowerSGDState.bytes_stats()``.
+    """
+    if method.kind not in METHOD_KINDS:
+        raise ValueError(f"unknown method {method.kind!r}; valid methods: {', '.join(METHOD_KINDS)}")
+    device = torch.device(device)
+    task = get_task(config.task)
+    data = task.load(config.seed)
+    x_local, y_local = data.x_train[rank::world_size], data.y_train[rank::world_size]
+    x_test, y_test = data.x_test[rank::world_size], data.y_test[rank::world_size]
+    batch_size = config.resolved_batch_size()
+
+    model = task.model(config.seed).to(device)
+    plan = make_plan([p.shape for p in model.parameters()], method.rank or 1, config.min_compression_rate)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    state, hook = _hook(method, config)
+    ddp.register_comm_hook(state, hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=config.resolved_lr(), momentum=config.momentum)
+    schedule = bytes_schedule(method, plan, config)
+
+    eval_steps = {max(1, round(config.steps * (i + 1) / config.evals)) for i in range(config.evals)}
+    order_gen = torch.Generator().manual_seed(30_000 + 1_000 * config.seed + rank)
+    order = torch.randperm(len(y_local), generator=order_gen)
+    cursor, running, running_n, sent = 0, 0.0, 0, 0
+    curve: list[dict[str, Any]] = []
+    test_loss, metric = _evaluate(task, model, x_test, y_test, device)
+    curve.append({"step": 0, "train_loss": None, "test_loss": test_loss, "metric": metric, "bytes": 0})
+    train_time = 0.0
+    dist.barrier()
+    for step in range(1, config.steps + 1):
+        start = time.perf_counter()
+        if cursor + batch_size > len(order):
+            order = torch.randperm(len(y_local), generator=order_gen)
+            cursor = 0
+        index = order[cursor: cursor + batch_size]
+        cursor += batch_size
+        if config.fail_at_step == step and rank == config.fail_rank:
+            raise RuntimeError(f"injected failure on rank {rank} at step {step} (DemoConfig.fail_at_step)")
+        optimizer.zero_grad(set_to_none=True)
+        loss = task.loss(ddp, x_local[index].to(device), y_local[index].to(device))
+        loss.backward()
+        optimizer.step()
+        running += float(loss.detach())
+        train_time += time.perf_counter() - start
+        running_n += 1
+        sent += schedule[step - 1]
+        if step in eval_steps:
+            test_loss, metric = _evaluate(task, model, x_test, y_test, device)
+            curve.append({"step": step, "train_loss": running / running_n, "test_loss": test_loss,
+                          "metric": metric, "bytes": sent})
+            if on_progress is not None and rank == 0:
+                on_progress(method.label, step, config.steps, running / running_n)
+            running, running_n = 0.0, 0
+
+    times = torch.tensor([train_time], dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    checksum, digest = param_checksum(model)
+    steady = schedule[-1] if method.kind != "multi" else sum(schedule[config.start_iter:]) / max(
+        1, config.steps - config.start_iter)
+    result: dict[str, Any] = {
+        "method": method.spec,
+        "label": method.label,
+        "rank": rank,
+        "world_size": world_size,
+        "steps": config.steps,
+        "metric_name": task.metric,
+        "metric": curve[-1]["metric"],
+        "test_loss": curve[-1]["test_loss"],
+        "train_loss": curve[-1]["train_loss"],
+        "wall_time_s": float(times[0]),
+        "time_per_step_s": float(times[0]) / config.steps,
+        "numel": plan.numel,
+        "bytes_per_step": steady,
+        "bytes_allreduce_per_step": 4 * plan.numel,
+        "compression_ratio": 4 * plan.numel / steady,
+        "bytes_total": sent,
+        "curve": curve,
+        "checksum": checksum,
+        "digest": digest,
+    }
+    if state is not None:
+        compressed = max(0, config.steps - config.start_iter)
+        _, before, after = state.bytes_stats()
+        result["counted"] = {"compressed_steps": compressed, "bytes_before": before, "bytes_after": after,
+                             "ok": after == sum(schedule[config.start_iter:])
+                             and before == 4 * plan.numel * compressed}
+    return result
