@@ -45,7 +45,8 @@ def test_demo_end_to_end_writes_three_files_consistent_with_the_plan(tmp_path: P
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     code = main(["demo", "--workers", "2", "--steps", "12", "--start-iter", "4",
-                 "--methods", "allreduce,fp16,powersgd:2,multi:2", "--out", str(out), "--bandwidth", "100mbit"])
+                 "--methods", "allreduce,fp16,powersgd:2,multi:2,localsgd:4", "--out", str(out),
+                 "--bandwidth", "100mbit"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert sorted(p.name for p in out.iterdir()) == ["demo.json", "demo.md", "demo.png"]
@@ -55,7 +56,7 @@ def test_demo_end_to_end_writes_three_files_consistent_with_the_plan(tmp_path: P
 
     report = json.loads((out / "demo.json").read_text())
     methods = report["methods"]
-    assert list(methods) == ["allreduce", "fp16", "powersgd:2", "multi:2"]
+    assert list(methods) == ["allreduce", "fp16", "powersgd:2", "multi:2", "localsgd:4"]
     assert report["workers"] == 2 and report["config"]["steps"] == 12 and report["task"] == "digits"
     md = (out / "demo.md").read_text()
     assert all(m["label"] in md for m in methods.values()) and "demo.png" in md
@@ -63,7 +64,7 @@ def test_demo_end_to_end_writes_three_files_consistent_with_the_plan(tmp_path: P
     shapes = [tuple(p.shape) for p in get_task("digits").model(0).parameters()]
     plan = gradpress.make_plan(shapes, 2, report["config"]["min_compression_rate"])
     numel = sum(math.prod(s) for s in shapes)
-    allreduce, fp16, powersgd, multi = methods.values()
+    allreduce, fp16, powersgd, multi, localsgd = methods.values()
     assert allreduce["bytes_per_step"] == 4 * numel == 4 * plan.numel
     assert fp16["bytes_per_step"] * 2 == allreduce["bytes_per_step"]
     assert powersgd["bytes_per_step"] == 4 * _floats_sent_by_hand(shapes, 2, 2.0) == 4 * plan.numel_sent
@@ -77,6 +78,10 @@ def test_demo_end_to_end_writes_three_files_consistent_with_the_plan(tmp_path: P
     assert powersgd["bytes_total"] == 4 * (4 * numel + 8 * plan.numel_sent)
     assert powersgd["counted"]["bytes_after"] == 8 * 4 * plan.numel_sent and powersgd["counted"]["ok"]
     assert multi["counted"]["ok"] and report["bytes_check_ok"]
+    # Local SGD: 4 synchronous steps, averages at steps 5 and 9, and a final one so that ranks agree.
+    assert localsgd["synchronizations"] == 4 + 2 + 1 and allreduce["synchronizations"] == 12
+    assert localsgd["bytes_total"] == 7 * 4 * numel and localsgd["compression_ratio"] == 4
+    assert localsgd["counted"] == {"averages": 2, "bytes_averaged": 2 * 4 * numel, "ok": True}
     for entry in methods.values():
         assert entry["ranks_agree"] and len(set(entry["checksums"])) == 1
         assert 0.0 <= entry["metric"] <= 1.0 and entry["test_loss"] > 0 and entry["steps"] == 12
@@ -130,7 +135,7 @@ def test_demo_defaults_are_the_documented_ones() -> None:
     args = build_parser().parse_args(["demo"])
     assert args.workers == 4 and args.task == "digits" and args.rank == [1, 2]
     assert [m.label for m in parse_methods(args.methods, args.rank)] == [
-        "allreduce", "fp16", "powersgd r=1", "powersgd r=2", "multi r=1", "multi r=2"]
+        "allreduce", "fp16", "powersgd r=1", "powersgd r=2", "multi r=1", "multi r=2", "localsgd H=8", "diloco H=8"]
     assert str(args.out) == "gradpress-demo"
 
 

@@ -39,7 +39,7 @@ __all__ = ["WorkerFailure", "format_report", "free_port", "parse_bandwidth", "re
 
 _DEFAULTS = DemoConfig()
 DEFAULT_TIMEOUT = 600.0
-DEFAULT_METHODS = "allreduce,fp16,powersgd,multi"
+DEFAULT_METHODS = "allreduce,fp16,powersgd,multi,localsgd,diloco"
 DEFAULT_RANKS = "1,2"
 
 
@@ -443,14 +443,15 @@ def _table(summary: dict[str, Any], markdown: bool = False) -> list[str]:
     metric = summary["metric_name"]
     bandwidth = summary["bandwidth_bytes_per_s"]
     header = ["method", "test acc" if metric == "accuracy" else "test ppl", "test loss", "train loss",
-              "bytes/step", "compression", "steps", "time (s)", "ms/step"]
+              "bytes/step", "compression", "syncs", "steps", "time (s)", "ms/step"]
     if bandwidth is not None:
         header.append(f"@{_format_rate(bandwidth)} (s)*")
     rows = [header]
     for m in summary["methods"].values():
         score = f"{100 * m['metric']:.1f}%" if metric == "accuracy" else f"{m['metric']:.2f}"
         row = [m["label"], score, f"{m['test_loss']:.4f}", f"{m['train_loss']:.4f}",
-               _format_bytes(m["bytes_per_step"]), f"{m['compression_ratio']:.1f}x", str(m["steps"]),
+               _format_bytes(m["bytes_per_step"]), f"{m['compression_ratio']:.1f}x", str(m["synchronizations"]),
+               str(m["steps"]),
                f"{m['wall_time_s']:.1f}", f"{1000 * m['time_per_step_s']:.1f}"]
         if bandwidth is not None:
             row.append(f"{m['modelled_time_s']:.1f}")
@@ -475,8 +476,9 @@ def _notes(summary: dict[str, Any]) -> list[str]:
          "test ppl: held-out perplexity per character after the last step (lower is better)"),
         "test loss: mean cross-entropy on the test set; train loss: mean over the last logged interval",
         "bytes/step: what each worker puts on the wire per step once compression runs (PowerSGD sends "
-        f"everything for its first {config['start_iter']} steps); compression: allreduce's bytes/step / "
-        "this method's",
+        f"everything for its first {config['start_iter']} steps; local SGD averages the model every H steps "
+        "after them, and once more at the end); compression: allreduce's bytes/step / this method's; "
+        "syncs: steps with communication",
         f"time: training loop of the slowest worker, here ({summary['backend']}, {_plural(n, 'local process')}"
         "), evaluation excluded",
     ]

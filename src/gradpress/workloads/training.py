@@ -22,7 +22,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..hooks import PowerSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook, powerSGD_hook
+from ..averaging import (ModelAverager, OuterOptimizerAverager, PeriodicModelAverager, PostLocalSGDOptimizer,
+                         average_tensors_, tensors_to_average)
+from ..hooks import (PostLocalSGDState, PowerSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook,
+                     post_localSGD_hook, powerSGD_hook)
 from ..powersgd import Plan, make_plan
 from .tasks import get_task
 
@@ -35,8 +38,15 @@ METHOD_KINDS: dict[str, str] = {
     "bf16": "gradients cast to bf16 for the allreduce (bf16_compress_hook)",
     "powersgd": "PowerSGD DDP hook, rank r (classic: P and Q every step)",
     "multi": "multi-iteration PowerSGD, one one-sided iteration per step (half of powersgd's floats)",
+    "localsgd": "post-local SGD: synchronous until --start-iter, then local steps and model averaging "
+                "every H steps (localsgd:H, default 8)",
+    "diloco": "like localsgd, but every H steps the averaged change goes through an outer Nesterov "
+              "optimizer (DiLoCo; outer lr 0.7, momentum 0.5)",
 }
 _RANKED = ("powersgd", "multi")
+_PERIODIC = ("localsgd", "diloco")
+#: Averaging period of ``localsgd`` and ``diloco`` when none is given.
+DEFAULT_PERIOD = 8
 
 #: ``on_progress(label, step, steps, loss)``: called on rank 0 at every logged step.
 ProgressFn = Callable[[str, int, int, float], None]
@@ -44,24 +54,30 @@ ProgressFn = Callable[[str, int, int, float], None]
 
 @dataclass(frozen=True)
 class Method:
-    """A communication method: ``kind`` (a key of :data:`METHOD_KINDS`) and, for PowerSGD, its rank."""
+    """A communication method: ``kind`` (a key of :data:`METHOD_KINDS`), PowerSGD's rank or local
+    SGD's averaging period."""
 
     kind: str
     rank: int | None = None
+    period: int | None = None
 
     @property
     def label(self) -> str:
-        """``"allreduce"``, ``"powersgd r=2"``, ``"multi r=2"``."""
+        """``"allreduce"``, ``"powersgd r=2"``, ``"multi r=2"``, ``"localsgd H=8"``."""
+        if self.period is not None:
+            return f"{self.kind} H={self.period}"
         return self.kind if self.rank is None else f"{self.kind} r={self.rank}"
 
     @property
     def spec(self) -> str:
         """The ``--methods`` spelling that selects exactly this method (``"powersgd:2"``)."""
-        return self.kind if self.rank is None else f"{self.kind}:{self.rank}"
+        number = self.rank if self.period is None else self.period
+        return self.kind if number is None else f"{self.kind}:{number}"
 
 
 def parse_methods(text: str | Sequence[str], ranks: Sequence[int]) -> list[Method]:
-    """``"allreduce,powersgd,multi:4"`` -> methods; a PowerSGD kind without ``:R`` runs once per rank.
+    """``"allreduce,powersgd,multi:4,localsgd:16"`` -> methods; a PowerSGD kind without ``:R`` runs once
+    per rank; ``localsgd``/``diloco`` take an averaging period ``:H`` (default :data:`DEFAULT_PERIOD`).
 
     Raises ``ValueError`` (naming the valid methods) for an unknown name or a bad rank.
     """
@@ -73,8 +89,12 @@ def parse_methods(text: str | Sequence[str], ranks: Sequence[int]) -> list[Metho
         kind, _, rank_text = name.partition(":")
         if kind not in METHOD_KINDS:
             raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(METHOD_KINDS)} "
-                             "(powersgd and multi also as powersgd:R)")
-        if kind not in _RANKED:
+                             "(powersgd and multi also as powersgd:R, localsgd and diloco as localsgd:H)")
+        if kind in _PERIODIC:
+            if rank_text and (not rank_text.isdigit() or int(rank_text) < 1):
+                raise ValueError(f"method {name!r}: the period after ':' must be an integer >= 1")
+            candidates = [Method(kind, period=int(rank_text) if rank_text else DEFAULT_PERIOD)]
+        elif kind not in _RANKED:
             if rank_text:
                 raise ValueError(f"method {kind!r} takes no rank (got {name!r})")
             candidates = [Method(kind)]
@@ -95,6 +115,8 @@ class DemoConfig:
     ``batch_size`` (per worker) and ``lr`` default to the task's. ``start_iter``: plain-allreduce steps
     before PowerSGD starts. ``evals``: how many times the test metric is measured along the run.
     ``warm_up_beta``: ``PowerSGDState(warm_up_beta_factor=...)`` for the PowerSGD methods.
+    ``outer_lr``, ``outer_momentum``: ``diloco``'s outer Nesterov SGD (momentum 0.5, not DiLoCo's 0.9,
+    which is tuned for periods of hundreds of AdamW steps and diverges on this short-period demo).
     ``fail_at_step``/``fail_rank``: make that rank raise at that step (to exercise failure handling).
     """
 
@@ -108,6 +130,8 @@ class DemoConfig:
     min_compression_rate: float = 2.0
     evals: int = 15
     warm_up_beta: float | None = None
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.5
     fail_at_step: int | None = None
     fail_rank: int = 1
 
@@ -138,11 +162,16 @@ def bytes_schedule(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
 
     fp32 gradients: allreduce 4 bytes per element, fp16/bf16 2; PowerSGD sends every element (fp32)
     for ``start_iter`` steps, then ``(n + m) r`` per compressed matrix (classic), or one factor per step
-    for ``multi`` (alternately ``n r`` and ``m r``).
+    for ``multi`` (alternately ``n r`` and ``m r``). ``localsgd``/``diloco`` send every element on the
+    synchronous steps and on each averaging step (every ``period`` steps from ``start_iter``), nothing
+    on the others.
     """
     out = []
     for step in range(config.steps):
-        if method.kind in ("fp16", "bf16"):
+        if method.period is not None:
+            averaging = step < config.start_iter or (step - config.start_iter) % method.period == 0
+            out.append(4 * plan.numel if averaging else 0)
+        elif method.kind in ("fp16", "bf16"):
             out.append(2 * plan.numel)
         elif method.kind == "allreduce" or step < config.start_iter:
             out.append(4 * plan.numel)
@@ -160,6 +189,9 @@ def _hook(method: Method, config: DemoConfig) -> tuple[Any, Any]:
         return None, fp16_compress_hook
     if method.kind == "bf16":
         return None, bf16_compress_hook
+    if method.period is not None:  # gradients averaged until start_iter, then none (model averaging)
+        return PostLocalSGDState(None, None, start_localSGD_iter=config.start_iter,
+                                 post_local_gradient_allreduce=False), post_localSGD_hook
     state = PowerSGDState(None, matrix_approximation_rank=method.rank or 1, start_powerSGD_iter=config.start_iter,
                           min_compression_rate=config.min_compression_rate, random_seed=config.seed,
                           num_iters_per_step=1 if method.kind == "multi" else None,
@@ -205,7 +237,16 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     state, hook = _hook(method, config)
     ddp.register_comm_hook(state, hook)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=config.resolved_lr(), momentum=config.momentum)
+    optimizer: torch.optim.Optimizer = torch.optim.SGD(ddp.parameters(), lr=config.resolved_lr(),
+                                                       momentum=config.momentum)
+    averager: ModelAverager | None = None
+    if method.kind == "localsgd":
+        averager = PeriodicModelAverager(method.period or 1, warmup_steps=config.start_iter)
+    elif method.kind == "diloco":
+        averager = OuterOptimizerAverager(method.period or 1, warmup_steps=config.start_iter,
+                                          outer_lr=config.outer_lr, outer_momentum=config.outer_momentum)
+    if averager is not None:
+        optimizer = PostLocalSGDOptimizer(optimizer, averager)
     schedule = bytes_schedule(method, plan, config)
 
     eval_steps = {max(1, round(config.steps * (i + 1) / config.evals)) for i in range(config.evals)}
@@ -242,11 +283,21 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
                 on_progress(method.label, step, config.steps, running / running_n)
             running, running_n = 0.0, 0
 
+    syncs = config.steps
+    if averager is not None:
+        syncs = min(config.steps, config.start_iter) + averager.num_averages
+        if schedule[-1] == 0:  # end on the average of the workers' models, the model one would keep
+            sent += average_tensors_(tensors_to_average(model.parameters()))
+            syncs += 1
+            test_loss, metric = _evaluate(task, model, x_test, y_test, device)
+            curve.append({**curve[-1], "test_loss": test_loss, "metric": metric, "bytes": sent})
     times = torch.tensor([train_time], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     checksum, digest = param_checksum(model)
-    steady = schedule[-1] if method.kind != "multi" else sum(schedule[config.start_iter:]) / max(
-        1, config.steps - config.start_iter)
+    tail = schedule[config.start_iter:]
+    steady = sum(tail) / len(tail) if method.kind == "multi" and tail else schedule[-1]
+    if method.period is not None:
+        steady = 4 * plan.numel / method.period
     result: dict[str, Any] = {
         "method": method.spec,
         "label": method.label,
@@ -264,11 +315,15 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
         "bytes_allreduce_per_step": 4 * plan.numel,
         "compression_ratio": 4 * plan.numel / steady,
         "bytes_total": sent,
+        "synchronizations": syncs,
         "curve": curve,
         "checksum": checksum,
         "digest": digest,
     }
-    if state is not None:
+    if averager is not None:
+        result["counted"] = {"averages": averager.num_averages, "bytes_averaged": averager.bytes_sent,
+                             "ok": averager.bytes_sent == sum(tail)}
+    elif isinstance(state, PowerSGDState):
         compressed = max(0, config.steps - config.start_iter)
         _, before, after = state.bytes_stats()
         result["counted"] = {"compressed_steps": compressed, "bytes_before": before, "bytes_after": after,
