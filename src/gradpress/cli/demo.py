@@ -490,8 +490,8 @@ def _notes(summary: dict[str, Any]) -> list[str]:
     counted = [m for m in methods.values() if "counted" in m]
     if counted:
         status = "OK" if summary["bytes_check_ok"] else "MISMATCH"
-        lines.append(f"bytes check: PowerSGDState.bytes_stats() counted exactly the plan's bytes for "
-                     f"{', '.join(m['label'] for m in counted)}: {status}")
+        lines.append(f"bytes check: the bytes counted by PowerSGDState.bytes_stats() and the model averagers "
+                     f"equal the plan's for {', '.join(m['label'] for m in counted)}: {status}")
     if summary["ranks_agree"]:
         lines.append(f"ranks agree: parameters identical on all {n} workers for every method")
     else:
