@@ -9,6 +9,7 @@ alternating scheme sends P and Q on alternate iterations. The same figures are w
 
     python benchmarks/floats.py                     # markdown table on stdout
     python benchmarks/floats.py --models resnet18 --ranks 1,2,4 --iters 1,2,4
+    python benchmarks/floats.py --models gpt2,lstm-wikitext2   # any gradpress.zoo model
 """
 
 from __future__ import annotations
@@ -16,12 +17,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import gradpress  # noqa: E402
-from overhead import MODELS, model_parameters  # noqa: E402
+import gradpress
+from gradpress.bench.overhead import model_names, model_parameters  # gradpress.zoo models, + resnet18
 
 
 def rows(models: Sequence[str], ranks: Sequence[int], iters: Sequence[int], min_rate: float) -> list[str]:
@@ -46,15 +44,15 @@ def rows(models: Sequence[str], ranks: Sequence[int], iters: Sequence[int], min_
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="floats", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="resnet18,resnet50", help=f"from {sorted(MODELS)}")
+    parser.add_argument("--models", default="resnet18,resnet50", help=f"from {', '.join(model_names())}")
     parser.add_argument("--ranks", default="1,2,4")
     parser.add_argument("--iters", default="1,2,4", help="num_iters_per_step values")
     parser.add_argument("--min-compression-rate", type=float, default=2.0)
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     for m in models:
-        if m not in MODELS:
-            parser.error(f"--models: unknown model {m!r}; choose from {sorted(MODELS)}")
+        if m not in model_names():
+            parser.error(f"--models: unknown model {m!r}; choose from {', '.join(model_names())}")
     try:
         ranks = [int(r) for r in args.ranks.split(",")]
         iters = [int(k) for k in args.iters.split(",")]

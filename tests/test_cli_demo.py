@@ -58,6 +58,8 @@ def test_demo_end_to_end_writes_three_files_consistent_with_the_plan(tmp_path: P
     methods = report["methods"]
     assert list(methods) == ["allreduce", "fp16", "powersgd:2", "multi:2", "localsgd:4"]
     assert report["workers"] == 2 and report["config"]["steps"] == 12 and report["task"] == "digits"
+    assert report["command"] == ("gradpress demo --workers 2 --steps 12 --start-iter 4 --methods "
+                                 f"allreduce,fp16,powersgd:2,multi:2,localsgd:4 --out {out} --bandwidth 100mbit")
     md = (out / "demo.md").read_text()
     assert all(m["label"] in md for m in methods.values()) and "demo.png" in md
 

@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import queue
 import re
+import shlex
 import signal
 import socket
 import sys
@@ -625,7 +626,7 @@ def run(args: argparse.Namespace) -> int:
     config = DemoConfig(task=task.name, steps=args.steps, start_iter=args.start_iter, seed=args.seed,
                         evals=min(15, args.steps), warm_up_beta=args.warm_up_beta)
     argv = getattr(args, "argv", None)
-    command = "gradpress demo" + ("" if not argv else " " + " ".join(argv))
+    command = " ".join(["gradpress", "demo", *map(shlex.quote, argv or [])])
     print(f"gradpress demo: {task.name} ({task.description}), {_plural(args.workers, 'worker')}, "
           f"{len(methods)} methods x {config.steps} steps: {', '.join(m.label for m in methods)}",
           file=sys.stderr, flush=True)

@@ -11,12 +11,12 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from . import demo
+from . import bench, demo, inspect
 
 __all__ = ["COMMANDS", "ArgumentParser", "build_parser", "main"]
 
 #: Subcommand modules, in the order ``gradpress --help`` lists them.
-COMMANDS = (demo,)
+COMMANDS = (demo, inspect, bench)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -47,8 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Argument errors return 2 (with a one-line message on stderr); ``--help`` returns 0.
     """
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser.parse_args(list(argv) if argv is not None else None)
+        args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits on --help, --version and errors; report as a status
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     func = getattr(args, "func", None)
@@ -57,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("gradpress: error: choose a command, e.g. 'gradpress demo' (see 'gradpress --help')",
               file=sys.stderr)
         return 2
+    args.argv = argv[argv.index(args.command) + 1:]  # the subcommand's own arguments, to record in reports
     try:
         return int(func(args))
     except KeyboardInterrupt:

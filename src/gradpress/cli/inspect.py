@@ -1,0 +1,203 @@
+"""``gradpress inspect``: what PowerSGD compresses in a model, and how many bytes it sends.
+
+The model is built on the meta device (:func:`gradpress.zoo.build_model`), so nothing is allocated, and
+its gradient shapes (``model.parameters()`` that require grad, tied weights once, as DDP's hooks see
+them) go through :func:`gradpress.powersgd.make_plan`, the plan the hooks and the aggregator use. Whether
+a tensor is compressed does not depend on how DDP buckets it, so planning all parameters as one segment
+gives the same floats as summing the plans of the buckets.
+
+Traffic per epoch uses the PowerSGD paper's convention (Vogels et al. 2019, Table on ResNet-18/CIFAR-10):
+what ONE worker puts into the allreduce per step, times ``steps = floor(dataset / (workers x batch))``
+(``drop_last``), in MiB (2^20 bytes) with ``--bytes-per-weight`` bytes per float.
+
+>>> report = compression_report(build_model("resnet18-cifar"), "resnet18-cifar", rank=1)
+>>> report["totals"]["floats_per_step"], round(report["totals"]["mib_per_epoch"]["allreduce"], 1)
+({'allreduce': 11173962, 'powersgd': 45935}, 1023.0)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..powersgd import make_plan
+from ..zoo import build_model, model_names
+from .args import float_at_least, int_at_least
+from .table import format_table
+
+__all__ = ["GENERIC_SETTING", "SETTINGS", "Setting", "compression_report", "format_report", "register", "run"]
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A training setup for the per-epoch figures: ``batch_size`` samples per worker per step."""
+
+    workers: int
+    batch_size: int
+    dataset_size: int
+    source: str
+
+
+#: Default ``--workers/--batch-size/--dataset-size`` per built-in model.
+SETTINGS: dict[str, Setting] = {
+    "resnet18-cifar": Setting(16, 128, 50_000, "PowerSGD paper: CIFAR-10, 16 workers x 128 images"),
+    "resnet50": Setting(8, 32, 1_281_167, "ImageNet-1k, 8 workers x 32 images (Goyal et al. 2017)"),
+    "gpt2": Setting(8, 64, 8_789_062, "OpenWebText (~9e9 tokens) as 1024-token sequences, 8 workers x 64"),
+    "lstm-wikitext2": Setting(16, 64, 69_620, "PowerSGD paper: WikiText-2 (2,088,628 tokens) as 30-token "
+                                              "BPTT sequences, 16 workers x 64"),
+}
+#: Defaults for ``module:factory`` models.
+GENERIC_SETTING = Setting(16, 128, 50_000, "generic default: 16 workers x 128 samples, 50,000 samples")
+
+
+def _reason(numel: int, ndim: int, compressed: bool) -> str:
+    if compressed:
+        return "compressed"
+    if ndim < 2:
+        return "vector"
+    return "empty" if numel == 0 else "below min rate"
+
+
+def compression_report(model: nn.Module, name: str, rank: int, min_compression_rate: float = 2.0,
+                       setting: Setting = GENERIC_SETTING, bytes_per_weight: int = 4) -> dict[str, Any]:
+    """The plan of ``model``'s trainable parameters at ``rank``, as a JSON-ready dict.
+
+    ``layers``: one entry per parameter (``name``, ``shape``, ``matrix`` ``[n, m]``, effective ``rank``
+    ``min(n, m, rank)``, ``numel``, ``compressed``, ``reason``, ``numel_sent``). ``totals``: tensors,
+    parameters, P/Q/uncompressed floats, ``floats_per_step``, ``bytes_per_step`` and ``mib_per_epoch``
+    for ``allreduce`` and ``powersgd``, and ``compression_ratio``. ``epoch``: the setting and its
+    ``steps``. Raises ``ValueError`` if the model has no trainable parameter or the setting gives no
+    full step per epoch.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError(f"model {name!r} has no trainable parameters")
+    steps = setting.dataset_size // (setting.workers * setting.batch_size)
+    if steps < 1:
+        raise ValueError(f"--dataset-size {setting.dataset_size} is smaller than --workers x --batch-size "
+                         f"= {setting.workers * setting.batch_size}: no full step per epoch")
+    plan = make_plan([tuple(p.shape) for _, p in named], rank, min_compression_rate)
+    layers = [{"name": named[t.index][0], "shape": list(t.shape), "matrix": list(t.matrix), "rank": t.rank,
+               "numel": t.numel, "compressed": t.compressed, "reason": _reason(t.numel, len(t.shape), t.compressed),
+               "numel_sent": t.numel_sent} for t in plan.tensors]
+    floats = {"allreduce": plan.numel, "powersgd": plan.numel_sent}
+    step_bytes = {k: v * bytes_per_weight for k, v in floats.items()}
+    return {
+        "model": name, "rank": rank, "min_compression_rate": min_compression_rate,
+        "bytes_per_weight": bytes_per_weight,
+        "epoch": {"workers": setting.workers, "batch_size": setting.batch_size,
+                  "dataset_size": setting.dataset_size, "steps": steps, "source": setting.source},
+        "layers": layers,
+        "totals": {
+            "tensors": len(layers), "parameters": plan.numel,
+            "compressed_tensors": len(plan.compressed),
+            "compressed_numel": sum(t.numel for t in plan.compressed),
+            "p_numel": plan.p_numel, "q_numel": plan.q_numel, "uncompressed_numel": plan.uncompressed_numel,
+            "floats_per_step": floats,
+            "bytes_per_step": step_bytes,
+            "mib_per_epoch": {k: v * steps / MIB for k, v in step_bytes.items()},
+            "compression_ratio": plan.compression_rate,
+        },
+    }
+
+
+def _dims(values: list[int]) -> str:
+    return "x".join(map(str, values)) or "scalar"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable form of :func:`compression_report`: a row per parameter, then the totals."""
+    rows = [[str(i), layer["name"], _dims(layer["shape"]),
+             _dims(layer["matrix"]) if len(layer["shape"]) >= 2 else "-",
+             str(layer["rank"]) if layer["compressed"] else "-", f"{layer['numel']:,}",
+             f"{layer['numel_sent']:,}", f"{layer['numel'] / layer['numel_sent']:.1f}x" if layer["numel_sent"] else "-",
+             "yes" if layer["compressed"] else f"no: {layer['reason']}"]
+            for i, layer in enumerate(report["layers"])]
+    lines = [f"gradpress inspect: {report['model']}, rank {report['rank']}, min compression rate "
+             f"{report['min_compression_rate']:g}", ""]
+    lines += format_table(["#", "parameter", "shape", "matrix", "r", "elements", "floats sent", "ratio",
+                           "compressed"], rows, "><<<>>>><")
+    t, e, b = report["totals"], report["epoch"], report["bytes_per_weight"]
+    floats, step_bytes, mib = t["floats_per_step"], t["bytes_per_step"], t["mib_per_epoch"]
+    uncompressed = t["tensors"] - t["compressed_tensors"]
+    lines += ["", f"{t['tensors']} tensors, {t['parameters']:,} parameters: {t['compressed_tensors']} matrices "
+                  f"compressed ({t['compressed_numel']:,} elements -> P {t['p_numel']:,} + Q {t['q_numel']:,} "
+                  f"floats), {uncompressed} tensors sent as they are ({t['uncompressed_numel']:,} elements)",
+              f"epoch: {e['dataset_size']:,} samples / ({e['workers']} workers x {e['batch_size']} per worker) = "
+              f"{e['steps']:,} steps (drop_last); {e['source']}", ""]
+    lines += format_table(
+        ["per worker", "allreduce", f"PowerSGD r={report['rank']}"],
+        [["floats per step", f"{floats['allreduce']:,}", f"{floats['powersgd']:,}"],
+         [f"bytes per step ({b} B/float)", f"{step_bytes['allreduce']:,}", f"{step_bytes['powersgd']:,}"],
+         [f"MB per epoch ({e['steps']:,} steps, MB = 2^20 B)", f"{mib['allreduce']:,.1f}", f"{mib['powersgd']:,.1f}"],
+         ["compression ratio", "1x", f"{t['compression_ratio']:,.1f}x"]], "<>>")
+    return "\n".join(lines)
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``inspect`` subcommand to ``subparsers`` (an ``add_subparsers()`` result)."""
+    defaults = "; ".join(f"{name}: {s.workers}/{s.batch_size}/{s.dataset_size:,}" for name, s in SETTINGS.items())
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "inspect", help="show what PowerSGD compresses in a model and the bytes it sends per step and epoch",
+        description="Plan PowerSGD for a model's gradient shapes (the same plan the DDP hooks use) and print, per "
+                    "parameter, its matrix view, whether it is compressed and the floats it sends per step; "
+                    "then totals: floats, bytes per step and MB (2^20 bytes) per epoch, allreduce vs PowerSGD. "
+                    "Nothing is allocated: the model is built on the meta device.",
+        epilog=f"--workers/--batch-size/--dataset-size defaults per model ({defaults}); "
+               f"for module:factory: {GENERIC_SETTING.workers}/{GENERIC_SETTING.batch_size}/"
+               f"{GENERIC_SETTING.dataset_size:,}.")
+    parser.add_argument("--model", required=True, metavar="NAME",
+                        help=f"{', '.join(model_names())}, or module.path:factory (a function taking no "
+                             "arguments that returns an nn.Module; the current folder is importable)")
+    parser.add_argument("--rank", type=int_at_least(1), required=True, metavar="R",
+                        help="PowerSGD matrix approximation rank (integer >= 1)")
+    parser.add_argument("--min-compression-rate", type=float_at_least(0), default=2.0, metavar="X",
+                        help="compress an n x m matrix only if n*m > X*(n+m)*r, like the hooks' "
+                             "min_compression_rate (number >= 0; default: %(default)g)")
+    parser.add_argument("--workers", type=int_at_least(1), default=None, metavar="N",
+                        help="data-parallel workers (integer >= 1; default: per model, see below)")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=None, metavar="B",
+                        help="samples per worker per step (integer >= 1; default: per model)")
+    parser.add_argument("--dataset-size", type=int_at_least(1), default=None, metavar="D",
+                        help="training samples per epoch (integer >= 1; default: per model)")
+    parser.add_argument("--bytes-per-weight", type=int, choices=(2, 4, 8), default=4,
+                        help="bytes per float on the wire: 2 (fp16/bf16), 4 (fp32), 8 (fp64) (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print a JSON document instead of the tables")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"gradpress inspect: error: {message}", file=sys.stderr)
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    """``gradpress inspect``: 0 on success, 2 for a bad model or setting (one line on stderr)."""
+    if ":" in args.model and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like ``python -m``: a module in the current folder is importable
+    try:
+        model = build_model(args.model)
+    except ValueError as exc:
+        return _fail(f"--model: {exc}")
+    default = SETTINGS.get(args.model, GENERIC_SETTING)
+    given = (args.workers, args.batch_size, args.dataset_size)
+    setting = Setting(default.workers if args.workers is None else args.workers,
+                      default.batch_size if args.batch_size is None else args.batch_size,
+                      default.dataset_size if args.dataset_size is None else args.dataset_size,
+                      default.source if given == (None, None, None) else f"command line; defaults: {default.source}")
+    try:
+        report = compression_report(model, args.model, args.rank, args.min_compression_rate, setting,
+                                    args.bytes_per_weight)
+    except ValueError as exc:
+        return _fail(str(exc))
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0

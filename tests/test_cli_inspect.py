@@ -1,0 +1,179 @@
+"""``gradpress inspect``: the PowerSGD paper's ResNet-18 traffic, agreement with make_plan, user models, errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gradpress
+from gradpress.cli.main import main
+from gradpress.zoo import build_model
+
+PAPER = ["--workers", "16", "--batch-size", "128", "--dataset-size", "50000"]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["inspect", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def inspect_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def hand_count(shapes: list[tuple[int, ...]], rank: int) -> int:
+    """Floats per step if every 2D+ tensor is compressed to (n + m) min(n, m, r) and vectors sent whole."""
+    sent = 0
+    for shape in shapes:
+        numel = 1
+        for size in shape:
+            numel *= size
+        if len(shape) >= 2:
+            n, m = shape[0], numel // shape[0]
+            sent += (n + m) * min(n, m, rank)
+        else:
+            sent += numel
+    return sent
+
+
+@pytest.mark.parametrize("rank, paper_ratio", [(1, 243), (2, 136), (4, 72)])
+@pytest.mark.parametrize("min_rate", ["2", "0"])
+def test_resnet18_reproduces_the_powersgd_paper(capsys, rank: int, paper_ratio: int, min_rate: str) -> None:
+    # Vogels et al. 2019, ResNet-18 on CIFAR-10, 16 workers x 128: SGD 1023 MB/epoch, rank 1/2/4 243x/136x/72x.
+    report = inspect_json(capsys, "--model", "resnet18-cifar", "--rank", str(rank), "--min-compression-rate",
+                          min_rate, *PAPER)
+    totals = report["totals"]
+    shapes = [tuple(layer["shape"]) for layer in report["layers"]]
+    assert report["epoch"]["steps"] == 50_000 // (16 * 128) == 24
+    assert totals["parameters"] == 11_173_962
+    assert abs(totals["mib_per_epoch"]["allreduce"] - 1023) < 1
+    assert totals["mib_per_epoch"]["allreduce"] == pytest.approx(11_173_962 * 4 * 24 / 2**20)
+    assert all(layer["compressed"] for layer in report["layers"] if len(layer["shape"]) >= 2)
+    sent = hand_count(shapes, rank)
+    assert totals["floats_per_step"] == {"allreduce": 11_173_962, "powersgd": sent}
+    assert sent == {1: 45_935, 2: 82_260, 4: 154_910}[rank]
+    assert totals["compression_ratio"] == pytest.approx(11_173_962 / sent)
+    assert totals["compression_ratio"] == pytest.approx(paper_ratio, rel=0.01)
+    assert totals["mib_per_epoch"]["powersgd"] == pytest.approx(sent * 4 * 24 / 2**20)
+
+
+def test_default_setting_of_resnet18_is_the_papers_and_text_shows_totals(capsys) -> None:
+    code, out, err = run(capsys, "--model", "resnet18-cifar", "--rank", "2")
+    assert code == 0 and err == ""
+    assert "24 steps" in out and "16 workers x 128 per worker" in out
+    totals = out[out.index("floats per step"):]
+    assert "11,173,962" in totals and "82,260" in totals and "1,023.0" in totals and "135.8x" in totals
+    for name, _ in build_model("resnet18-cifar").named_parameters():
+        assert f" {name} " in out
+
+
+@pytest.mark.parametrize("name", ["resnet18-cifar", "resnet50", "gpt2", "lstm-wikitext2"])
+def test_rows_agree_with_make_plan(capsys, name: str) -> None:
+    report = inspect_json(capsys, "--model", name, "--rank", "4", "--min-compression-rate", "3")
+    named = list(build_model(name).named_parameters())
+    plan = gradpress.make_plan([p.shape for _, p in named], 4, 3)
+    assert [layer["name"] for layer in report["layers"]] == [n for n, _ in named]
+    for layer, t in zip(report["layers"], plan.tensors, strict=True):
+        assert (tuple(layer["shape"]), tuple(layer["matrix"]), layer["rank"], layer["numel"], layer["compressed"],
+                layer["numel_sent"]) == (t.shape, t.matrix, t.rank, t.numel, t.compressed, t.numel_sent)
+        if not t.compressed:
+            assert layer["reason"] == ("vector" if len(t.shape) < 2 else "below min rate")
+    totals = report["totals"]
+    assert totals["floats_per_step"] == {"allreduce": plan.numel, "powersgd": plan.numel_sent}
+    assert (totals["p_numel"], totals["q_numel"], totals["uncompressed_numel"]) == \
+        (plan.p_numel, plan.q_numel, plan.uncompressed_numel)
+    assert sum(layer["numel_sent"] for layer in report["layers"]) == plan.numel_sent
+
+
+def test_below_min_rate_bytes_per_weight_and_custom_epoch(capsys) -> None:
+    # At r=4 and rate 4, ResNet-18's classifier (10 x 512): (10 + 512) * 4 * 4 = 8352 > 5120, sent whole.
+    report = inspect_json(capsys, "--model", "resnet18-cifar", "--rank", "4", "--min-compression-rate", "4",
+                          "--bytes-per-weight", "2", "--workers", "4", "--batch-size", "100", "--dataset-size", "1000")
+    fc = next(layer for layer in report["layers"] if layer["name"] == "fc.weight")
+    assert (fc["compressed"], fc["reason"], fc["numel_sent"]) == (False, "below min rate", 5120)
+    totals = report["totals"]
+    sent = 154_910 - (10 + 512) * 4 + 5120
+    assert totals["floats_per_step"]["powersgd"] == sent
+    assert totals["bytes_per_step"] == {"allreduce": 2 * 11_173_962, "powersgd": 2 * sent}
+    assert report["epoch"]["steps"] == 2
+    assert totals["mib_per_epoch"]["powersgd"] == pytest.approx(2 * sent * 2 / 2**20)
+
+
+def test_user_factory(capsys) -> None:
+    report = inspect_json(capsys, "--model", "user_models:two_layer", "--rank", "2")
+    # The frozen 64 x 64 layer is left out, as DDP leaves it out; (3 x 100) at r=2 is below rate 2.
+    assert [(layer["name"], layer["compressed"], layer["numel_sent"]) for layer in report["layers"]] == \
+        [("0.weight", True, (100 + 50) * 2), ("0.bias", False, 100), ("2.weight", False, 300)]
+    assert report["totals"]["parameters"] == 5000 + 100 + 300
+    assert report["epoch"]["workers"] == 16 and report["epoch"]["source"].startswith("generic")
+    assert inspect_json(capsys, "--model", "user_models:Builders.wide", "--rank", "1")["totals"][
+        "floats_per_step"]["powersgd"] == 1020 + 20
+
+
+def test_user_factory_in_current_folder(capsys, monkeypatch, tmp_path) -> None:
+    (tmp_path / "my_inspect_model.py").write_text("from torch import nn\n\ndef build():\n    return nn.Linear(8, 4)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert inspect_json(capsys, "--model", "my_inspect_model:build", "--rank", "1")["totals"]["parameters"] == 36
+
+
+@pytest.mark.parametrize("model, message", [
+    ("resnet19", "unknown model 'resnet19'; choose from resnet18-cifar, resnet50, gpt2, lstm-wikitext2, or "
+                 "module.path:factory"),
+    ("no_such_module_xyz:build", "cannot import module 'no_such_module_xyz'"),
+    ("user_models:missing", "module 'user_models' has no attribute 'missing'"),
+    ("user_models:NOT_CALLABLE", "'NOT_CALLABLE' is an object of type int, not a callable factory"),
+    ("user_models:not_a_module", "returned an object of type dict, not a torch.nn.Module"),
+    ("user_models:needs_arguments",
+     "callable with no arguments, but needs_arguments() is missing a required argument: 'width'"),
+    ("user_models:", "expected module.path:factory"),
+])
+def test_bad_models(capsys, model: str, message: str) -> None:
+    code, out, err = run(capsys, "--model", model, "--rank", "1")
+    assert code == 2 and out == ""
+    assert err.startswith("gradpress inspect: error: --model: ") and message in err
+    assert err.count("\n") == 1
+    with pytest.raises(ValueError, match=model.split(":")[0]):
+        build_model(model)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rank", "0"], "argument --rank: must be an integer >= 1, got 0"),
+    (["--rank", "two"], "argument --rank: must be an integer >= 1, got 'two'"),
+    (["--rank", "1", "--min-compression-rate", "-1"], "argument --min-compression-rate: must be a number >= 0"),
+    (["--rank", "1", "--min-compression-rate", "nan"], "argument --min-compression-rate: must be a number >= 0"),
+    (["--rank", "1", "--workers", "0"], "argument --workers: must be an integer >= 1, got 0"),
+    (["--rank", "1", "--batch-size", "-3"], "argument --batch-size: must be an integer >= 1"),
+    (["--rank", "1", "--bytes-per-weight", "3"],
+     "argument --bytes-per-weight: invalid choice: 3 (choose from 2, 4, 8)"),
+    (["--rank", "1", "--dataset-size", "2047"], "--dataset-size 2047 is smaller than --workers x --batch-size = 2048"),
+    ([], "the following arguments are required: --rank"),
+])
+def test_bad_arguments(capsys, argv: list[str], message: str) -> None:
+    code, out, err = run(capsys, "--model", "resnet18-cifar", *argv)
+    assert code == 2 and out == "" and message in err and err.count("\n") == 1
+
+
+def test_command_line_smoke(capsys) -> None:
+    proc = subprocess.run([sys.executable, "-m", "gradpress", "inspect", "--model", "lstm-wikitext2", "--rank", "4"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "31,819,578" in proc.stdout and "67 steps" in proc.stdout
+    assert main(["--help"]) == 0
+    usage = capsys.readouterr().out
+    assert "inspect" in usage and "bench" in usage
+
+
+def test_docs_example_is_what_the_command_prints(capsys) -> None:
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    (example,) = re.findall(r"```\n\$ gradpress inspect --model lstm-wikitext2 --rank 4\n(.*?)```", docs, re.S)
+    code, out, _ = run(capsys, "--model", "lstm-wikitext2", "--rank", "4")
+    assert code == 0 and out == example

@@ -1,0 +1,63 @@
+"""``gradpress.zoo``: parameter counts (published and by formula), tied weights, meta device, forward passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradpress import zoo
+
+
+def count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("resnet18-cifar", 11_173_962),  # the PowerSGD paper / kuangliu's pytorch-cifar ResNet18
+    ("resnet50", 25_557_032),  # torchvision.models.resnet50()
+    ("gpt2", 124_439_808),  # Hugging Face GPT2LMHeadModel("gpt2"), tied head counted once
+    ("lstm-wikitext2", 31_819_578),
+])
+def test_parameter_counts(name: str, expected: int) -> None:
+    model = zoo.build_model(name)
+    assert count(model) == expected == zoo.PARAMETER_COUNTS[name]
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_counts_by_formula() -> None:
+    d, vocab, context, layers = 768, 50257, 1024, 12
+    block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
+    assert count(zoo.build_model("gpt2")) == vocab * d + context * d + layers * block + 2 * d
+    size, vocab = 650, 33_278
+    lstm_layer = 2 * (4 * size * size) + 2 * (4 * size)
+    assert count(zoo.build_model("lstm-wikitext2")) == vocab * size + 3 * lstm_layer + vocab
+
+
+def test_tied_weights_appear_once() -> None:
+    gpt2 = zoo.build_model("gpt2")
+    assert gpt2.lm_head.weight is gpt2.wte.weight
+    assert [tuple(p.shape) for p in gpt2.parameters()].count((50257, 768)) == 1
+    assert tuple(next(gpt2.blocks[0].attn_qkv.parameters()).shape) == (2304, 768)
+    lstm = zoo.build_model("lstm-wikitext2")
+    assert lstm.decoder.weight is lstm.encoder.weight
+
+
+def test_names_and_registry() -> None:
+    assert zoo.model_names() == list(zoo.MODELS) == list(zoo.PARAMETER_COUNTS)
+
+
+def test_small_models_run_on_cpu() -> None:
+    torch.manual_seed(0)
+    gpt = zoo.GPT2(vocab_size=50, context=16, n_layers=2, d_model=32, n_heads=4)
+    tokens = torch.randint(0, 50, (2, 10))
+    logits = gpt(tokens)
+    assert logits.shape == (2, 10, 50)
+    # Causal: the first position's logits do not depend on later tokens.
+    changed = tokens.clone()
+    changed[:, 5:] = (changed[:, 5:] + 1) % 50
+    torch.testing.assert_close(gpt(changed)[:, :5], logits[:, :5])
+    lstm = zoo.LSTMLanguageModel(vocab_size=40, size=16, layers=2)
+    out, (h, c) = lstm(torch.randint(0, 40, (7, 3)))
+    assert out.shape == (7, 3, 40) and h.shape == c.shape == (2, 3, 16)
+    resnet = zoo.build_model("resnet18-cifar", device="cpu").eval()
+    assert resnet(torch.randn(2, 3, 32, 32)).shape == (2, 10)
