@@ -5,7 +5,8 @@ from .default import (allreduce_hook, bf16_compress_hook, bf16_compress_wrapper,
 from .post_local import PostLocalSGDState, node_subgroup, post_localSGD_hook, post_localsgd_hook
 from .powersgd import (PowerSGDState, batched_powerSGD_hook, batched_powersgd_hook, powerSGD_hook,
                        powersgd_hook)
+from .zero import ZeroStepHook, hook_with_zero_step, hook_with_zero_step_interleaved
 
-__all__ = ["PostLocalSGDState", "PowerSGDState", "allreduce_hook", "batched_powerSGD_hook", "batched_powersgd_hook",
-           "bf16_compress_hook", "bf16_compress_wrapper", "fp16_compress_hook", "fp16_compress_wrapper",
-           "node_subgroup", "post_localSGD_hook", "post_localsgd_hook", "powerSGD_hook", "powersgd_hook"]
+__all__ = ["PostLocalSGDState", "PowerSGDState", "ZeroStepHook", "allreduce_hook", "batched_powerSGD_hook",
+           "batched_powersgd_hook", "bf16_compress_hook", "bf16_compress_wrapper", "fp16_compress_hook",
+           "fp16_compress_wrapper", "hook_with_zero_step", "hook_with_zero_step_interleaved", "node_subgroup", "post_localSGD_hook", "post_localsgd_hook", "powerSGD_hook", "powersgd_hook"]
