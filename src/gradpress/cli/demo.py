@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import os
 import queue
@@ -27,13 +26,14 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from ..workloads.tasks import TASKS, get_task
 from ..workloads.training import METHOD_KINDS, DemoConfig, Method, ProgressFn, parse_methods
+from .args import int_at_least, positive_float
 
 __all__ = ["WorkerFailure", "format_report", "free_port", "parse_bandwidth", "register", "run", "run_workers",
            "summarize"]
@@ -50,34 +50,8 @@ class WorkerFailure(RuntimeError):
 
 # --- argument parsing ---------------------------------------------------------------------------------
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type`` accepting integers ``>= minimum``, with a message naming the allowed values."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {minimum}"
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
-    return value
-
-
 def _beta(text: str) -> float:
-    value = _positive_float(text)
+    value = positive_float(text)
     if value > 1:
         raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
     return value
@@ -132,7 +106,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                     "downloaded) with DDP on local worker processes, once per communication method, same "
                     "seed and data order; print accuracy, loss, bytes sent per step and time side by side, "
                     "and write demo.json, demo.md and demo.png to --out.")
-    parser.add_argument("--workers", type=_int_at_least(1), default=4, metavar="N",
+    parser.add_argument("--workers", type=int_at_least(1), default=4, metavar="N",
                         help="number of local worker processes (integer >= 1; default: %(default)s)")
     parser.add_argument("--task", default=_DEFAULTS.task, metavar="NAME",
                         help=f"what to train ({tasks_help}; default: %(default)s)")
@@ -141,12 +115,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                              "once per --rank, or at one rank as powersgd:R (default: %(default)s)")
     parser.add_argument("--rank", type=_ranks, default=_ranks(DEFAULT_RANKS), metavar="R[,R...]",
                         help=f"PowerSGD approximation rank(s) (integers >= 1; default: {DEFAULT_RANKS})")
-    parser.add_argument("--steps", type=_int_at_least(1), default=_DEFAULTS.steps, metavar="N",
+    parser.add_argument("--steps", type=int_at_least(1), default=_DEFAULTS.steps, metavar="N",
                         help="training steps per method (integer >= 1; default: %(default)s)")
-    parser.add_argument("--start-iter", type=_int_at_least(2), default=_DEFAULTS.start_iter, metavar="N",
+    parser.add_argument("--start-iter", type=int_at_least(2), default=_DEFAULTS.start_iter, metavar="N",
                         help="plain-allreduce steps before PowerSGD starts (integer >= 2, less than "
                              "--steps; default: %(default)s)")
-    parser.add_argument("--seed", type=_int_at_least(0), default=_DEFAULTS.seed, metavar="S",
+    parser.add_argument("--seed", type=int_at_least(0), default=_DEFAULTS.seed, metavar="S",
                         help="seed for the split, initialisation and batch order (integer >= 0; "
                              "default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("gradpress-demo"), metavar="DIR",
@@ -156,7 +130,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                              "100mbit, 10Gbit/s, 125MB/s: measured time + 2(n-1)/n x bytes sent / rate")
     parser.add_argument("--warm-up-beta", type=_beta, default=None, metavar="BETA",
                         help="PowerSGDState(warm_up_beta_factor=BETA) for the PowerSGD methods (in (0, 1])")
-    parser.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+    parser.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                         help="give up (and stop the workers) after this long (default: %(default)s)")
     parser.set_defaults(func=run)
     return parser
