@@ -263,6 +263,19 @@ def test_update_state_advances_the_iteration_and_rescales_memory_to_a_new_lr():
     torch.testing.assert_close(state.state_dict()["memory"][0]["error"], torch.full((4, 4), 4.0))
 
 
+def test_signature_defaults_equal_pytorchs():
+    """Tools that read defaults from the signature (config systems, CLI generators) see PyTorch's values."""
+    import inspect
+
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState as TorchState
+
+    ours = inspect.signature(PowerSGDState).parameters
+    for name, param in inspect.signature(TorchState).parameters.items():
+        assert name in ours, name
+        assert ours[name].default == param.default, name
+        assert type(ours[name].default) is type(param.default), name
+
+
 def test_error_feedback_alias():
     assert PowerSGDState(None, start_powerSGD_iter=2, error_feedback=False).use_error_feedback is False
     assert PowerSGDState(None, start_powerSGD_iter=2, use_error_feedback=True, error_feedback=True).error_feedback

@@ -39,17 +39,6 @@ logger = logging.getLogger(__name__)
 _STATE_DICT_VERSION = 1
 
 
-class _DefaultTrue:
-    """``True`` as the default of ``use_error_feedback``, told apart from an explicit ``True``."""
-
-    def __bool__(self) -> bool:
-        return True
-
-    def __repr__(self) -> str:
-        return "True"
-
-
-_DEFAULT_ERROR_FEEDBACK: Any = _DefaultTrue()
 # Options that decide what the memory means; a checkpoint must agree with the state on them.
 _MEMORY_OPTIONS = ("matrix_approximation_rank", "min_compression_rate", "use_error_feedback", "warm_start",
                    "random_seed", "num_iters_per_step")
@@ -80,7 +69,8 @@ class PowerSGDState:
             multi-iteration PowerSGD, k one-sided iterations per step with one rank-r factor sent
             each (k=1 sends half of classic; k=2 about the same as classic, with error no larger).
             Needs ``warm_start=True``. See :func:`gradpress.powersgd.step.alternating_step`.
-        error_feedback: alias of ``use_error_feedback`` (giving both with different values is an error).
+        error_feedback: alias of ``use_error_feedback``; when given it wins over the default
+            ``use_error_feedback=True`` (``use_error_feedback=False, error_feedback=True`` is an error).
         bytes_per_weight: precision of P, Q and the uncompressed tensors *on the wire*: 4 = fp32
             (default), 2 = half (bf16 for bf16 gradients, else fp16 scaled so the sum cannot overflow,
             at the cost of a one-element max-allreduce per phase), 8 = fp64. Error memory and
@@ -117,7 +107,7 @@ class PowerSGDState:
         matrix_approximation_rank: int = 1,
         start_powerSGD_iter: int = 1_000,
         min_compression_rate: float = 2,
-        use_error_feedback: bool = _DEFAULT_ERROR_FEEDBACK,
+        use_error_feedback: bool = True,
         warm_start: bool = True,
         orthogonalization_epsilon: float = 0,
         random_seed: int = 0,
@@ -135,12 +125,12 @@ class PowerSGDState:
         if error_feedback is not None:
             if not isinstance(error_feedback, bool):
                 raise TypeError(f"error_feedback must be a bool, got {error_feedback!r}")
-            if use_error_feedback is not _DEFAULT_ERROR_FEEDBACK and use_error_feedback != error_feedback:
+            # use_error_feedback's default is PyTorch's plain True (tools read defaults from the
+            # signature), so only a non-default use_error_feedback=False can be seen to disagree.
+            if use_error_feedback is False and error_feedback:
                 raise ValueError(f"error_feedback={error_feedback!r} and use_error_feedback={use_error_feedback!r} "
                                  "disagree; they are the same option, give one of them")
             use_error_feedback = error_feedback
-        if use_error_feedback is _DEFAULT_ERROR_FEEDBACK:
-            use_error_feedback = True
         if lr_scheduler is not None and not callable(getattr(lr_scheduler, "get_last_lr", None)):
             raise TypeError(f"lr_scheduler must be None or have a get_last_lr() method (a "
                             f"torch.optim.lr_scheduler.LRScheduler), got {type(lr_scheduler).__name__}")
