@@ -355,6 +355,50 @@ def test_aggregator_training_converges_with_identical_workers():
     assert sent < steps * params0.numel() / 3
 
 
+def differently_initialised_workers(rank, world, init_sync):
+    net = models.make_model(seed=100 + rank)  # no common seed: every worker starts from other weights
+    before = torch.cat([p.detach().flatten() for p in net.parameters()]).clone()
+    kwargs = {} if init_sync is None else {"init_sync": init_sync}
+    powersgd = PowerSGD(net.parameters(), Config(rank=1, start_compressing_after_num_steps=2), **kwargs)
+    at_construction = torch.cat([p.detach().flatten() for p in net.parameters()]).clone()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    for step in range(4):
+        x, y = models.batch(rank, step)
+        models.loss_fn(net, x, y).backward()
+        optimizer_step(opt, powersgd)
+    return before, at_construction, torch.cat([p.detach().flatten() for p in net.parameters()])
+
+
+def test_aggregator_makes_differently_initialised_workers_equal_like_ddp():
+    (before0, synced0, end0), (before1, synced1, end1) = run(differently_initialised_workers, WORLD, None)
+    assert not torch.equal(before0, before1)
+    assert torch.equal(synced0, before0) and torch.equal(synced1, before0)  # rank 0's weights everywhere
+    assert torch.equal(end0, end1)
+
+
+def test_aggregator_init_sync_false_leaves_parameters_alone():
+    (before0, synced0, end0), (before1, synced1, end1) = run(differently_initialised_workers, WORLD, False)
+    assert torch.equal(synced0, before0) and torch.equal(synced1, before1)
+    assert not torch.equal(end0, end1)  # what init_sync prevents: the workers train apart
+
+
+def broadcast_module(rank, world):
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2).double())
+    with torch.no_grad():
+        for i, t in enumerate(list(net.parameters()) + list(net.buffers())):
+            t.fill_(10 * rank + i)
+    net[0].weight.requires_grad_(False)  # frozen parameters are broadcast too
+    gradpress.broadcast_parameters(net)
+    return [t.clone() for t in list(net.parameters()) + list(net.buffers())]
+
+
+def test_broadcast_parameters_copies_rank0s_parameters_and_buffers_in_place():
+    zero, one = run(broadcast_module, WORLD)
+    assert len(zero) == 9  # 6 parameters, BatchNorm's 3 buffers (an int64 one among them)
+    for i, (a, b) in enumerate(zip(zero, one)):
+        assert torch.equal(a, b) and torch.equal(a, torch.full_like(a, i)), i
+
+
 def allreduce_aggregator(rank, world):
     grads = [torch.full((3, 2), float(rank + 1)), None, torch.arange(4.0, dtype=torch.float64) * (rank + 1)]
     AllReduce().aggregate_(grads)

@@ -7,7 +7,7 @@ outer optimizer). See the README for the ways to use it (DDP hook, aggregator, l
 
 from .aggregator import Aggregator, AllReduce, Config, PowerSGD, optimizer_step
 from .averaging import (HierarchicalModelAverager, ModelAverager, OuterOptimizerAverager, PeriodicModelAverager,
-                        PostLocalSGDOptimizer, average_parameters)
+                        PostLocalSGDOptimizer, average_parameters, broadcast_parameters)
 from .hooks import (PostLocalSGDState, PowerSGDState, ZeroStepHook, allreduce_hook, batched_powerSGD_hook,
                     batched_powersgd_hook, bf16_compress_hook, bf16_compress_wrapper, fp16_compress_hook,
                     fp16_compress_wrapper, hook_with_zero_step, hook_with_zero_step_interleaved, post_localSGD_hook,
@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = ["Aggregator", "AllReduce", "Config", "EngineConfig", "HierarchicalModelAverager", "ModelAverager",
            "OuterOptimizerAverager", "PeriodicModelAverager", "Plan", "PostLocalSGDOptimizer", "PostLocalSGDState",
-           "PowerSGD", "PowerSGDState", "ZeroStepHook", "allreduce_hook", "average_parameters", "batched_powerSGD_hook",
+           "PowerSGD", "PowerSGDState", "ZeroStepHook", "allreduce_hook", "average_parameters", "batched_powerSGD_hook", "broadcast_parameters",
            "batched_powersgd_hook", "bf16_compress_hook", "bf16_compress_wrapper", "fp16_compress_hook",
            "fp16_compress_wrapper", "hook_with_zero_step", "hook_with_zero_step_interleaved", "make_plan", "optimizer_step", "post_localSGD_hook", "post_localsgd_hook",
            "powerSGD_hook", "powersgd_hook"]

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .averaging import broadcast_parameters
 from .comm import Communicator, make_communicator
 from .pipeline import OrderedPipeline, Task
 from .powersgd.config import EngineConfig
@@ -214,12 +215,17 @@ class PowerSGD(Aggregator):
             does: when ``lr_scheduler.get_last_lr()[0]`` goes from ``lr_old`` to ``lr_new`` between
             steps, the memory is multiplied by ``lr_old / lr_new``. ``None``: the memory is in
             gradient units (the reference's behaviour; the same as a constant learning rate).
+        init_sync: as ``DistributedDataParallel(init_sync=True)``: at construction, overwrite ``params``
+            on every worker with rank 0's values (of ``process_group``), so that workers whose models
+            were initialised differently do not train apart. Construction is then a collective: every
+            worker builds its ``PowerSGD`` together. ``False``: leave the parameters as they are (e.g.
+            when they are already equal, or were loaded from per-worker checkpoints).
     """
 
     def __init__(self, params: Iterable[Tensor], config: Config, *,
                  process_group: dist.ProcessGroup | None = None,
                  comm_device: torch.device | str | None = None,
-                 lr_scheduler: Any = None) -> None:
+                 lr_scheduler: Any = None, init_sync: bool = True) -> None:
         if not isinstance(config, Config):
             raise TypeError(f"config must be a gradpress.Config, got {type(config).__name__}")
         if lr_scheduler is not None and not callable(getattr(lr_scheduler, "get_last_lr", None)):
@@ -242,6 +248,10 @@ class PowerSGD(Aggregator):
         self._engine = config.engine_config()
         self._store = SegmentStore(self._engine)
         self._index = {id(p): i for i, p in enumerate(self.params)}
+        if not isinstance(init_sync, bool):
+            raise TypeError(f"init_sync must be True or False, got {init_sync!r}")
+        if init_sync:
+            broadcast_parameters(self.params, process_group)
 
     # --- compression figures ------------------------------------------------------------------------
     def _plan(self) -> Plan:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Union
 
 import torch
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 __all__ = ["HierarchicalModelAverager", "ModelAverager", "OuterOptimizerAverager", "PeriodicModelAverager",
-           "PostLocalSGDOptimizer", "average_parameters"]
+           "PostLocalSGDOptimizer", "average_parameters", "broadcast_parameters"]
 
 Params = Union[nn.Module, Iterable[Tensor], Iterable[Mapping[str, Any]], Iterable[tuple[str, Tensor]]]
 
@@ -75,6 +75,22 @@ def tensors_to_average(params: Params, average_buffers: bool = False) -> list[Te
     return [t for t in out if not (id(t) in seen or seen.add(id(t)))]  # type: ignore[func-returns-value]
 
 
+def _flat_groups(tensors: list[Tensor], wire_dtype: torch.dtype | None = None) -> Iterator[tuple[list[Tensor], Tensor]]:
+    """For each (device, dtype) group of ``tensors``: ``(members, flat)`` where ``flat`` is their
+    concatenation (in ``wire_dtype`` if given); after the caller resumes, ``flat`` is copied back."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    with torch.no_grad():
+        for (_, dtype), members in groups.items():
+            flat = torch.cat([t.detach().reshape(-1) for t in members]).to(wire_dtype or dtype)
+            yield members, flat
+            offset = 0
+            for t in members:
+                t.detach().copy_(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
 def average_tensors_(tensors: list[Tensor], process_group: dist.ProcessGroup | None = None,
                      wire_dtype: torch.dtype | None = None) -> int:
     """Replace each tensor by its mean over ``process_group``, in place; return the bytes sent.
@@ -84,21 +100,34 @@ def average_tensors_(tensors: list[Tensor], process_group: dist.ProcessGroup | N
     size = dist.get_world_size(process_group)
     if size == 1 or not tensors:
         return 0
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
     sent = 0
-    with torch.no_grad():
-        for (_, dtype), members in groups.items():
-            flat = torch.cat([t.detach().reshape(-1) for t in members]).to(wire_dtype or dtype)
-            flat.div_(size)
-            dist.all_reduce(flat, group=process_group)
-            sent += flat.numel() * flat.element_size()
-            offset = 0
-            for t in members:
-                t.detach().copy_(flat[offset: offset + t.numel()].view_as(t))
-                offset += t.numel()
+    for _, flat in _flat_groups(tensors, wire_dtype):
+        flat.div_(size)
+        dist.all_reduce(flat, group=process_group)
+        sent += flat.numel() * flat.element_size()
     return sent
+
+
+def broadcast_parameters(params: nn.Module | Iterable[Tensor], process_group: dist.ProcessGroup | None = None,
+                         src: int = 0) -> None:
+    """Overwrite ``params`` on every worker, in place, with their values on ``src`` (a rank *within*
+    ``process_group``; ``None``: the default group), as ``DistributedDataParallel`` does at construction.
+
+    A collective: every worker of the group calls it with tensors of the same shapes and dtypes. One
+    broadcast per (device, dtype). For a module, all its parameters (frozen ones too) and buffers. Nothing
+    happens when ``torch.distributed`` is not initialised or the group has one worker.
+
+    >>> broadcast_parameters(model)          # after init_process_group, on every rank  # doctest: +SKIP
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
+        return
+    if isinstance(params, nn.Module):
+        tensors = list(params.parameters()) + list(params.buffers())
+    else:
+        tensors = list(params)
+    global_src = src if process_group is None else dist.get_global_rank(process_group, src)
+    for _, flat in _flat_groups(tensors):
+        dist.broadcast(flat, src=global_src, group=process_group)
 
 
 def average_parameters(params: Params, process_group: dist.ProcessGroup | None = None) -> None:
