@@ -301,3 +301,17 @@ def test_options_survive_state_dict_and_pickle():
                           warm_up_beta_factor=0.25)
     clone = pickle.loads(pickle.dumps(state))
     assert (clone.bytes_per_weight, clone.feedback_every_n_iters, clone.warm_up_beta_factor) == (2, 3, 0.25)
+
+
+def test_compression_stats_are_zero_before_start_and_the_start_is_logged_once(caplog):
+    import logging
+
+    state = PowerSGDState(None, start_powerSGD_iter=3)
+    with caplog.at_level(logging.INFO, logger="gradpress.hooks.powersgd"):
+        for _ in range(5):
+            assert state.compression_stats() == (0, 0, 0)  # update_state compresses nothing
+            state.update_state()
+    starts = [r for r in caplog.records if "Start to apply PowerSGD" in r.getMessage()]
+    assert len(starts) == 1 and "after 3 iterations" in starts[0].getMessage()
+    assert "(0, 0, 0)" in starts[0].getMessage()
+    assert "(0, 0, 0) until iteration" in PowerSGDState.compression_stats.__doc__

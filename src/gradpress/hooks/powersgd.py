@@ -238,9 +238,13 @@ class PowerSGDState:
     def maybe_increase_iter(self, bucket: Any) -> None:
         """Count an iteration when the last bucket has been processed (PyTorch's contract)."""
         if bucket.is_last():
-            self.iter += 1
-            if self.iter == self.start_powerSGD_iter:
-                logger.info("Start to apply PowerSGD after %s iterations.", self.iter)
+            self._advance()
+
+    def _advance(self) -> None:
+        self.iter += 1
+        if self.iter == self.start_powerSGD_iter:  # PyTorch's message, then why the stats were zero so far
+            logger.info("Start to apply PowerSGD after %s iterations. (compression_stats() was (0, 0, 0) until "
+                        "now: the first start_powerSGD_iter iterations are plain allreduce.)", self.iter)
 
     def update_state(self) -> None:
         """Advance the state by one iteration that the hook did not see (a skipped or accumulated step),
@@ -251,7 +255,7 @@ class PowerSGDState:
         """
         if len(self._pipeline):
             raise RuntimeError("PowerSGDState.update_state() was called while a backward pass is in flight")
-        self.iter += 1
+        self._advance()
         self._sync_lr(force=True)
 
     def bytes_stats(self) -> tuple[float, int, int]:
@@ -278,8 +282,13 @@ class PowerSGDState:
     def compression_stats(self) -> tuple[float, int, int]:
         """``(rate, numel before, numel after)`` summed over every compressed bucket step so far.
 
-        ``rate = before / after`` (0 if nothing was compressed yet). Counts follow the plan:
-        ``n*m`` before and ``(n+m)*r`` after for a compressed matrix, ``numel`` for the rest.
+        ``rate = before / after``. Counts follow the plan: ``n*m`` before and ``(n+m)*r`` after for a
+        compressed matrix, ``numel`` for the rest. **(0, 0, 0) until iteration** ``start_powerSGD_iter``:
+        the iterations before it are plain allreduce and compress nothing (the ``gradpress.hooks.powersgd``
+        logger says at INFO level when compression starts).
+
+        >>> PowerSGDState(None, start_powerSGD_iter=2).compression_stats()   # nothing compressed yet
+        (0, 0, 0)
         """
         before, after = self.total_numel_before_compression, self.total_numel_after_compression
         return (before / after if after > 0 else 0, before, after)
