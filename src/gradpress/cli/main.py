@@ -7,16 +7,16 @@ Each subcommand module exposes ``register(subparsers)`` (adds its parser and set
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from . import bench, demo, inspect
-
 __all__ = ["COMMANDS", "ArgumentParser", "build_parser", "main"]
 
-#: Subcommand modules, in the order ``gradpress --help`` lists them.
-COMMANDS = (demo, inspect, bench)
+#: Subcommand modules (of :mod:`gradpress.cli`), in the order ``gradpress --help`` lists them. Imported
+#: when the parser is built, not before: ``gradpress --version`` must not wait for torch.
+COMMANDS = ("demo", "inspect", "bench")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -36,8 +36,8 @@ def build_parser() -> ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"gradpress {__version__}")
     subparsers = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
-    for command in COMMANDS:
-        command.register(subparsers)
+    for name in COMMANDS:
+        importlib.import_module(f"{__package__}.{name}").register(subparsers)
     return parser
 
 
@@ -46,8 +46,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Argument errors return 2 (with a one-line message on stderr); ``--help`` returns 0.
     """
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--version"]:  # answered before the subcommands (and torch) are imported
+        from .. import __version__
+
+        print(f"gradpress {__version__}")
+        return 0
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits on --help, --version and errors; report as a status
