@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from gradpress.workloads import METHOD_KINDS, DemoConfig, parse_methods, task_names, train
+from gradpress.workloads import METHOD_KINDS, DemoConfig, default_start_iter, parse_methods, task_names, train
 
 
 def main() -> int:
@@ -30,7 +30,8 @@ def main() -> int:
                         help=f"comma-separated methods ({', '.join(METHOD_KINDS)}; powersgd:R, multi:R)")
     parser.add_argument("--rank", type=int, default=2, help="PowerSGD rank for methods given without :R")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--start-iter", type=int, default=30)
+    parser.add_argument("--start-iter", type=int, default=None,
+                        help="plain-allreduce steps first (default: a tenth of --steps, at least 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="rank 0 writes the results here")
     args = parser.parse_args()
@@ -50,15 +51,17 @@ def main() -> int:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = DemoConfig(task=args.task, steps=args.steps, start_iter=args.start_iter, seed=args.seed)
+    start_iter = default_start_iter(args.steps) if args.start_iter is None else args.start_iter
+    config = DemoConfig(task=args.task, steps=args.steps, start_iter=start_iter, seed=args.seed)
     results = []
     for method in methods:
         result = train(rank, world, method, config, device=device)
         results.append(result)
         if rank == 0:
+            ratio = "n/a" if result["compression_ratio"] is None else f"{result['compression_ratio']:.1f}x"
             print(f"{method.label}: test {result['metric_name']} {result['metric']:.4f}, test loss "
-                  f"{result['test_loss']:.4f}, {result['bytes_per_step']:,.0f} bytes/step "
-                  f"({result['compression_ratio']:.1f}x), {result['wall_time_s']:.1f} s", flush=True)
+                  f"{result['test_loss']:.4f}, {result['bytes_per_step']:,.0f} bytes/step ({ratio}), "
+                  f"{result['bytes_total'] / 1e6:.3g} MB in all, {result['wall_time_s']:.1f} s", flush=True)
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -17,7 +17,7 @@ import gradpress
 from gradpress.cli import demo
 from gradpress.cli.demo import WorkerFailure, run_workers
 from gradpress.cli.main import main
-from gradpress.workloads import DemoConfig, get_task, parse_methods
+from gradpress.workloads import DemoConfig, default_start_iter, get_task, parse_methods
 
 
 def _demo_children() -> list:
@@ -84,12 +84,48 @@ def test_demo_end_to_end_writes_three_files_consistent_with_the_plan(tmp_path: P
     assert localsgd["synchronizations"] == 4 + 2 + 1 and allreduce["synchronizations"] == 12
     assert localsgd["bytes_total"] == 7 * 4 * numel and localsgd["compression_ratio"] == 4
     assert localsgd["counted"] == {"averages": 2, "bytes_averaged": 2 * 4 * numel, "ok": True}
+    # Totals over the whole run, warm-up included, and what the run saved against allreduce.
+    assert [m["bytes_warm_up"] for m in methods.values()] == [4 * 4 * numel, 4 * 2 * numel] + [4 * 4 * numel] * 3
+    for entry in methods.values():
+        assert entry["total_ratio"] == pytest.approx(allreduce["bytes_total"] / entry["bytes_total"])
+    assert powersgd["total_ratio"] < powersgd["compression_ratio"] / 2  # the warm-up weighs on a short run
+    header = next(line for line in captured.out.splitlines() if line.startswith("method "))
+    assert "total MB" in header and "total ratio" in header
+    assert f"{powersgd['bytes_total'] / 1e6:.3g}" in next(line for line in captured.out.splitlines()
+                                                         if line.startswith("powersgd r=2 "))
+    _check_figure(report)
     for entry in methods.values():
         assert entry["ranks_agree"] and len(set(entry["checksums"])) == 1
         assert 0.0 <= entry["metric"] <= 1.0 and entry["test_loss"] > 0 and entry["steps"] == 12
         assert entry["curve"][-1]["bytes"] == entry["bytes_total"] and entry["curve"][-1]["step"] == 12
         ring = 2 * (2 - 1) / 2
         assert entry["modelled_time_s"] == pytest.approx(entry["wall_time_s"] + ring * entry["bytes_total"] / 12.5e6)
+
+
+def _check_figure(report: dict) -> None:
+    """What a person needs to read the plot without the README."""
+    fig = demo.make_figure(report)
+    fig.canvas.draw()
+    axes = fig.axes
+    # The dotted warm-up line is in the legend, with what it means.
+    start = report["config"]["start_iter"]
+    legend = [t.get_text() for t in axes[0].get_legend().get_texts()]
+    assert f"step {start}: warm-up ends, compression / local steps start" in legend
+    # Methods with equal curves (allreduce, fp16) are drawn differently (and the warm-up line too).
+    styles = {line.get_label(): (line.get_linestyle(), line.get_marker()) for line in axes[0].get_lines()}
+    assert len(set(styles.values())) == len(styles)
+    # The bytes panels start after the warm-up, so compressed methods are not squeezed by it.
+    for entry in report["methods"].values():
+        (line,) = [ln for ln in axes[1].get_lines() if ln.get_label() == entry["label"]]
+        assert max(line.get_xdata()) == pytest.approx((entry["bytes_total"] - entry["bytes_warm_up"]) / 1e6)
+        assert min(line.get_xdata()) > 0
+    # Log axes carry no minor tick labels (they overlapped on the perplexity axis).
+    for ax in axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            if axis.get_scale() == "log":
+                assert all(t.get_text() == "" for t in axis.get_minorticklabels())
+    import matplotlib.pyplot as plt
+    plt.close(fig)
 
 
 def test_demo_char_language_model_task(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -104,6 +140,7 @@ def test_demo_char_language_model_task(tmp_path: Path, capsys: pytest.CaptureFix
     assert entry["metric"] == pytest.approx(math.exp(entry["test_loss"]))
     assert entry["curve"][0]["metric"] > 50 and entry["metric"] < entry["curve"][0]["metric"]
     assert entry["counted"]["ok"] and entry["ranks_agree"]
+    _check_figure(report)  # a log perplexity axis
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -135,8 +172,9 @@ def test_parse_bandwidth_units() -> None:
 def test_demo_defaults_are_the_documented_ones() -> None:
     from gradpress.cli.main import build_parser
     args = build_parser().parse_args(["demo"])
-    assert args.workers == 4 and args.task == "digits" and args.rank == [1, 2]
-    assert [m.label for m in parse_methods(args.methods, args.rank)] == [
+    assert args.workers == 4 and args.task == "digits" and args.rank is None and args.start_iter is None
+    assert demo.DEFAULT_RANKS == (1, 2)
+    assert [m.label for m in parse_methods(args.methods, demo.DEFAULT_RANKS)] == [
         "allreduce", "fp16", "powersgd r=1", "powersgd r=2", "multi r=1", "multi r=2", "localsgd H=8", "diloco H=8"]
     assert str(args.out) == "gradpress-demo"
 
@@ -159,9 +197,36 @@ def test_demo_rejects_values_below_one(option: str, capsys: pytest.CaptureFixtur
     assert len(err.strip().splitlines()) == 1
 
 
-def test_demo_rejects_start_iter_not_below_steps(capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_rejects_start_iter_not_below_steps_and_says_what_to_change(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--steps", "5", "--start-iter", "5"]) == 2
-    assert "--start-iter" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--start-iter 4 or less" in err and "--steps 6 or more" in err and "leave --start-iter out" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_default_warm_up_scales_with_steps() -> None:
+    assert [default_start_iter(n) for n in (1, 10, 40, 300, 1000)] == [2, 2, 4, 30, 100]
+    assert DemoConfig().start_iter == default_start_iter(DemoConfig().steps)
+
+
+def test_short_run_on_one_worker_succeeds_and_reports_that_nothing_was_sent(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # --steps 10 without --start-iter (the warm-up scales down), and one worker: nothing crosses a wire.
+    code = main(["demo", "--workers", "1", "--steps", "10", "--methods", "allreduce,powersgd:1,localsgd:2,diloco:2",
+                 "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert report["config"]["start_iter"] == 2 and report["bytes_check_ok"]
+    for entry in report["methods"].values():
+        assert entry["bytes_per_step"] == entry["bytes_total"] == 0, entry["label"]
+        assert entry["compression_ratio"] is None and entry["total_ratio"] is None
+        assert all(point["bytes"] == 0 for point in entry["curve"])
+    assert report["methods"]["powersgd:1"]["counted"]["bytes_after"] > 0  # the payload was still compressed
+    rows = [line for line in captured.out.splitlines() if line.startswith(("allreduce ", "powersgd ", "localsgd "))]
+    assert len(rows) == 3 and all(" 0 B " in row and "n/a" in row for row in rows)
+    assert "1 worker: a collective with no peer sends nothing" in captured.out
+    assert "all 1 workers" not in captured.out and "1 methods" not in captured.err
 
 
 def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
@@ -199,3 +264,62 @@ def test_run_workers_raises_worker_failure() -> None:
         run_workers(DemoConfig(steps=10, start_iter=4, fail_at_step=6, fail_rank=0), 2, timeout=60,
                     methods=parse_methods("powersgd:1", []))
     assert _demo_children() == []
+
+
+def _interrupt_at_once(*args, **kwargs):
+    raise demo.Interrupted({})
+
+
+@pytest.mark.parametrize("argv, warning", [
+    (["--methods", "allreduce,powersgd:4", "--rank", "1,2"], "warning: --rank 1,2 is not used"),
+    (["--methods", "allreduce", "--rank", "2"], "warning: --rank 2 is not used"),
+    (["--workers", "5"], "warning: 5 workers on 2 cores"),
+    (["--steps", "2"], "warning: --steps 2 is all warm-up"),
+])
+def test_demo_warns_about_arguments_that_do_nothing_or_overload_the_machine(
+        argv, warning, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(demo, "run_workers", _interrupt_at_once)
+    monkeypatch.setattr(demo, "_available_cores", lambda: 2)
+    assert main(["demo", *argv]) == 130
+    err = capsys.readouterr().err
+    assert warning in err
+    assert "nothing written" in err
+
+
+def test_demo_gives_no_warning_for_used_arguments(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(demo, "run_workers", _interrupt_at_once)
+    monkeypatch.setattr(demo, "_available_cores", lambda: 2)
+    assert main(["demo", "--methods", "powersgd,allreduce", "--rank", "1,2", "--workers", "4"]) == 130
+    err = capsys.readouterr().err
+    assert "warning" not in err
+    assert main(["demo", "--methods", "powersgd:1", "--workers", "1"]) == 130
+    assert "1 worker, 1 method x" in capsys.readouterr().err
+
+
+def test_ctrl_c_reports_and_writes_the_methods_that_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    class CtrlCDuringSecondMethod(demo.Progress):
+        def __call__(self, label: str, step: int, steps: int, loss: float) -> None:
+            if label == "powersgd r=1":
+                raise KeyboardInterrupt  # what Ctrl-C raises in the parent
+            super().__call__(label, step, steps, loss)
+
+    monkeypatch.setattr(demo, "Progress", CtrlCDuringSecondMethod)
+    code = main(["demo", "--workers", "2", "--steps", "6", "--methods", "allreduce,powersgd:1,fp16",
+                 "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 130
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert list(report["methods"]) == ["allreduce"] and report["interrupted"] == ["allreduce", "powersgd r=1", "fp16"]
+    assert "INTERRUPTED: 1 of 3 methods finished; not run: powersgd r=1, fp16" in captured.out
+    assert "interrupted; reporting the 1 method that finished" in captured.err
+    assert _demo_children() == []
+
+
+def test_version_does_not_import_torch() -> None:
+    code = ("import sys; from gradpress.cli.main import main; status = main(['--version']); "
+            "print('torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(status)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [f"gradpress {gradpress.__version__}", "no torch"]

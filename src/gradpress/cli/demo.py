@@ -32,20 +32,29 @@ from pathlib import Path
 from typing import Any
 
 from ..workloads.tasks import TASKS, get_task
-from ..workloads.training import METHOD_KINDS, DemoConfig, Method, ProgressFn, parse_methods
-from .args import int_at_least, positive_float
+from ..workloads.training import METHOD_KINDS, DemoConfig, Method, ProgressFn, default_start_iter, parse_methods
+from .args import int_at_least, int_list, positive_float
 
-__all__ = ["WorkerFailure", "format_report", "free_port", "parse_bandwidth", "register", "run", "run_workers",
-           "summarize"]
+__all__ = ["Interrupted", "WorkerFailure", "format_report", "free_port", "parse_bandwidth", "register", "run",
+           "run_workers", "summarize"]
 
 _DEFAULTS = DemoConfig()
 DEFAULT_TIMEOUT = 600.0
 DEFAULT_METHODS = "allreduce,fp16,powersgd,multi,localsgd,diloco"
-DEFAULT_RANKS = "1,2"
+DEFAULT_RANKS = (1, 2)
 
 
 class WorkerFailure(RuntimeError):
     """A worker crashed, exited early or timed out; ``str(exc)`` is the report to print."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`run_workers` (the workers are stopped); ``completed`` holds the results of
+    the methods that every worker had finished, in the order they were asked for."""
+
+    def __init__(self, completed: dict[str, list[dict[str, Any]]]) -> None:
+        super().__init__()
+        self.completed = completed
 
 
 # --- argument parsing ---------------------------------------------------------------------------------
@@ -55,16 +64,6 @@ def _beta(text: str) -> float:
     if value > 1:
         raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
     return value
-
-
-def _ranks(text: str) -> list[int]:
-    try:
-        ranks = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        ranks = []
-    if not ranks or min(ranks) < 1:
-        raise argparse.ArgumentTypeError(f"must be integers >= 1 separated by commas (e.g. 1,2), got {text!r}")
-    return list(dict.fromkeys(ranks))
 
 
 _PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -113,13 +112,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--methods", default=DEFAULT_METHODS, metavar="LIST",
                         help=f"comma-separated methods to compare ({methods_help}). powersgd and multi run "
                              "once per --rank, or at one rank as powersgd:R (default: %(default)s)")
-    parser.add_argument("--rank", type=_ranks, default=_ranks(DEFAULT_RANKS), metavar="R[,R...]",
-                        help=f"PowerSGD approximation rank(s) (integers >= 1; default: {DEFAULT_RANKS})")
+    parser.add_argument("--rank", type=int_list(1), default=None, metavar="R[,R...]",
+                        help=f"PowerSGD approximation rank(s) for the methods given without one (powersgd, "
+                             f"multi) (integers >= 1; default: {','.join(map(str, DEFAULT_RANKS))})")
     parser.add_argument("--steps", type=int_at_least(1), default=_DEFAULTS.steps, metavar="N",
                         help="training steps per method (integer >= 1; default: %(default)s)")
-    parser.add_argument("--start-iter", type=int_at_least(2), default=_DEFAULTS.start_iter, metavar="N",
-                        help="plain-allreduce steps before PowerSGD starts (integer >= 2, less than "
-                             "--steps; default: %(default)s)")
+    parser.add_argument("--start-iter", type=int_at_least(2), default=None, metavar="N",
+                        help="plain-allreduce steps before PowerSGD, local SGD and DiLoCo start (integer >= 2, "
+                             "less than --steps; default: a tenth of --steps, at least 2: "
+                             f"{_DEFAULTS.start_iter} for {_DEFAULTS.steps} steps)")
     parser.add_argument("--seed", type=int_at_least(0), default=_DEFAULTS.seed, metavar="S",
                         help="seed for the split, initialisation and batch order (integer >= 0; "
                              "default: %(default)s)")
@@ -283,7 +284,8 @@ def run_workers(config: DemoConfig, workers: int, *, timeout: float = DEFAULT_TI
     """Run every method on ``workers`` spawned processes; ``{method.spec: [result of rank 0, 1, ...]}``.
 
     Raises :class:`WorkerFailure` (after stopping every worker) if a worker raises, dies or the run
-    takes longer than ``timeout`` seconds. No worker process outlives this call.
+    takes longer than ``timeout`` seconds, and :class:`Interrupted` (with the finished methods' results)
+    on Ctrl-C. No worker process outlives this call.
     """
     ctx = mp.get_context("spawn")
     messages = ctx.Queue()
@@ -351,6 +353,9 @@ def run_workers(config: DemoConfig, workers: int, *, timeout: float = DEFAULT_TI
             _stop(procs)
             raise WorkerFailure(_failure_report(errors, min(errors) if errors else None, codes,
                                                 "a worker failed while shutting down"))
+    except KeyboardInterrupt:
+        raise Interrupted({spec: [per_rank[rank] for rank in range(workers)]
+                           for spec, per_rank in results.items() if len(per_rank) == workers}) from None
     finally:
         _stop(procs)
         messages.close()
@@ -414,19 +419,23 @@ def summarize(results: dict[str, list[dict[str, Any]]], config: DemoConfig, work
     }
 
 
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}x"
+
+
 def _table(summary: dict[str, Any], markdown: bool = False) -> list[str]:
     metric = summary["metric_name"]
     bandwidth = summary["bandwidth_bytes_per_s"]
     header = ["method", "test acc" if metric == "accuracy" else "test ppl", "test loss", "train loss",
-              "bytes/step", "compression", "syncs", "steps", "time (s)", "ms/step"]
+              "bytes/step", "compression", "total MB", "total ratio", "syncs", "time (s)", "ms/step"]
     if bandwidth is not None:
         header.append(f"@{_format_rate(bandwidth)} (s)*")
     rows = [header]
     for m in summary["methods"].values():
         score = f"{100 * m['metric']:.1f}%" if metric == "accuracy" else f"{m['metric']:.2f}"
         row = [m["label"], score, f"{m['test_loss']:.4f}", f"{m['train_loss']:.4f}",
-               _format_bytes(m["bytes_per_step"]), f"{m['compression_ratio']:.1f}x", str(m["synchronizations"]),
-               str(m["steps"]),
+               _format_bytes(m["bytes_per_step"]), _ratio(m["compression_ratio"]), f"{m['bytes_total'] / 1e6:.3g}",
+               _ratio(m["total_ratio"]), str(m["synchronizations"]),
                f"{m['wall_time_s']:.1f}", f"{1000 * m['time_per_step_s']:.1f}"]
         if bandwidth is not None:
             row.append(f"{m['modelled_time_s']:.1f}")
@@ -445,18 +454,24 @@ def _notes(summary: dict[str, Any]) -> list[str]:
     config = summary["config"]
     metric = summary["metric_name"]
     n = summary["workers"]
+    start = config["start_iter"]
     lines = [
         ("test acc: accuracy on the held-out test set after the last step (higher is better)"
          if metric == "accuracy" else
          "test ppl: held-out perplexity per character after the last step (lower is better)"),
         "test loss: mean cross-entropy on the test set; train loss: mean over the last logged interval",
-        "bytes/step: what each worker puts on the wire per step once compression runs (PowerSGD sends "
-        f"everything for its first {config['start_iter']} steps; local SGD averages the model every H steps "
-        "after them, and once more at the end); compression: allreduce's bytes/step / this method's; "
-        "syncs: steps with communication",
+        f"bytes/step: what each worker sends per step once the method runs, after the first {start} steps "
+        "(PowerSGD: plain allreduce until then; local SGD and DiLoCo: synchronous until then, then one model "
+        "average every H steps, shown per step); compression: allreduce's bytes/step / this method's",
+        f"total MB: what each worker sent over the whole run (MB = 10^6 bytes), the first {start} steps "
+        "included, and for local SGD and DiLoCo a final average; total ratio: allreduce's total / this "
+        "method's, what the run saved; syncs: steps with communication",
         f"time: training loop of the slowest worker, here ({summary['backend']}, {_plural(n, 'local process')}"
         "), evaluation excluded",
     ]
+    if n == 1:
+        lines.append("1 worker: a collective with no peer sends nothing, so every byte figure is 0 and the "
+                     "ratios are n/a; run --workers 2 or more to compare the methods' traffic")
     bandwidth = summary["bandwidth_bytes_per_s"]
     if bandwidth is not None:
         lines.append(f"* MODELLED, not measured: time here + 2(n-1)/n x bytes sent / rate, for n={n} workers "
@@ -467,11 +482,17 @@ def _notes(summary: dict[str, Any]) -> list[str]:
         status = "OK" if summary["bytes_check_ok"] else "MISMATCH"
         lines.append(f"bytes check: the bytes counted by PowerSGDState.bytes_stats() and the model averagers "
                      f"equal the plan's for {', '.join(m['label'] for m in counted)}: {status}")
-    if summary["ranks_agree"]:
+    if n == 1:
+        lines.append("ranks agree: one worker, nothing to compare")
+    elif summary["ranks_agree"]:
         lines.append(f"ranks agree: parameters identical on all {n} workers for every method")
     else:
         lines += [f"RANKS DISAGREE for {m['label']}: parameter sums per rank {m['checksums']}"
                   for m in methods.values() if not m["ranks_agree"]]
+    interrupted = summary.get("interrupted")
+    if interrupted:
+        lines.append(f"INTERRUPTED: {len(methods)} of {len(interrupted)} methods finished; not run: "
+                     f"{', '.join(label for label in interrupted if label not in {m['label'] for m in methods.values()})}")
     return lines
 
 
@@ -498,42 +519,86 @@ def format_markdown(summary: dict[str, Any], plot: str | None) -> str:
     return "\n".join(lines)
 
 
+#: Line styles cycled with the colours, so that methods with equal curves (allreduce and fp16) stay visible.
+_STYLES = (("-", "o", 2.6), ("--", "s", 1.6), ("-.", "^", 1.6), (":", "D", 1.9), ("-", "v", 1.2), ("--", "x", 1.2))
+
+
+def _plain_log_ticks(axis: Any) -> None:
+    """Label a log axis at 1, 2, 5 x 10^k with plain numbers and no minor labels (they overlap)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def plot(summary: dict[str, Any], path: Path) -> bool:
-    """Write the 2x2 figure (test metric and train loss, vs step and vs MB sent); ``False`` without
-    matplotlib."""
+    """Write :func:`make_figure`'s figure to ``path``; ``False`` without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    metric = "test accuracy" if summary["metric_name"] == "accuracy" else "test perplexity (log)"
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8), constrained_layout=True)
-    for m in summary["methods"].values():
-        curve = m["curve"]
-        steps = [c["step"] for c in curve]
-        mb = [c["bytes"] / 1e6 for c in curve]
-        score = [c["metric"] for c in curve]
-        axes[0][0].plot(steps, score, label=m["label"])
-        axes[0][1].plot(mb[1:], score[1:], label=m["label"])  # step 0 has sent nothing (log axis)
-        axes[1][0].plot(steps[1:], [c["train_loss"] for c in curve[1:]], label=m["label"])
-        axes[1][1].plot(mb[1:], [c["train_loss"] for c in curve[1:]], label=m["label"])
-    for row, ylabel in ((0, metric), (1, "train loss (log)")):
-        for col, xlabel in ((0, "step"), (1, "MB sent per worker (log)")):
-            ax = axes[row][col]
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel(ylabel)
-            ax.grid(True, alpha=0.3)
-            if col == 1:
-                ax.set_xscale("log")
-            if row == 1 or summary["metric_name"] != "accuracy":
-                ax.set_yscale("log")
-    axes[0][0].axvline(summary["config"]["start_iter"], color="grey", linestyle=":", linewidth=1)
-    axes[0][0].legend()
-    fig.suptitle(f"gradpress demo: {summary['task']}, {summary['workers']} workers")
+    fig = make_figure(summary)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def make_figure(summary: dict[str, Any]) -> Any:
+    """The demo's 2x2 matplotlib figure (needs matplotlib).
+
+    Left: test metric and train loss vs step, with the end of the plain-allreduce warm-up marked.
+    Right: the same vs MB each worker sent *after* the warm-up (log axis): during the warm-up every
+    method sends what allreduce sends, which would squeeze the compressed methods into one smear.
+    """
+    import matplotlib.pyplot as plt
+
+    accuracy = summary["metric_name"] == "accuracy"
+    start = summary["config"]["start_iter"]
+    metric = "test accuracy" if accuracy else "test perplexity per character (log)"
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5), constrained_layout=True)
+    sent_anything = False
+    for i, m in enumerate(summary["methods"].values()):
+        linestyle, marker, width = _STYLES[i % len(_STYLES)]
+        style = {"label": m["label"], "color": f"C{i % 10}", "linestyle": linestyle, "marker": marker,
+                 "markersize": 3.5, "linewidth": width}
+        curve = m["curve"]
+        steps = [c["step"] for c in curve]
+        axes[0][0].plot(steps, [c["metric"] for c in curve], **style)
+        axes[1][0].plot(steps[1:], [c["train_loss"] for c in curve[1:]], **style)  # step 0 has no train loss
+        after = [c for c in curve if c["step"] > start and c["bytes"] > m["bytes_warm_up"]]
+        if after:
+            sent_anything = True
+            mb = [(c["bytes"] - m["bytes_warm_up"]) / 1e6 for c in after]
+            axes[0][1].plot(mb, [c["metric"] for c in after], **style)
+            axes[1][1].plot(mb, [c["train_loss"] for c in after], **style)
+    for row, ylabel in ((0, metric), (1, "train loss (log)")):
+        for col in (0, 1):
+            ax = axes[row][col]
+            ax.set_ylabel(ylabel)
+            ax.grid(True, alpha=0.3)
+            if row == 1 or not accuracy:
+                ax.set_yscale("log")
+                _plain_log_ticks(ax.yaxis)
+        axes[row][0].set_xlabel("step")
+        axes[row][0].axvline(start, color="grey", linestyle=":", linewidth=1.2,
+                             label=f"step {start}: warm-up ends, compression / local steps start")
+        axes[row][1].set_xlabel(f"MB sent per worker after the {start} warm-up steps (log)")
+        if sent_anything:
+            axes[row][1].set_xscale("log")
+            _plain_log_ticks(axes[row][1].xaxis)
+        else:
+            axes[row][1].text(0.5, 0.5, "nothing was sent (1 worker)", ha="center", va="center",
+                              transform=axes[row][1].transAxes)
+    axes[0][0].set_title("vs training step")
+    axes[0][1].set_title("vs bytes sent once the methods differ")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"gradpress demo: {summary['task']}, {_plural(summary['workers'], 'worker')}, "
+                 f"{summary['config']['steps']} steps (dotted line: end of the {start}-step warm-up, where "
+                 "every method communicates every step)")
+    return fig
 
 
 class Progress:
@@ -584,34 +649,80 @@ def write_outputs(summary: dict[str, Any], out: Path) -> list[Path]:
     return written
 
 
+def _warn(message: str) -> None:
+    print(f"gradpress demo: warning: {message}", file=sys.stderr)
+
+
+def _start_iter(args: argparse.Namespace, methods: Sequence[Method]) -> int | str:
+    """The warm-up length, or an error message when the user's own --start-iter contradicts --steps."""
+    uses_warm_up = any(m.kind not in ("allreduce", "fp16", "bf16") for m in methods)
+    if args.start_iter is None:
+        start_iter = default_start_iter(args.steps)
+        if start_iter >= args.steps and uses_warm_up:
+            _warn(f"--steps {args.steps} is all warm-up ({start_iter} plain-allreduce steps come first): "
+                  "PowerSGD, local SGD and DiLoCo will not start; use --steps 3 or more to see them")
+        return start_iter
+    if args.start_iter >= args.steps and uses_warm_up:
+        return (f"--start-iter {args.start_iter} leaves no step for PowerSGD, local SGD or DiLoCo in "
+                f"--steps {args.steps}: use --start-iter {args.steps - 1} or less (>= 2), or --steps "
+                f"{args.start_iter + 1} or more, or leave --start-iter out (default: a tenth of --steps)")
+    return int(args.start_iter)
+
+
+def _available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def run(args: argparse.Namespace) -> int:
-    """``gradpress demo``: returns 0 on success, 1 if a worker or a check failed, 2 for bad arguments."""
+    """``gradpress demo``: 0 on success, 1 if a worker or a check failed, 2 for bad arguments, 130 when
+    interrupted (the methods that finished are still reported and written)."""
     try:
         task = get_task(args.task)
-        methods = parse_methods(args.methods, args.rank)
+        methods = parse_methods(args.methods, args.rank if args.rank is not None else DEFAULT_RANKS)
     except ValueError as exc:
         return _fail(str(exc))
-    if args.start_iter >= args.steps and any(m.rank is not None for m in methods):
-        return _fail(f"--start-iter must be smaller than --steps so that PowerSGD runs "
-                     f"(got --start-iter {args.start_iter}, --steps {args.steps})")
+    start_iter = _start_iter(args, methods)
+    if isinstance(start_iter, str):
+        return _fail(start_iter)
     out: Path = args.out
     if out.exists() and not out.is_dir():
         return _fail(f"--out: {str(out)!r} exists and is not a folder")
-    config = DemoConfig(task=task.name, steps=args.steps, start_iter=args.start_iter, seed=args.seed,
+    if args.rank is not None and parse_methods(args.methods, []) == methods:
+        _warn(f"--rank {','.join(map(str, args.rank))} is not used: no method in --methods takes it (only "
+              "powersgd and multi without ':R' run once per --rank)")
+    cores = _available_cores()
+    if args.workers > 2 * cores:
+        _warn(f"{args.workers} workers on {_plural(cores, 'core')}: each worker gets a small share of a core, so "
+              f"the run is slow and its times mostly measure waiting; --workers {cores} to {2 * cores} fits "
+              "this machine")
+    config = DemoConfig(task=task.name, steps=args.steps, start_iter=start_iter, seed=args.seed,
                         evals=min(15, args.steps), warm_up_beta=args.warm_up_beta)
     argv = getattr(args, "argv", None)
     command = " ".join(["gradpress", "demo", *map(shlex.quote, argv or [])])
     print(f"gradpress demo: {task.name} ({task.description}), {_plural(args.workers, 'worker')}, "
-          f"{len(methods)} methods x {config.steps} steps: {', '.join(m.label for m in methods)}",
+          f"{_plural(len(methods), 'method')} x {config.steps} steps: {', '.join(m.label for m in methods)}",
           file=sys.stderr, flush=True)
     start = time.perf_counter()
+    interrupted = False
     try:
         results = run_workers(config, args.workers, timeout=args.timeout, methods=methods, on_progress=Progress())
     except WorkerFailure as exc:
         return _fail(str(exc), code=1)
+    except Interrupted as exc:
+        if not exc.completed:
+            print("\ngradpress demo: interrupted before any method finished; nothing written", file=sys.stderr)
+            return 130
+        results, interrupted = exc.completed, True
+        print(f"\ngradpress demo: interrupted; reporting the {_plural(len(results), 'method')} that finished",
+              file=sys.stderr)
     wall_time = time.perf_counter() - start
 
     summary = summarize(results, config, args.workers, wall_time, args.bandwidth, command)
+    if interrupted:
+        summary["interrupted"] = [m.label for m in methods]
     print(format_report(summary))
     print(f"total wall time: {wall_time:.1f} s (including starting {_plural(args.workers, 'worker process')})")
     try:
@@ -621,6 +732,8 @@ def run(args: argparse.Namespace) -> int:
     if not any(p.name == "demo.png" for p in written):
         print("no demo.png: matplotlib is not installed (pip install 'gradpress[demo]')", file=sys.stderr)
     print(f"wrote {', '.join(p.name for p in written)} to {out}/")
+    if interrupted:
+        return 130
     if not summary["ranks_agree"]:
         return _fail("workers ended with different parameters", code=1)
     if not summary["bytes_check_ok"]:

@@ -29,7 +29,8 @@ from ..hooks import (PostLocalSGDState, PowerSGDState, allreduce_hook, bf16_comp
 from ..powersgd import Plan, make_plan
 from .tasks import get_task
 
-__all__ = ["DemoConfig", "METHOD_KINDS", "Method", "ProgressFn", "param_checksum", "parse_methods", "train"]
+__all__ = ["DemoConfig", "METHOD_KINDS", "Method", "ProgressFn", "bytes_schedule", "default_start_iter", "param_checksum",
+           "parse_methods", "train"]
 
 #: Method kinds: what each sends per step (``powersgd`` and ``multi`` take a rank).
 METHOD_KINDS: dict[str, str] = {
@@ -108,6 +109,17 @@ def parse_methods(text: str | Sequence[str], ranks: Sequence[int]) -> list[Metho
     return out
 
 
+def default_start_iter(steps: int) -> int:
+    """Plain-allreduce steps before compression or local steps start, when the user gives none: a tenth
+    of the run (30 of the default 300 steps), at least 2 (DDP rebuilds its buckets after the first step,
+    and ``PowerSGDState`` needs ``start_powerSGD_iter >= 2``).
+
+    >>> default_start_iter(300), default_start_iter(10)
+    (30, 2)
+    """
+    return max(2, round(steps / 10))
+
+
 @dataclass(frozen=True)
 class DemoConfig:
     """Everything that defines a run (identical on every worker).
@@ -158,7 +170,8 @@ def param_checksum(model: nn.Module) -> tuple[float, str]:
 
 
 def bytes_schedule(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
-    """Payload bytes one worker sends at each step (1-based index - 1), from the plan.
+    """Payload bytes one worker hands to its collectives at each step (1-based index - 1), from the plan.
+    (With one worker the collectives have no peer: nothing is sent, whatever the payload.)
 
     fp32 gradients: allreduce 4 bytes per element, fp16/bf16 2; PowerSGD sends every element (fp32)
     for ``start_iter`` steps, then ``(n + m) r`` per compressed matrix (classic), or one factor per step
@@ -247,7 +260,9 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
                                           outer_lr=config.outer_lr, outer_momentum=config.outer_momentum)
     if averager is not None:
         optimizer = PostLocalSGDOptimizer(optimizer, averager)
-    schedule = bytes_schedule(method, plan, config)
+    payload = bytes_schedule(method, plan, config)
+    # What crosses the wire: a collective over one worker sends nothing.
+    schedule = payload if world_size > 1 else [0] * len(payload)
 
     eval_steps = {max(1, round(config.steps * (i + 1) / config.evals)) for i in range(config.evals)}
     order_gen = torch.Generator().manual_seed(30_000 + 1_000 * config.seed + rank)
@@ -286,7 +301,7 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     syncs = config.steps
     if averager is not None:
         syncs = min(config.steps, config.start_iter) + averager.num_averages
-        if schedule[-1] == 0:  # end on the average of the workers' models, the model one would keep
+        if payload[-1] == 0:  # end on the average of the workers' models, the model one would keep
             sent += average_tensors_(tensors_to_average(model.parameters()))
             syncs += 1
             test_loss, metric = _evaluate(task, model, x_test, y_test, device)
@@ -295,9 +310,10 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     checksum, digest = param_checksum(model)
     tail = schedule[config.start_iter:]
-    steady = sum(tail) / len(tail) if method.kind == "multi" and tail else schedule[-1]
-    if method.period is not None:
+    steady: float = sum(tail) / len(tail) if method.kind == "multi" and tail else schedule[-1]
+    if method.period is not None and world_size > 1:
         steady = 4 * plan.numel / method.period
+    allreduce_step = 4 * plan.numel if world_size > 1 else 0
     result: dict[str, Any] = {
         "method": method.spec,
         "label": method.label,
@@ -312,21 +328,27 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
         "time_per_step_s": float(times[0]) / config.steps,
         "numel": plan.numel,
         "bytes_per_step": steady,
-        "bytes_allreduce_per_step": 4 * plan.numel,
-        "compression_ratio": 4 * plan.numel / steady,
+        "bytes_allreduce_per_step": allreduce_step,
+        # None where nothing was sent (one worker): there is no ratio to report.
+        "compression_ratio": allreduce_step / steady if steady else None,
         "bytes_total": sent,
+        "bytes_warm_up": sum(schedule[:config.start_iter]),
+        "bytes_allreduce_total": allreduce_step * config.steps,
+        "total_ratio": allreduce_step * config.steps / sent if sent else None,
         "synchronizations": syncs,
         "curve": curve,
         "checksum": checksum,
         "digest": digest,
     }
     if averager is not None:
+        # The averagers count bytes sent, so nothing with one worker.
         result["counted"] = {"averages": averager.num_averages, "bytes_averaged": averager.bytes_sent,
                              "ok": averager.bytes_sent == sum(tail)}
     elif isinstance(state, PowerSGDState):
+        # PowerSGDState counts the payload it hands to the collectives, whatever the world size.
         compressed = max(0, config.steps - config.start_iter)
         _, before, after = state.bytes_stats()
         result["counted"] = {"compressed_steps": compressed, "bytes_before": before, "bytes_after": after,
-                             "ok": after == sum(schedule[config.start_iter:])
+                             "ok": after == sum(payload[config.start_iter:])
                              and before == 4 * plan.numel * compressed}
     return result
