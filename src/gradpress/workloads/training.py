@@ -29,8 +29,8 @@ from ..hooks import (PostLocalSGDState, PowerSGDState, allreduce_hook, bf16_comp
 from ..powersgd import Plan, make_plan
 from .tasks import get_task
 
-__all__ = ["DemoConfig", "METHOD_KINDS", "Method", "ProgressFn", "bytes_schedule", "default_start_iter", "param_checksum",
-           "parse_methods", "train"]
+__all__ = ["DemoConfig", "METHOD_KINDS", "Method", "ProgressFn", "bytes_schedule", "default_start_iter",
+           "param_checksum", "parse_methods", "train"]
 
 #: Method kinds: what each sends per step (``powersgd`` and ``multi`` take a rank).
 METHOD_KINDS: dict[str, str] = {
