@@ -12,13 +12,26 @@ Variants:
   * ``torch_batched``: PyTorch's ``powerSGD_hook`` with ``batch_tensors_with_same_shape=True``;
   * ``torch``: PyTorch's ``powerSGD_hook`` with ``batch_tensors_with_same_shape=False``.
 
-Each compared hook is timed in its own worker processes (``--isolate``, the default), interleaved with
-the baseline in the same process: having run PyTorch's hook leaves a process slower for whatever runs
-next, for good (see :func:`_measure_isolated`). Workers alternate between the three hooks for
-``--rounds`` rounds, the starting hook rotating, so the comparison stays side by side in time. Within a
-process, variants alternate in blocks of ``--block`` + 1 steps whose first step is not timed.
+Where the hooks run (``--isolate``, the script's default, or ``--no-isolate``):
+  * ``--no-isolate``: one worker process times all four variants, interleaved: for ``--rounds`` rounds
+    every variant runs a block of ``--block`` + 1 steps (the first is not timed), the starting variant
+    rotating. ``gradpress bench`` does this, with one intra-op thread;
+  * ``--isolate``: each compared hook is timed in its own worker processes (one per round and hook),
+    interleaved with the baseline in that process, the processes alternating between the hooks.
 
-Overhead = median(hook step) - median(allreduce step), each median over all workers' timed steps.
+Intra-op threads decide which is fair (see :func:`_measure_isolated`). With one thread (``--threads 1``)
+no op forks, the variants cannot disturb each other and one process is fair. With more, PyTorch's
+hooks leave their process with extra OpenMP teams (they compute on gloo's threads), which changes how
+OpenMP waits for everything that runs there afterwards, so each hook needs its own processes. And with
+more threads than idle cores an OpenMP fork/join can wait a scheduler time slice for a thread that is
+not running: a hook's time then tracks how many ops it forks (ours 47 per ResNet-18 step, PyTorch's
+unbatched 9), not its work.
+
+Overhead = median(hook step) - median(allreduce step), each median over all workers' timed steps. The
+spread is over rounds: per round, the hook's median step minus allreduce's median step in the same
+process and round, and ours' over torch's; ``by_round`` holds those, their medians and interquartile
+ranges (:func:`summarize`). :func:`trust_warnings` says when a result cannot be trusted (machine busier
+than its cores, more threads than cores, a spread wider than the difference between ours and torch's).
 Gradients are refilled from fixed random values before every step of every variant (hooks write in
 place); the refill is not timed. Each variant runs ``start_powerSGD_iter=2`` allreduce steps and
 ``--warmup`` compressed steps untimed first.
@@ -34,7 +47,8 @@ compressed matrices), ``phase1`` (P and the uncompressed tensors), ``q``; PyTorc
 
     python -m gradpress.bench.overhead --models resnet18,resnet50 --ranks 1,2,4 --json out.json
     python benchmarks/overhead.py ...          # the same, from a source checkout
-    gradpress bench --full                     # the same measurement, summarized as a table
+    gradpress bench --full                     # the same models and ranks, one intra-op thread,
+                                               # all hooks in one worker, summarized as a table
 
 :func:`run_benchmark` measures and returns the report; :func:`main` is the script (JSON + markdown).
 """
@@ -60,8 +74,8 @@ from torch import Tensor
 
 from .. import zoo
 
-__all__ = ["COMPARED", "MODELS", "FakeBucket", "main", "make_buckets", "model_names", "model_parameters",
-           "run_benchmark"]
+__all__ = ["COMPARED", "MIN_ROUNDS_FOR_SPREAD", "MODELS", "FakeBucket", "iqr", "main", "make_buckets",
+           "model_names", "model_parameters", "run_benchmark", "summarize", "trust_warnings", "usable_cores"]
 
 MB = 1 << 20
 DEFAULT_BUCKET_CAPS = (1 * MB, 25 * MB)  # DDP: _DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_mb=25
@@ -216,6 +230,7 @@ def measure(model: str, rank: int, names: Sequence[str], rounds: int, block: int
     all_variants = make_variants(rank, group)
     variants = {name: all_variants[name] for name in ("allreduce", *names)}
     times: dict[str, list[float]] = {name: [] for name in variants}
+    rounds_ms: dict[str, list[list[float]]] = {name: [] for name in variants}  # [round][step]
     order = list(variants)
     # Warm-up: the allreduce steps before compression starts, then ``warmup`` compressed steps.
     for _ in range(START_POWERSGD_ITER + warmup):
@@ -234,16 +249,20 @@ def measure(model: str, rank: int, names: Sequence[str], rounds: int, block: int
             shift = round_index % len(order)
             for name in order[shift:] + order[:shift]:
                 state, hook = variants[name]
+                block_ms = []
                 for position in range(block + 1):
                     refill()
                     elapsed = run_step(state, hook, buckets)
                     if position > 0:
-                        times[name].append(elapsed * 1e3)
+                        block_ms.append(elapsed * 1e3)
+                times[name].extend(block_ms)
+                rounds_ms[name].append(block_ms)
     finally:
         if gc_was_enabled:
             gc.enable()
 
-    out: dict[str, Any] = {"model": model, "rank": rank, "times_ms": times, "state_bytes": {}}
+    out: dict[str, Any] = {"model": model, "rank": rank, "times_ms": times, "rounds_ms": rounds_ms,
+                           "round_offset": 0, "state_bytes": {}}
     for name in names:
         state = variants[name][0]
         if state.iter != total_steps:
@@ -259,15 +278,52 @@ def measure(model: str, rank: int, names: Sequence[str], rounds: int, block: int
     return out
 
 
+def iqr(values: Sequence[float]) -> list[float] | None:
+    """``[first quartile, third quartile]`` of ``values`` (inclusive method); one value: ``[v, v]``;
+    none: ``None``."""
+    if not values:
+        return None
+    if len(values) == 1:
+        return [values[0], values[0]]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return [q1, q3]
+
+
+def _stats(values: list[float]) -> dict[str, Any]:
+    return {"values": values, "median": statistics.median(values) if values else None, "iqr": iqr(values)}
+
+
 def summarize(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Pool the measurements of one (model, rank) from all workers into medians, overheads, ratios."""
+    """Pool the measurements of one (model, rank) from all workers into medians, overheads, ratios, and
+    the same per round.
+
+    ``parts`` are :func:`measure` results (their ``round_offset`` numbers the rounds of an isolated run:
+    worker ``i`` of round ``k`` has offset ``k``). ``median_ms``, ``overhead_ms`` and ``ratio_*`` pool
+    every timed step (BENCHMARKS.md's tables). ``by_round`` holds, per round, each variant's median step
+    (``step_ms``), each hook's overhead: its median step minus the allreduce median step *of the same
+    part and round* (``overhead_ms``), and ours' overhead over a torch hook's of the same round number
+    (``ratio_ours_vs``; same process with ``--no-isolate``, adjacent processes with ``--isolate``); each
+    as ``values``, their ``median`` and ``iqr`` (first and third quartile); ``count``: rounds.
+    """
     first = parts[0]
     times: dict[str, list[float]] = {name: [] for name in ("allreduce", *COMPARED)}
+    step_rounds: dict[str, list[float]] = {name: [] for name in times}  # per-round median steps
+    overhead_rounds: dict[str, dict[int, float]] = {name: {} for name in COMPARED}  # round -> ms
     state_bytes: dict[str, Any] = {}
     plan: dict[str, int] = {}
     for part in parts:
         for name, ts in part["times_ms"].items():
             times[name].extend(ts)
+        blocks = part.get("rounds_ms", {})
+        offset = part.get("round_offset", 0)
+        for index, baseline in enumerate(blocks.get("allreduce", [])):
+            base = statistics.median(baseline)
+            step_rounds["allreduce"].append(base)
+            for name in COMPARED:
+                if name in blocks and blocks[name][index]:
+                    step = statistics.median(blocks[name][index])
+                    step_rounds[name].append(step)
+                    overhead_rounds[name][offset + index] = step - base
         state_bytes.update(part["state_bytes"])
         plan = part.get("plan", plan)
     missing = [name for name, ts in times.items() if not ts]
@@ -275,6 +331,18 @@ def summarize(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         raise AssertionError(f"no measurements for {missing}")
     med = {name: statistics.median(ts) for name, ts in times.items()}
     overhead = {name: med[name] - med["allreduce"] for name in COMPARED}
+    ratio_rounds = {
+        name: [ours / theirs for key, ours in sorted(overhead_rounds["ours"].items())
+               if (theirs := overhead_rounds[name].get(key, 0.0)) > 0]
+        for name in COMPARED[1:]
+    }
+    by_round = {
+        "count": min(len(rounds) for rounds in overhead_rounds.values()),
+        "step_ms": {name: _stats(values) for name, values in step_rounds.items()},
+        "overhead_ms": {name: _stats([ms for _, ms in sorted(rounds.items())])
+                        for name, rounds in overhead_rounds.items()},
+        "ratio_ours_vs": {name: _stats(ratios) for name, ratios in ratio_rounds.items()},
+    }
     grad_bytes = first["params"] * 4
     p_bytes, q_bytes = plan["p"] * 4, plan["q"] * 4
     max_bucket_bytes = max(first["buckets"]) * 4
@@ -291,6 +359,7 @@ def summarize(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "overhead_ms": overhead,
         "ratio_ours_vs_torch_batched": _ratio(overhead["ours"], overhead["torch_batched"]),
         "ratio_ours_vs_torch": _ratio(overhead["ours"], overhead["torch"]),
+        "by_round": by_round,
         "memory": {
             "grad_bytes": grad_bytes,
             "max_bucket_bytes": max_bucket_bytes,
@@ -300,6 +369,64 @@ def summarize(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
             **state_bytes,
         },
     }
+
+
+#: Fewer rounds than this give no usable spread: the result is reported as untrustworthy.
+MIN_ROUNDS_FOR_SPREAD = 3
+_TORCH_LABELS = {"torch_batched": "torch batched", "torch": "torch"}
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one, else ``os.cpu_count()``)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform (Windows)
+        return None
+
+
+def trust_warnings(results: Sequence[dict[str, Any]], load_avg_1min: float | None, cores: int,
+                   threads: int) -> list[str]:
+    """Reasons why these :func:`summarize` results cannot be trusted; empty if there are none.
+
+    * the 1-minute load average exceeds ``cores``: other processes took CPU time from the measurement;
+    * ``threads`` (intra-op threads of the workers) exceed ``cores``: OpenMP's fork/joins wait for
+      threads that are not running, so a hook's time tracks how many ops it forks, not its work;
+    * for a (model, rank), fewer than :data:`MIN_ROUNDS_FOR_SPREAD` rounds (no spread), or the wider
+      interquartile range over rounds of ours' and a torch hook's overhead is at least the difference of
+      their medians over rounds (``by_round`` of :func:`summarize`): the run cannot tell them apart.
+
+    Pure: no clock, no machine state (``run_benchmark`` passes the load and the cores it read).
+    """
+    warnings = []
+    if load_avg_1min is not None and load_avg_1min > cores:
+        warnings.append(f"the 1-minute load average ({load_avg_1min:.1f}) is above the {cores} usable cores: "
+                        "other processes took CPU time from the measurement")
+    if threads > cores:
+        warnings.append(f"{threads} intra-op threads on {cores} usable cores: OpenMP fork/joins wait for threads "
+                        "that are not running (use --threads 1)")
+    for r in results:
+        where = f"{r['model']} r={r['rank']}"
+        rounds = r["by_round"]["count"]
+        if rounds < MIN_ROUNDS_FOR_SPREAD:
+            warnings.append(f"{where}: {rounds} round(s), too few for a spread "
+                            f"(use --rounds {MIN_ROUNDS_FOR_SPREAD} or more)")
+            continue
+        overheads = r["by_round"]["overhead_ms"]
+        ours = overheads["ours"]
+        for name, label in _TORCH_LABELS.items():
+            difference = abs(overheads[name]["median"] - ours["median"])
+            spread = max(ours["iqr"][1] - ours["iqr"][0], overheads[name]["iqr"][1] - overheads[name]["iqr"][0])
+            if spread >= difference:
+                warnings.append(f"{where}: the spread of the overheads over rounds ({spread:.1f} ms, the wider "
+                                f"interquartile range) is not below the difference between ours and {label} "
+                                f"({difference:.1f} ms)")
+    return warnings
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -391,7 +518,8 @@ def parse_args(argv: Sequence[str] | None, prog: str = "overhead") -> argparse.N
                         help=f"comma-separated, from {', '.join(model_names())} (default: %(default)s)")
     parser.add_argument("--ranks", default="1,2,4", help="comma-separated PowerSGD ranks (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="timed rounds; with --isolate, worker processes per hook (default: %(default)s)")
+                        help="timed rounds (the spread is over rounds); with --isolate, worker processes per "
+                             "hook (default: %(default)s)")
     parser.add_argument("--block", type=int, default=5,
                         help="timed steps per variant per round, after one untimed step "
                              "(default: %(default)s; rounds x block steps are timed per variant)")
@@ -405,7 +533,8 @@ def parse_args(argv: Sequence[str] | None, prog: str = "overhead") -> argparse.N
                              "hook deadlocks with fewer than buckets + 1)")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
                         help="time each hook in its own worker processes, alternating (default); "
-                             "--no-isolate times all hooks in this process")
+                             "--no-isolate times all hooks interleaved in one worker process (fair with "
+                             "--threads 1)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None, help="write the JSON results here (default: stdout)")
     args = parser.parse_args(argv)
@@ -438,18 +567,57 @@ def _measure_all(configs: Sequence[tuple[str, int]], names: Sequence[str], round
             dist.destroy_process_group()
 
 
+def _run_worker(names: Sequence[str], models: Sequence[str], ranks: Sequence[int], rounds: int, block: int,
+                warmup: int, threads: int | None, gloo_threads: int, out: str) -> list[dict[str, Any]]:
+    """One worker process (``python -m gradpress.bench.overhead --worker HOOK[,HOOK...]``): it times the
+    ``names`` hooks and allreduce, interleaved, and writes its :func:`measure` parts to ``out``."""
+    import subprocess
+
+    command = [sys.executable, "-m", "gradpress.bench.overhead", "--worker", ",".join(names),
+               "--models", ",".join(models), "--ranks", ",".join(map(str, ranks)),
+               "--rounds", str(rounds), "--block", str(block),
+               "--warmup", str(warmup), "--gloo-threads", str(gloo_threads), "--json", out]
+    if threads is not None:
+        command += ["--threads", str(threads)]
+    subprocess.run(command, check=True)
+    with open(out) as f:
+        parts: list[dict[str, Any]] = json.load(f)["parts"]
+    return parts
+
+
+def _measure_interleaved(models: Sequence[str], ranks: Sequence[int], rounds: int, block: int, warmup: int,
+                         threads: int | None, gloo_threads: int) -> list[dict[str, Any]]:
+    """One worker process times every hook and allreduce, interleaved block by block (see :func:`measure`).
+
+    Fair when the worker runs one intra-op thread (``threads=1``): then no op forks, and no hook can
+    change the conditions the others run in. With more threads see :func:`_measure_isolated`.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gradpress-overhead-") as tmp:
+        t0 = time.perf_counter()
+        parts = _run_worker(COMPARED, models, ranks, rounds, block, warmup, threads, gloo_threads,
+                            f"{tmp}/all.json")
+        print(f"[overhead] one worker, {rounds} rounds of every hook ({time.perf_counter() - t0:.0f} s)",
+              file=sys.stderr, flush=True)
+    return parts
+
+
 def _measure_isolated(models: Sequence[str], ranks: Sequence[int], rounds: int, block: int, warmup: int,
                       threads: int | None, gloo_threads: int) -> list[dict[str, Any]]:
     """One worker process (``python -m gradpress.bench.overhead --worker HOOK``) per (round, compared
     hook), each timing that hook against allreduce.
 
-    Running PyTorch's hook in a process leaves it slower for everything that runs after (on the 2-core
-    VM used for BENCHMARKS.md: gradpress's hook went from 38 to 60 ms per step on ResNet-50 at r=4 after
-    5 steps of PyTorch's, with no CPU in use between them), so the hooks are not timed in one process.
-    Worker processes alternate between the hooks round after round, which keeps the comparison side by
-    side in time.
+    With more than one intra-op thread, running PyTorch's hook in a process changes the conditions of
+    everything that runs there afterwards (on the 2-core VM used for BENCHMARKS.md, 2 threads: gradpress's
+    hook went from 38 to 60 ms per step on ResNet-50 at r=4 after 5 steps of PyTorch's on an idle machine;
+    on a busy one, at r=1, from 400-460 to 62-68 ms). PyTorch's hook computes in future callbacks, on
+    gloo's worker threads; each of those threads that enters an OpenMP parallel region gets its own
+    OpenMP team (ResNet-50: the process goes from 16 to 23 threads), and with more OpenMP threads than
+    cores GNU OpenMP throttles its spin-waits and sleeps almost at once (as with OMP_WAIT_POLICY=passive):
+    slower fork/joins on an idle machine, much faster ones on a busy machine. So the hooks are not timed in one process. Worker processes alternate
+    between the hooks round after round, which keeps the comparison side by side in time.
     """
-    import subprocess
     import tempfile
 
     parts: list[dict[str, Any]] = []
@@ -457,19 +625,14 @@ def _measure_isolated(models: Sequence[str], ranks: Sequence[int], rounds: int, 
         for round_index in range(rounds):
             shift = round_index % len(COMPARED)
             for name in COMPARED[shift:] + COMPARED[:shift]:
-                out = f"{tmp}/{round_index}-{name}.json"
-                command = [sys.executable, "-m", "gradpress.bench.overhead", "--worker", name,
-                           "--models", ",".join(models), "--ranks", ",".join(map(str, ranks)),
-                           "--rounds", "1", "--block", str(block),
-                           "--warmup", str(warmup), "--gloo-threads", str(gloo_threads), "--json", out]
-                if threads is not None:
-                    command += ["--threads", str(threads)]
                 t0 = time.perf_counter()
-                subprocess.run(command, check=True)
+                worker_parts = _run_worker([name], models, ranks, 1, block, warmup, threads, gloo_threads,
+                                           f"{tmp}/{round_index}-{name}.json")
                 print(f"[overhead] round {round_index + 1}/{rounds}: {name} "
                       f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-                with open(out) as f:
-                    parts.extend(json.load(f)["parts"])
+                for part in worker_parts:
+                    part["round_offset"] = round_index
+                parts.extend(worker_parts)
     return parts
 
 
@@ -484,25 +647,25 @@ def run_benchmark(models: Sequence[str], ranks: Sequence[int], rounds: int = 3, 
     config, in ``models x ranks`` order), ``environment``, ``settings``, ``markdown`` and
     ``markdown_memory`` tables, ``total_seconds`` and ``command`` (recorded as given).
 
-    ``isolate=True`` runs worker processes (:func:`_measure_isolated`); ``isolate=False`` measures in this
-    process and initializes (then destroys) a world-size-1 gloo default group if none exists.
-    ``threads``: ``torch.set_num_threads`` in the workers (or, with ``isolate=False``, in this process).
-    Progress goes to stderr.
+    ``isolate=True``: one worker process per round and hook (:func:`_measure_isolated`);
+    ``isolate=False``: one worker process for all hooks, interleaved (:func:`_measure_interleaved`).
+    ``threads``: ``torch.set_num_threads`` in the workers (``None``: torch's default there).
+    ``trust`` says whether the result can be trusted: ``trusted``, ``warnings`` (:func:`trust_warnings`,
+    fed with the larger 1-minute load average of the start and the end), ``load_avg_1min`` (``start``,
+    ``end``), ``cores`` (:func:`usable_cores`) and ``threads``. Progress goes to stderr.
     """
     for model in models:
         model_parameters(model)  # fail early, with the list of names, on an unknown model
     if not ranks or min(ranks) < 1 or rounds < 1 or block < 1 or warmup < 0:
         raise ValueError(f"need ranks >= 1, rounds >= 1, block >= 1, warmup >= 0; got ranks={list(ranks)}, "
                          f"rounds={rounds}, block={block}, warmup={warmup}")
-    if threads is not None and not isolate:
-        torch.set_num_threads(threads)
     started = time.perf_counter()
+    load_start = _load_average()
     gloo_threads = gloo_threads or _gloo_threads(models)
     configs = [(model, rank) for model in models for rank in ranks]
-    if isolate:
-        parts = _measure_isolated(models, ranks, rounds, block, warmup, threads, gloo_threads)
-    else:
-        parts = _measure_all(configs, COMPARED, rounds, block, warmup, gloo_threads)
+    measure_in = _measure_isolated if isolate else _measure_interleaved
+    parts = measure_in(models, ranks, rounds, block, warmup, threads, gloo_threads)
+    load_end = _load_average()
     results = []
     for model, rank in configs:
         res = summarize([part for part in parts if (part["model"], part["rank"]) == (model, rank)])
@@ -511,6 +674,10 @@ def run_benchmark(models: Sequence[str], ranks: Sequence[int], rounds: int = 3, 
               f"ours +{res['overhead_ms']['ours']:.1f} ms, torch(batched) "
               f"+{res['overhead_ms']['torch_batched']:.1f} ms, torch(unbatched) "
               f"+{res['overhead_ms']['torch']:.1f} ms", file=sys.stderr, flush=True)
+    num_threads = torch.get_num_threads() if threads is None else threads
+    cores = usable_cores()
+    loads = [load for load in (load_start, load_end) if load is not None]
+    warnings = trust_warnings(results, max(loads) if loads else None, cores, num_threads)
 
     import gradpress
     return {
@@ -521,7 +688,9 @@ def run_benchmark(models: Sequence[str], ranks: Sequence[int], rounds: int = 3, 
             "python": platform.python_version(),
             "machine": platform.machine(),
             "processor": platform.processor(),
-            "num_threads": torch.get_num_threads() if threads is None else threads,
+            "num_threads": num_threads,
+            "cores": cores,
+            "cpu_count": os.cpu_count(),
             "backend": "gloo",
             "world_size": 1,
             "gloo_threads": gloo_threads,
@@ -537,6 +706,13 @@ def run_benchmark(models: Sequence[str], ranks: Sequence[int], rounds: int = 3, 
             "baseline": "gradpress.allreduce_hook",
         },
         "total_seconds": time.perf_counter() - started,
+        "trust": {
+            "trusted": not warnings,
+            "warnings": warnings,
+            "load_avg_1min": {"start": load_start, "end": load_end},
+            "cores": cores,
+            "threads": num_threads,
+        },
         "results": results,
         "markdown": markdown_rows(results),
         "markdown_memory": memory_rows(results),
@@ -574,6 +750,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m gradpress.ben
         print(text)
     print("\n" + report["command"] + "\n\n" + report["markdown"] + "\n\n" + report["markdown_memory"],
           file=sys.stderr)
+    for warning in report["trust"]["warnings"]:
+        print(f"WARNING: cannot be trusted: {warning}", file=sys.stderr)
     return 0
 
 
