@@ -1,0 +1,93 @@
+"""The README's `gradpress demo` table is what the current code prints, and its prose agrees with it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from gradpress.cli import demo
+from gradpress.cli.main import build_parser, main
+from gradpress.workloads import parse_methods
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+NUMBERS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8, "nine": 9,
+           "ten": 10}
+
+
+def _columns(line: str) -> list[str]:
+    return re.split(r"\s{2,}", line.strip())
+
+
+def _readme_table() -> tuple[list[str], dict[str, dict[str, str]]]:
+    """(header, {method label: {column: cell}}) of the default run's table in the README."""
+    section = README.read_text().split("### `gradpress demo`", 1)[1]
+    block = re.search(r"```text\n(.*?)```", section, flags=re.S).group(1)
+    lines = [line for line in block.splitlines() if line.strip()]
+    start = next(i for i, line in enumerate(lines) if line.startswith("method "))
+    header = _columns(lines[start])
+    rows = {}
+    for line in lines[start + 2:]:
+        cells = _columns(line)
+        if len(cells) != len(header):
+            break
+        rows[cells[0]] = dict(zip(header, cells))
+    return header, rows
+
+
+def _default_methods() -> list[str]:
+    args = build_parser().parse_args(["demo"])
+    return [m.label for m in parse_methods(args.methods, demo.DEFAULT_RANKS)]
+
+
+def _fake_summary() -> dict:
+    entry = {"label": "allreduce", "metric": 0.5, "test_loss": 1.0, "train_loss": 1.0, "bytes_per_step": 4.0,
+             "compression_ratio": 1.0, "bytes_total": 8.0, "total_ratio": 1.0, "synchronizations": 2,
+             "wall_time_s": 1.0, "time_per_step_s": 0.5}
+    return {"metric_name": "accuracy", "bandwidth_bytes_per_s": None, "methods": {"allreduce": entry}}
+
+
+def test_readme_table_has_the_columns_and_methods_the_demo_prints() -> None:
+    header, rows = _readme_table()
+    assert header == _columns(demo._table(_fake_summary())[0])
+    assert list(rows) == _default_methods()
+
+
+def test_readme_table_ratios_follow_from_its_byte_columns() -> None:
+    _, rows = _readme_table()
+    units = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}
+
+    def nbytes(cell: str) -> float:
+        value, unit = cell.split()
+        return float(value) * units[unit]
+
+    base = rows["allreduce"]
+    for label, row in rows.items():
+        per_step = nbytes(base["bytes/step"]) / nbytes(row["bytes/step"])
+        total = float(base["total MB"]) / float(row["total MB"])
+        assert float(row["compression"].rstrip("x")) == pytest.approx(per_step, rel=0.01), label
+        assert float(row["total ratio"].rstrip("x")) == pytest.approx(total, rel=0.01), label
+
+
+def test_readme_counts_the_default_methods_the_same_way_everywhere() -> None:
+    counts = {m.group(0): NUMBERS.get(m.group(1), None) or int(m.group(1))
+              for m in re.finditer(r"\b(\d+|one|two|three|four|five|six|seven|eight|nine|ten) methods\b",
+                                   README.read_text())}
+    assert counts and set(counts.values()) == {len(_default_methods())}, counts
+
+
+def test_readme_rows_are_what_the_current_code_prints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two rows of the default run, recomputed: the byte figures exactly, accuracy within a point (the
+    last digits of float sums may differ between CPUs)."""
+    _, rows = _readme_table()
+    assert main(["demo", "--methods", "allreduce,powersgd:1", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("method "))
+    header = _columns(lines[start])
+    printed = {cells[0]: dict(zip(header, cells)) for cells in map(_columns, lines[start + 2: start + 4])}
+    for label in ("allreduce", "powersgd r=1"):
+        for column in ("bytes/step", "compression", "total MB", "total ratio", "syncs"):
+            assert printed[label][column] == rows[label][column], (label, column)
+        assert float(printed[label]["test acc"].rstrip("%")) == pytest.approx(
+            float(rows[label]["test acc"].rstrip("%")), abs=1.0), label
