@@ -279,7 +279,7 @@ def _interrupt_at_once(*args, **kwargs):
 def test_demo_warns_about_arguments_that_do_nothing_or_overload_the_machine(
         argv, warning, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(demo, "run_workers", _interrupt_at_once)
-    monkeypatch.setattr(demo, "_available_cores", lambda: 2)
+    monkeypatch.setattr(demo, "usable_cores", lambda: 2)
     assert main(["demo", *argv]) == 130
     err = capsys.readouterr().err
     assert warning in err
@@ -289,7 +289,7 @@ def test_demo_warns_about_arguments_that_do_nothing_or_overload_the_machine(
 def test_demo_gives_no_warning_for_used_arguments(monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(demo, "run_workers", _interrupt_at_once)
-    monkeypatch.setattr(demo, "_available_cores", lambda: 2)
+    monkeypatch.setattr(demo, "usable_cores", lambda: 2)
     assert main(["demo", "--methods", "powersgd,allreduce", "--rank", "1,2", "--workers", "4"]) == 130
     err = capsys.readouterr().err
     assert "warning" not in err

@@ -31,6 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from ..bench.overhead import usable_cores
 from ..workloads.tasks import TASKS, get_task
 from ..workloads.training import METHOD_KINDS, DemoConfig, Method, ProgressFn, default_start_iter, parse_methods
 from .args import int_at_least, int_list, positive_float
@@ -669,13 +670,6 @@ def _start_iter(args: argparse.Namespace, methods: Sequence[Method]) -> int | st
     return int(args.start_iter)
 
 
-def _available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def run(args: argparse.Namespace) -> int:
     """``gradpress demo``: 0 on success, 1 if a worker or a check failed, 2 for bad arguments, 130 when
     interrupted (the methods that finished are still reported and written)."""
@@ -693,7 +687,7 @@ def run(args: argparse.Namespace) -> int:
     if args.rank is not None and parse_methods(args.methods, []) == methods:
         _warn(f"--rank {','.join(map(str, args.rank))} is not used: no method in --methods takes it (only "
               "powersgd and multi without ':R' run once per --rank)")
-    cores = _available_cores()
+    cores = usable_cores()
     if args.workers > 2 * cores:
         _warn(f"{args.workers} workers on {_plural(cores, 'core')}: each worker gets a small share of a core, so "
               f"the run is slow and its times mostly measure waiting; --workers {cores} to {2 * cores} fits "
