@@ -189,12 +189,15 @@ def _nbytes(t: Tensor) -> int:
 
 
 def ours_state_bytes(state: Any) -> dict[str, int]:
-    out = {"work": 0, "phase1": 0, "q": 0}
+    """``fresh``: the seeded replacement factors a segment keeps once built (always on GPUs; on the CPU
+    only after a non-finite step, so 0 here): no checkpointed state, but memory held."""
+    out = {"work": 0, "phase1": 0, "q": 0, "fresh": 0}
     for seg in state._store.segments.values():
         out["work"] += _nbytes(seg.work)
         out["phase1"] += _nbytes(seg.phase1)
         out["q"] += _nbytes(seg.q)
-    out["total"] = out["work"] + out["phase1"] + out["q"]
+        out["fresh"] += _nbytes(seg.fresh) if seg.fresh is not None else 0
+    out["total"] = out["work"] + out["phase1"] + out["q"] + out["fresh"]
     return out
 
 

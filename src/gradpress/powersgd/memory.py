@@ -86,6 +86,9 @@ class Segment:
         approximation (leaving e' = M - PQ^T). Without error feedback it is scratch.
       * ``wire``: what is sent, ``[P | uncompressed | Q]`` (see :class:`~gradpress.powersgd.plan.Plan`);
         ``phase1`` (``[P | uncompressed]``) and ``q`` are views of it.
+      * ``fresh``: ``None``, or the seeded replacement factors ``[P | Q]`` (``[Q]`` without P) that
+        :meth:`fresh_factors` builds on first use. A cache derivable from the seed, not state: it is in no
+        checkpoint, and costs one more Q (and P) per segment once built.
 
     Q is stored transposed, as ``(r, m)`` per matrix (``(B, r, m)`` per group): the power iteration then
     computes Q^T = P^T M with both operands in their natural layout, and P = M Q reads Q column-major.
@@ -94,7 +97,7 @@ class Segment:
     """
 
     __slots__ = ("plan", "keys", "dtype", "device", "work", "wire", "phase1", "q", "group_views",
-                 "work_views", "p_views", "q_views", "unsent_q")
+                 "work_views", "p_views", "q_views", "unsent_q", "fresh", "fresh_key", "fresh_views")
 
     def __init__(self, plan: Plan, keys: Sequence[int], device: torch.device, dtype: torch.dtype) -> None:
         if len(keys) != len(plan.tensors):
@@ -124,6 +127,9 @@ class Segment:
             self.q_views.extend(q.unbind(0))
         # Positions (in group order) whose factors must be drawn before the next step.
         self.unsent_q: list[int] = list(range(len(self.q_views)))
+        self.fresh: Tensor | None = None
+        self.fresh_key: tuple[int, bool] | None = None
+        self.fresh_views: list[tuple[Tensor | None, Tensor]] = []
 
     @property
     def compressed_order(self) -> list[int]:
@@ -133,13 +139,49 @@ class Segment:
     def draw_q(self, positions: Sequence[int], seed: int, draw: int, with_p: bool = False) -> None:
         """Fill the Q (and, with ``with_p``, the P) of the given compressed positions with seeded normals,
         the same on every rank."""
+        self._fill_seeded(self.q_views, self.p_views if with_p else None, positions, seed, draw)
+
+    def fresh_factors(self, seed: int, with_p: bool) -> list[tuple[Tensor | None, Tensor]]:
+        """Per shape group, the factors ``draw_q(all positions, seed, 0, with_p)`` would write, as
+        ``(P (B, n, r) or None, Q^T (B, r, m))`` views of ``self.fresh``, on this segment's device.
+
+        Drawn on the CPU and moved once (design rule 4), on the first call for a ``(seed, with_p)`` and
+        kept: replacing non-finite factors by these is then a device-side select, with no host sync and
+        no draw per step. Memory: one more Q, and with ``with_p`` one more P, per segment.
+        """
+        if self.fresh_key != (seed, with_p):
+            p_numel = self.plan.p_numel if with_p else 0
+            buffer = torch.empty(p_numel + self.plan.q_numel, dtype=self.dtype)
+            drawn = self._group_factor_views(buffer[:p_numel] if with_p else None, buffer[p_numel:])
+            q_views = [q for _, group_q in drawn for q in group_q.unbind(0)]
+            p_views = [p for group_p, _ in drawn if group_p is not None for p in group_p.unbind(0)]
+            self._fill_seeded(q_views, p_views if with_p else None, range(len(q_views)), seed, 0)
+            self.fresh = buffer.to(self.device)
+            self.fresh_views = self._group_factor_views(self.fresh[:p_numel] if with_p else None,
+                                                        self.fresh[p_numel:])
+            self.fresh_key = (seed, with_p)
+        return self.fresh_views
+
+    def _group_factor_views(self, p_flat: Tensor | None, q_flat: Tensor) -> list[tuple[Tensor | None, Tensor]]:
+        """Per shape group, its ``(B, n, r)`` view of ``p_flat`` (laid out as P in ``wire``; ``None``
+        without ``p_flat``) and its ``(B, r, m)`` view of ``q_flat`` (laid out as ``q``)."""
+        views: list[tuple[Tensor | None, Tensor]] = []
+        for group in self.plan.groups:
+            b, n, m, r = group.batch, group.n, group.m, group.rank
+            p = None if p_flat is None else p_flat[group.p_offset: group.p_offset + b * n * r].view(b, n, r)
+            views.append((p, q_flat[group.q_offset: group.q_offset + b * m * r].view(b, r, m)))
+        return views
+
+    def _fill_seeded(self, q_views: Sequence[Tensor], p_views: Sequence[Tensor] | None, positions: Sequence[int],
+                     seed: int, draw: int) -> None:
+        """Write draw number ``draw`` of the seeded factors of ``positions`` into per-position views."""
         order = self.compressed_order
         for position in positions:
             key = self.keys[order[position]]
-            view = self.q_views[position].t()
+            view = q_views[position].t()
             view.copy_(seeded_normal(view.shape, seed, key, draw))
-            if with_p:
-                view = self.p_views[position]
+            if p_views is not None:
+                view = p_views[position]
                 view.copy_(seeded_normal(view.shape, seed, key, _P_DRAW | draw))
 
     def load(self, memory: Mapping[int, ParamMemory], config: EngineConfig) -> None:

@@ -1,0 +1,340 @@
+"""No host sync on the engine's hot path (issue 15.4), and what happens to non-finite factors.
+
+On a GPU, reading a tensor's value to the host (``bool(t)``, ``t.item()``, ``t.nonzero()``, boolean-mask
+indexing, ``t.tolist()``) waits for the stream: a stall of the autograd thread, once per bucket per
+step if the engine did it. These tests need no GPU: they run the engine on CPU tensors as it runs on an
+accelerator (``_reading_waits`` patched to say reads wait) and fail on any such read, caught twice
+over: at the Python methods, and at the ATen ops a value read goes through (``aten._local_scalar_dense``
+behind ``item``/``bool``/``int``/``float``, ``aten.nonzero``, indexing with a boolean mask), seen by a
+``TorchDispatchMode`` whatever Python or C++ code issues them. A third test runs the engine on the
+``meta`` device, which has no values to read at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gradpress.powersgd.step as step_module
+from distributed import run
+import gradpress
+from gradpress import Config, PowerSGD
+from gradpress.comm import LocalCommunicator
+from gradpress.powersgd import EngineConfig, Segment, make_plan
+from gradpress.powersgd.step import compress_step
+
+WORLD = 2
+
+# Two same-shape matrices (one group), another shape, a vector (uncompressed), a 4-d tensor.
+SHAPES = [(8, 6), (8, 6), (5, 7), (3,), (6, 2, 2, 2)]
+BAD = 1  # the tensor that gets a non-finite gradient
+
+CONFIGS = {
+    "classic": {},
+    "classic-no-feedback": {"use_error_feedback": False},
+    "classic-no-warm-start": {"warm_start": False},
+    "classic-fp16-wire": {"bytes_per_weight": 2},
+    "classic-feedback-every-2-beta": {"feedback_every_n_iters": 2, "warm_up_beta_factor": 0.5, "warm_up_steps": 2},
+    "one-iteration": {"num_iters_per_step": 1},
+    "three-iterations": {"num_iters_per_step": 3},
+    "three-iterations-fp16-wire": {"num_iters_per_step": 3, "bytes_per_weight": 2},
+}
+
+#: ATen ops that read device values on the host (a stream sync on an accelerator).
+SYNCING_OPS = frozenset({"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.equal",
+                         "aten.is_nonzero", "aten._unique2", "aten.unique_dim", "aten.unique_consecutive"})
+#: Indexing ops that turn a boolean mask into indices (by a ``nonzero`` in C++ that is never dispatched).
+INDEXING_OPS = frozenset({"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"})
+#: Python methods that read values (``tolist``/``numpy`` never reach the dispatcher).
+READING_METHODS = ("__bool__", "item", "tolist", "nonzero", "__int__", "__float__", "__index__", "numpy")
+
+
+class HostRead(AssertionError):
+    pass
+
+
+def _syncs(func, args) -> bool:
+    name = str(func.overloadpacket)
+    if name in INDEXING_OPS and len(args) > 1:
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    return name in SYNCING_OPS
+
+
+class _ForbidSyncingOps(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _syncs(func, args):
+            raise HostRead(f"{func} reads a tensor's value on the host (a stream sync on a GPU)")
+        return func(*args, **(kwargs or {}))
+
+
+class _CountSyncingOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += _syncs(func, args)
+        return func(*args, **(kwargs or {}))
+
+
+def _forbidden(name):
+    def method(self, *args, **kwargs):
+        raise HostRead(f"Tensor.{name} reads a tensor's value on the host (a stream sync on a GPU)")
+    return method
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Raise :class:`HostRead` on any read of a tensor's value inside the block."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in READING_METHODS:
+            patch.setattr(torch.Tensor, name, _forbidden(name))
+        with _ForbidSyncingOps():
+            yield
+
+
+@contextlib.contextmanager
+def as_on_an_accelerator():
+    """Run the engine's CPU tensors down the path it takes where reading a value waits for the device.
+
+    ``raising=False``: the code before issue 15.4 has no such switch, and then fails on its reads."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(step_module, "_reading_waits", lambda device: True, raising=False)
+        yield
+
+
+def _gradients(step, bad, dtype=torch.float32, device="cpu"):
+    generator = torch.Generator().manual_seed(100 + step)
+    grads = [torch.randn(shape, generator=generator, dtype=dtype) for shape in SHAPES]
+    if bad:
+        grads[BAD][2, 3] = float("nan")
+        grads[BAD][0, 1] = float("inf")
+    return [g.to(device) for g in grads]
+
+
+def _segment(config, dtype=torch.float32, device="cpu"):
+    plan = make_plan(SHAPES, config.rank, config.min_compression_rate)
+    return Segment(plan, list(range(len(SHAPES))), torch.device(device), dtype)
+
+
+def _memory_is_finite(segment, with_p, error_feedback=True):
+    """Error memory (with error feedback; else ``work`` is scratch) and warm-start factors (Q; P too in
+    the alternating scheme, where it is memory)."""
+    factors = segment.q if not with_p else torch.cat([segment.phase1[:segment.plan.p_numel], segment.q])
+    return bool(torch.isfinite(factors).all()) and (not error_feedback or bool(torch.isfinite(segment.work).all()))
+
+
+def _run(segment, grads, config, compressed_step):
+    task, _ = compress_step(segment, grads, LocalCommunicator(), config, compressed_step)
+    for handle in task:
+        handle.wait()
+
+
+# --- no host reads -------------------------------------------------------------------------------------
+
+def test_the_guard_catches_reads_python_and_aten_alike():
+    x = torch.tensor([1.0, float("nan")])
+    for read in (lambda: bool(x.isfinite().all()), lambda: x[0].item(), lambda: x.nonzero(),
+                 lambda: x.tolist(), lambda: x[x.isfinite()], lambda: float(x[0])):
+        with pytest.raises(HostRead), no_host_reads():
+            read()
+    # C++ calls that no Python method sees: boolean-mask assignment (the pre-15.4 engine zeroed
+    # error memory this way) and torch.equal.
+    with pytest.raises(HostRead), _ForbidSyncingOps():
+        x[~x.isfinite()] = 0
+    with pytest.raises(HostRead), _ForbidSyncingOps():
+        torch.equal(x, x)
+    with no_host_reads():  # and what the engine does instead passes
+        finite = x.isfinite().all(dim=0, keepdim=True)
+        torch.where(finite, x, torch.zeros_like(x), out=x)
+        x.masked_fill_(~finite, 0)
+
+
+@pytest.mark.parametrize("non_finite", [False, True], ids=["finite", "non-finite"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_engine_steps_read_nothing_on_the_host(name, non_finite):
+    config = EngineConfig(rank=2, min_compression_rate=0, random_seed=3, **CONFIGS[name])
+    segment = _segment(config)
+    with as_on_an_accelerator(), no_host_reads():
+        for compressed_step in range(4):
+            grads = _gradients(compressed_step, non_finite and compressed_step == 1)
+            _run(segment, grads, config, compressed_step)
+    assert _memory_is_finite(segment, config.num_iters_per_step is not None, config.use_error_feedback)
+
+
+@pytest.mark.parametrize("num_iters", [None, 1, 2])
+def test_aggregator_steps_read_nothing_on_the_host(num_iters):
+    params = [torch.zeros(shape) for shape in SHAPES]
+    powersgd = PowerSGD(params, Config(rank=2, min_compression_rate=0, num_iters_per_step=num_iters,
+                                       start_compressing_after_num_steps=1))
+    with as_on_an_accelerator(), no_host_reads():
+        for step in range(4):
+            powersgd.aggregate_(_gradients(step, bad=step == 2))
+    for segment in powersgd._store.segments.values():
+        assert _memory_is_finite(segment, num_iters is not None)
+
+
+@pytest.mark.parametrize("name", ["classic", "classic-fp16-wire", "three-iterations"])
+def test_engine_runs_on_a_device_without_values(name):
+    # On "meta" every read of a value raises, in Python and in C++: no mock needed, and the engine
+    # takes the accelerator path because reading there is not free.
+    config = EngineConfig(rank=2, min_compression_rate=0, **CONFIGS[name])
+    segment = _segment(config, device="meta")
+    for compressed_step in range(3):
+        _run(segment, _gradients(compressed_step, False, device="meta"), config, compressed_step)
+    assert segment.fresh is not None and segment.fresh.device.type == "meta"
+
+
+def test_on_the_cpu_a_step_reads_one_flag_and_draws_nothing_while_finite():
+    config = EngineConfig(rank=2, min_compression_rate=0, num_iters_per_step=2)
+    segment = _segment(config)
+    _run(segment, _gradients(0, False), config, 0)
+    counter = _CountSyncingOps()
+    with counter:
+        _run(segment, _gradients(1, False), config, 1)
+    assert counter.count == 1  # the segment's all-finite flag: free on the CPU, and it skips a full pass
+    assert segment.fresh is None  # the replacement factors cost no memory until they are needed
+
+
+# --- non-finite factors: zero error memory, fresh seeded factors ------------------------------------
+
+def _expected_fresh(segment, position, config, with_p):
+    reference = _segment(config, segment.dtype)
+    reference.draw_q([position], config.random_seed, 0, with_p=with_p)
+    return reference.q_views[position], reference.p_views[position]
+
+
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+@pytest.mark.parametrize("name", ["classic", "classic-fp16-wire", "one-iteration", "three-iterations"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_non_finite_factors_reset_that_matrix_only_to_the_seeded_draw(name, path, dtype):
+    config = EngineConfig(rank=2, min_compression_rate=0, random_seed=11, **CONFIGS[name])
+    with_p = config.num_iters_per_step is not None
+    segments = {}
+    outputs = {}
+    for run_name, bad in (("clean", False), ("bad", True)):
+        segment = _segment(config, dtype)
+        with as_on_an_accelerator() if path == "accelerator" else contextlib.nullcontext():
+            for compressed_step in range(3):
+                grads = _gradients(compressed_step, bad and compressed_step == 1, dtype)
+                _run(segment, grads, config, compressed_step)
+                if compressed_step == 1:
+                    outputs[run_name] = grads
+                    segments[run_name] = (segment.work.clone(), segment.wire.clone())
+            outputs[run_name + "-after"] = grads
+    position = segment.compressed_order.index(BAD)
+    # The step reports the overflow (an AMP GradScaler skips it) ...
+    assert not torch.isfinite(outputs["bad"][BAD]).all()
+    # ... and leaves finite memory: that matrix's error zeroed, its factors the seeded draw 0.
+    work, wire = segments["bad"]
+    clean_work, clean_wire = segments["clean"]
+    shadow = _segment(config, dtype)  # reads the saved buffers through the segment's layout
+    shadow.work.copy_(work)
+    shadow.wire.copy_(wire)
+    assert _memory_is_finite(shadow, with_p)
+    expected_q, expected_p = _expected_fresh(shadow, position, config, with_p)
+    assert not shadow.work_views[position].any()
+    assert torch.equal(shadow.q_views[position], expected_q)
+    if with_p:
+        assert torch.equal(shadow.p_views[position], expected_p)
+    # Every other matrix is exactly as in the run without the non-finite gradient.
+    clean = _segment(config, dtype)
+    clean.work.copy_(clean_work)
+    clean.wire.copy_(clean_wire)
+    for other in range(len(shadow.q_views)):
+        if other != position:
+            assert torch.equal(shadow.q_views[other], clean.q_views[other])
+            assert torch.equal(shadow.work_views[other], clean.work_views[other])
+            if with_p:
+                assert torch.equal(shadow.p_views[other], clean.p_views[other])
+    for index, (got, want) in enumerate(zip(outputs["bad"], outputs["clean"])):
+        if index != BAD:
+            assert torch.equal(got, want)
+    # The next step is finite again.
+    assert all(torch.isfinite(g).all() for g in outputs["bad-after"])
+
+
+def test_fresh_factors_are_the_seeded_draw_and_not_checkpointed():
+    config = EngineConfig(rank=2, min_compression_rate=0, random_seed=4, num_iters_per_step=1)
+    segment = _segment(config)
+    fresh = segment.fresh_factors(config.random_seed, with_p=True)
+    reference = _segment(config)
+    reference.draw_q(range(len(reference.q_views)), config.random_seed, 0, with_p=True)
+    for (fresh_p, fresh_q), (_, _, p, q) in zip(fresh, reference.group_views):
+        assert torch.equal(fresh_q, q) and torch.equal(fresh_p, p)
+    assert segment.fresh_factors(config.random_seed, with_p=True) is fresh  # built once
+    assert segment.fresh.numel() == segment.plan.p_numel + segment.plan.q_numel
+    assert segment.fresh_factors(config.random_seed, with_p=False)[0][0] is None
+    assert segment.fresh.numel() == segment.plan.q_numel
+    for entry in segment.export(config).values():
+        assert set(entry.to_dict()) == {"shape", "error", "q", "p"}
+
+
+# --- on every rank -----------------------------------------------------------------------------------
+
+def _non_finite_on_rank_0(rank, world, num_iters, accelerator_path):
+    params = [torch.zeros(shape) for shape in SHAPES]
+    powersgd = PowerSGD(params, Config(rank=2, min_compression_rate=0, num_iters_per_step=num_iters,
+                                       start_compressing_after_num_steps=0, random_seed=9))
+    out = []
+    with as_on_an_accelerator() if accelerator_path else contextlib.nullcontext():
+        for step in range(3):
+            grads = _gradients(step + 10 * rank, bad=step == 1 and rank == 0)
+            powersgd.aggregate_(grads)
+            (segment,) = powersgd._store.segments.values()
+            out.append((segment.work.clone(), segment.wire.clone(), [g.clone() for g in grads]))
+    return out, segment.compressed_order.index(BAD)
+
+
+@pytest.mark.parametrize("accelerator_path", [False, True], ids=["cpu", "accelerator"])
+@pytest.mark.parametrize("num_iters", [None, 2])
+def test_a_non_finite_gradient_on_one_rank_resets_the_same_matrix_on_all_ranks(num_iters, accelerator_path):
+    results = run(_non_finite_on_rank_0, WORLD, num_iters, accelerator_path)
+    config = EngineConfig(rank=2, min_compression_rate=0, random_seed=9, num_iters_per_step=num_iters)
+    with_p = num_iters is not None
+    for steps, position in results:
+        work, wire, grads = steps[1]
+        assert not torch.isfinite(grads[BAD]).all()  # every rank sees the overflow in its output
+        shadow = _segment(config)
+        shadow.work.copy_(work)
+        shadow.wire.copy_(wire)
+        assert _memory_is_finite(shadow, with_p)
+        assert not shadow.work_views[position].any()
+        expected_q, expected_p = _expected_fresh(shadow, position, config, with_p)
+        assert torch.equal(shadow.q_views[position], expected_q)
+        if with_p:
+            assert torch.equal(shadow.p_views[position], expected_p)
+        assert all(torch.isfinite(g).all() for g in steps[2][2])  # and the next step is finite again
+    # The factors are means (P orthogonalized, Q, uncompressed): identical on every rank, reset or not
+    # (in the classic scheme P is no memory: it stays NaN until the next step overwrites it).
+    for step in range(3):
+        torch.testing.assert_close(results[0][0][step][1], results[1][0][step][1], rtol=0, atol=0, equal_nan=True)
+
+
+
+def _hook_steps(rank, world, hook_name, num_iters):
+    from gradpress.bench.overhead import FakeBucket
+
+    params = [torch.zeros(shape) for shape in SHAPES]
+    buckets = [FakeBucket(0, params[2:], False, torch.float32), FakeBucket(1, params[:2], True, torch.float32)]
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=0,
+                                    num_iters_per_step=num_iters)
+    hook = getattr(gradpress, hook_name)
+    with as_on_an_accelerator(), no_host_reads():
+        for step in range(5):
+            grads = dict(zip(map(id, params), _gradients(step + 10 * rank, bad=step == 3 and rank == 1)))
+            for bucket in buckets:
+                torch._foreach_copy_(bucket.gradients(), [grads[id(p)] for p in bucket.parameters()])
+            for future in [hook(state, bucket) for bucket in buckets]:
+                future.wait()
+    return all(_memory_is_finite(segment, num_iters is not None)
+               for segment in [*state._store.segments.values(), *(s for _, s, _ in state._padded.values())])
+
+
+@pytest.mark.parametrize("hook_name, num_iters", [("powerSGD_hook", None), ("powerSGD_hook", 2),
+                                                  ("batched_powerSGD_hook", None)])
+def test_ddp_hooks_read_nothing_on_the_host(hook_name, num_iters):
+    assert all(run(_hook_steps, WORLD, hook_name, num_iters))
