@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
 import models
+from gradpress.pipeline import OrderedPipeline
 from distributed import run, run_fresh
 
 WORLD = 2
@@ -40,11 +41,13 @@ def _sgd_step(model, lr=0.05):
 
 # --- full rank == plain DDP -----------------------------------------------------------------------------
 
-def full_rank_matches_ddp(rank, world, hook_name, wrapper, bucket_cap_mb, jitter, num_iters=None):
+def full_rank_matches_ddp(rank, world, hook_name, wrapper, bucket_cap_mb, jitter, num_iters=None,
+                          advance_on_submit=True):
     ref = _ddp(models.make_model())
     net = _ddp(models.make_model(), bucket_cap_mb=bucket_cap_mb)
     state = gradpress.PowerSGDState(None, matrix_approximation_rank=128, min_compression_rate=0,
                                     start_powerSGD_iter=2, num_iters_per_step=num_iters)
+    state._pipeline = OrderedPipeline(advance_on_submit=advance_on_submit)
     hook = getattr(gradpress, hook_name)
     if wrapper:
         hook = getattr(gradpress, wrapper)(hook)
@@ -86,10 +89,12 @@ def test_full_rank_gives_the_mean_gradient_of_plain_ddp(hook_name, wrapper, tol,
         assert worst < tol
 
 
-def test_many_buckets_with_timing_jitter_keep_collective_order():
+@pytest.mark.parametrize("advance_on_submit, num_iters", [(True, None), (False, None), (False, 2)])
+def test_many_buckets_with_timing_jitter_keep_collective_order(advance_on_submit, num_iters):
     # One parameter per bucket (tiny cap) and random per-rank delays: a mismatched collective order would
-    # hang or mix up buckets' factors, so the full-rank result would not equal plain DDP.
-    results = run(full_rank_matches_ddp, WORLD, "powerSGD_hook", None, 0.0001, True)
+    # hang or mix up buckets' factors, so the full-rank result would not equal plain DDP. Also with the
+    # pipeline that defers every later phase to the last bucket (no wait inside the backward pass).
+    results = run(full_rank_matches_ddp, WORLD, "powerSGD_hook", None, 0.0001, True, num_iters, advance_on_submit)
     for worst, (rate, before, after), _ in results:
         assert after > 0 and worst < 1e-5
 

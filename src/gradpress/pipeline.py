@@ -37,24 +37,33 @@ class _InFlight:
 
 
 class OrderedPipeline:
-    """A FIFO of in-flight tasks, advanced deterministically (see the module docstring)."""
+    """A FIFO of in-flight tasks, advanced deterministically (see the module docstring).
 
-    __slots__ = ("_in_flight",)
+    ``advance_on_submit=False``: :meth:`submit` only starts the new task and never waits, so the
+    thread that submits (DDP's autograd thread) is never blocked by the link; the later phases of
+    every task run in :meth:`drain`. The collectives are then issued as all first phases in submit
+    order, then all second phases, and so on: still a function of the sequence of calls alone.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_in_flight", "advance_on_submit")
+
+    def __init__(self, advance_on_submit: bool = True) -> None:
         self._in_flight: deque[_InFlight] = deque()
+        self.advance_on_submit = advance_on_submit
 
     def __len__(self) -> int:
         return len(self._in_flight)
 
     def submit(self, task: Task, on_done: Callable[[], Any],
                on_error: Callable[[BaseException], Any]) -> None:
-        """Advance every in-flight task by one phase, then start ``task`` up to its first collective.
+        """Advance every in-flight task by one phase (unless ``advance_on_submit`` is off), then start
+        ``task`` up to its first collective.
 
         ``on_done()`` runs when the task finishes; ``on_error(exc)`` when it raises (the exception is
         also re-raised here, since a rank that stops issuing collectives would hang the others).
         """
-        self._advance_all()
+        if self.advance_on_submit:
+            self._advance_all()
         self._start(_InFlight(task, None, on_done, on_error))  # type: ignore[arg-type]
 
     def drain(self) -> None:
