@@ -492,8 +492,9 @@ def _notes(summary: dict[str, Any]) -> list[str]:
                   for m in methods.values() if not m["ranks_agree"]]
     interrupted = summary.get("interrupted")
     if interrupted:
-        lines.append(f"INTERRUPTED: {len(methods)} of {len(interrupted)} methods finished; not run: "
-                     f"{', '.join(label for label in interrupted if label not in {m['label'] for m in methods.values()})}")
+        finished = {m["label"] for m in methods.values()}
+        lines.append(f"INTERRUPTED: {len(finished)} of {len(interrupted)} methods finished; not run: "
+                     f"{', '.join(label for label in interrupted if label not in finished)}")
     return lines
 
 
