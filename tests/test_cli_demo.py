@@ -98,6 +98,8 @@ def test_demo_end_to_end_writes_three_files_consistent_with_the_plan(tmp_path: P
         assert entry["ranks_agree"] and len(set(entry["checksums"])) == 1
         assert 0.0 <= entry["metric"] <= 1.0 and entry["test_loss"] > 0 and entry["steps"] == 12
         assert entry["curve"][-1]["bytes"] == entry["bytes_total"] and entry["curve"][-1]["step"] == 12
+        times = [point["time_s"] for point in entry["curve"]]  # rank 0's training time: time-to-accuracy
+        assert times[0] == 0.0 and times == sorted(times) and 0 < times[-1] <= entry["wall_time_s"] + 1e-9
         ring = 2 * (2 - 1) / 2
         assert entry["modelled_time_s"] == pytest.approx(entry["wall_time_s"] + ring * entry["bytes_total"] / 12.5e6)
 

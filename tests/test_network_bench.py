@@ -45,5 +45,54 @@ def test_markdown_reports_floor_and_ratio_per_cell() -> None:
                          cell("powersgd:2", 100.0, 30.0, 10.0, 0.3e6)])
     row = next(line for line in text.splitlines() if line.startswith("| powersgd:2 "))
     floor = 50 + 20 + 1000 * 0.3e6 * 8 / 1e9
-    assert f"| {floor:.1f} | {100 / floor:.2f}x | {100 / 450:.2f}x |" in row
+    assert f"| {floor:.1f} | {100 / floor:.2f}x | {100 / 450:.2f}x | 1 round |" in row
+    rounds = cell("powersgd:2", 100.0, 30.0, 10.0, 0.3e6) | {"round_step_ms": [104.2, 97.0, 99.9]}
+    assert run.markdown([rounds]).splitlines()[-1].endswith("| 97-104 (3) |")
 
+
+
+def test_time_to_target_interpolates_between_evaluations_in_either_direction() -> None:
+    import tta
+
+    curve = [{"time_s": 0.0, "metric": 90.0}, {"time_s": 10.0, "metric": 8.0}, {"time_s": 20.0, "metric": 4.0}]
+    assert tta.time_to_target(curve, 6.0, lower_is_better=True) == pytest.approx(15.0)
+    assert tta.time_to_target(curve, 8.0, lower_is_better=True) == pytest.approx(10.0)
+    assert tta.time_to_target(curve, 3.9, lower_is_better=True) is None
+    accuracy = [{"time_s": 0.0, "metric": 0.1}, {"time_s": 4.0, "metric": 0.9}]
+    assert tta.time_to_target(accuracy, 0.5, lower_is_better=False) == pytest.approx(2.0)
+    assert tta.time_to_target(accuracy, 0.95, lower_is_better=False) is None
+
+
+def test_time_to_accuracy_table_compares_with_allreduce_and_says_when_not_reached() -> None:
+    import tta
+
+    def row(method: str, label: str, times: list[float], metrics: list[float]) -> dict:
+        return {"method": method, "label": label, "metric_name": "perplexity", "metric": metrics[-1],
+                "time_per_step_s": 0.05, "bytes_per_step": 1000.0,
+                "curve": [{"time_s": t, "metric": m} for t, m in zip(times, metrics)]}
+    report = {"task": "charlm", "world_size": 2, "target": 5.0,
+              "rates": {"100mbit": [row("allreduce", "allreduce", [0, 10, 20], [90, 6, 5]),
+                                    row("powersgd:4", "powersgd r=4", [0, 4, 8], [90, 6, 5]),
+                                    row("multi:4", "multi r=4", [0, 4, 8], [90, 7, 6])]}}
+    lines = tta.markdown(report).splitlines()
+    assert "charlm, 2 ranks, 100mbit, target perplexity <= 5:" in lines
+    assert "| powersgd r=4 | 8.0 | 2.50x | 5.000 | 50.0 | 1.0 kB |" in lines
+    assert "| multi r=4 | not reached | n/a | 6.000 | 50.0 | 1.0 kB |" in lines
+
+
+def test_tta_refuses_clearly_without_root(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import tta
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert tta.main(["--target", "4.5"]) == 2
+    assert "needs root" in capsys.readouterr().err
+
+
+def test_ranks_of_one_node_share_its_namespace_and_address() -> None:
+    net = netns.Network(4, "1gbit", ranks_per_node=2)
+    assert [net.namespace(r) for r in range(4)] == ["gpnet-r0", "gpnet-r0", "gpnet-r1", "gpnet-r1"]
+    assert [net.address(r) for r in range(4)] == ["10.77.0.1", "10.77.0.1", "10.77.0.2", "10.77.0.2"]
+    assert net._shapers() == [("gpnet-r0", "eth0"), ("gpnet-r1", "eth0"), ("gpnet-br", "p0"), ("gpnet-br", "p1")]
+    assert netns.Network(2, "1gbit").namespace(1) == "gpnet-r1"
+    with pytest.raises(ValueError, match="ranks_per_node must be a positive divisor of world_size=4, got 3"):
+        netns.Network(4, "1gbit", ranks_per_node=3)

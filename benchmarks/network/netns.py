@@ -10,7 +10,7 @@ ports. Needs root and iproute2 (``ip``, ``tc``); netem (added delay) is not used
         net.set_rate("100mbit")                      # reshape all links in place
         subprocess.run(net.exec_prefix(0) + ["python3", "worker.py"], env={**env, **net.env(0)})
 
-Everything is deleted on exit, also after an error or Ctrl-C; :func:`cleanup` removes leftovers of a
+Everything is deleted on exit, also after an error, Ctrl-C or ``kill`` (SIGTERM); :func:`cleanup` removes leftovers of a
 killed run (namespaces whose names start with ``gpnet-``).
 """
 
@@ -19,7 +19,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
+import threading
 from types import TracebackType
 
 __all__ = ["Network", "NetworkError", "cleanup", "parse_rate"]
@@ -71,22 +73,37 @@ def check_can_build() -> None:
                            "apt-get install iproute2")
 
 
-class Network:
-    """``world_size`` namespaces on one bridge, every link shaped to ``rate`` (see the module doc)."""
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
-    def __init__(self, world_size: int, rate: str) -> None:
+
+class Network:
+    """``world_size`` ranks on one bridge, every link shaped to ``rate`` (see the module doc); with
+    ``ranks_per_node=L``, ranks ``L k .. L k + L - 1`` share node ``k``'s namespace (a multi-GPU machine:
+    fast inside, the shaped link between nodes)."""
+
+    def __init__(self, world_size: int, rate: str, ranks_per_node: int = 1) -> None:
         if world_size < 1 or world_size > 200:
             raise ValueError(f"world_size must be in 1..200, got {world_size}")
+        if ranks_per_node < 1 or world_size % ranks_per_node:
+            raise ValueError(f"ranks_per_node must be a positive divisor of world_size={world_size}, "
+                             f"got {ranks_per_node}")
         parse_rate(rate)
         self.world_size = world_size
+        self.ranks_per_node = ranks_per_node
+        self.nodes = world_size // ranks_per_node
         self.rate = rate
         self.built = False
+        self._previous_sigterm: object = None
 
     def namespace(self, rank: int) -> str:
-        return f"{PREFIX}r{rank}"
+        """Rank ``rank``'s namespace: one per node (``ranks_per_node`` consecutive ranks share it)."""
+        return f"{PREFIX}r{rank // self.ranks_per_node}"
 
     def address(self, rank: int) -> str:
-        return f"{SUBNET}.{rank + 1}"
+        """The address of rank ``rank``'s node. Ranks of one node reach each other over its loopback
+        (traffic to a local address never leaves the namespace), so only traffic between nodes is shaped."""
+        return f"{SUBNET}.{rank // self.ranks_per_node + 1}"
 
     def exec_prefix(self, rank: int) -> list[str]:
         """Command prefix that runs a program inside rank ``rank``'s namespace."""
@@ -102,9 +119,12 @@ class Network:
         if leftovers:
             raise NetworkError(f"namespaces {leftovers} exist already (another run, or a killed one): "
                                "delete them with `python3 benchmarks/network/run.py --cleanup`")
+        if threading.current_thread() is threading.main_thread():  # SIGTERM unwinds through __exit__ too
+            self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             self._build()
         except BaseException:
+            self._restore_sigterm()
             cleanup()
             raise
         self.built = True
@@ -114,14 +134,21 @@ class Network:
                  tb: TracebackType | None) -> None:
         cleanup()
         self.built = False
+        self._restore_sigterm()
+
+    def _restore_sigterm(self) -> None:
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)  # type: ignore[arg-type]
+            self._previous_sigterm = None
 
     def _build(self) -> None:
         _run("ip", "netns", "add", BRIDGE_NS)
         _run("ip", "-n", BRIDGE_NS, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", BRIDGE_NS, "link", "set", "br0", "up")
         _run("ip", "-n", BRIDGE_NS, "link", "set", "lo", "up")
-        for rank in range(self.world_size):
-            ns, port = self.namespace(rank), f"p{rank}"
+        for node in range(self.nodes):
+            rank = node * self.ranks_per_node
+            ns, port = self.namespace(rank), f"p{node}"
             _run("ip", "netns", "add", ns)
             _run("ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port, "netns", BRIDGE_NS)
             _run("ip", "-n", BRIDGE_NS, "link", "set", port, "master", "br0")
@@ -132,9 +159,9 @@ class Network:
         self.set_rate(self.rate, replace=False)
 
     def _shapers(self) -> list[tuple[str, str]]:
-        """(namespace, device) of every shaped egress: each rank's eth0 and each bridge port."""
-        return [(self.namespace(r), "eth0") for r in range(self.world_size)] + \
-               [(BRIDGE_NS, f"p{r}") for r in range(self.world_size)]
+        """(namespace, device) of every shaped egress: each node's eth0 and each bridge port."""
+        return [(self.namespace(n * self.ranks_per_node), "eth0") for n in range(self.nodes)] + \
+               [(BRIDGE_NS, f"p{n}") for n in range(self.nodes)]
 
     def set_rate(self, rate: str, replace: bool = True) -> None:
         """Shape every link to ``rate`` in both directions (``tbf ... burst 1mb latency 50ms``)."""

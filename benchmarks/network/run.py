@@ -43,18 +43,19 @@ def _port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_cell(net: Network, workloads: str, methods: str, warmup: int, steps: int, timeout: float) -> list[dict[str, Any]]:
-    """Run every method of ``methods`` on every workload over ``net`` as it is shaped now."""
+def run_workers(net: Network, script: Path, args: list[str], timeout: float) -> Any:
+    """Run ``script`` once per rank inside the ranks' namespaces with ``--rank R --world-size N --port P
+    --json FILE`` plus ``args``; return what rank 0 wrote to FILE (JSON). Only rank 0's output is shown;
+    every worker is killed if the deadline passes or one fails."""
     port = _port()
     with tempfile.TemporaryDirectory(prefix="gradpress-net-") as tmp:
         out = Path(tmp) / "results.json"
         procs = []
         for rank in range(net.world_size):
             env = {**os.environ, **net.env(rank), "OMP_NUM_THREADS": "1"}
-            command = net.exec_prefix(rank) + [sys.executable, str(HERE / "worker.py"), "--rank", str(rank),
+            command = net.exec_prefix(rank) + [sys.executable, str(script), "--rank", str(rank),
                                                 "--world-size", str(net.world_size), "--port", str(port),
-                                                "--workloads", workloads, "--methods", methods,
-                                                "--warmup", str(warmup), "--steps", str(steps), "--json", str(out)]
+                                                "--json", str(out), *args]
             procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL if rank else None))
         deadline = time.monotonic() + timeout
         try:
@@ -71,6 +72,13 @@ def run_cell(net: Network, workloads: str, methods: str, warmup: int, steps: int
         return json.loads(out.read_text())
 
 
+def run_cell(net: Network, workloads: str, methods: str, warmup: int, steps: int, timeout: float,
+             rounds: int = 1) -> list[dict[str, Any]]:
+    """Run every method of ``methods`` on every workload over ``net`` as it is shaped now."""
+    return run_workers(net, HERE / "worker.py", ["--workloads", workloads, "--methods", methods, "--warmup",
+                                                 str(warmup), "--steps", str(steps), "--rounds", str(rounds)], timeout)
+
+
 def floor_ms(noop_step: float, hook_compute: float, bytes_sent: float, world_size: int, rate_bits: float) -> float:
     """Physical floor of a step: compute (noop step + the hook's own compute) + the bytes' time on the
     link for a ring allreduce, ``2 (n - 1) / n x bytes x 8 / rate``."""
@@ -85,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=DEFAULT_METHODS, help="default: %(default)s")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every method this many times, interleaved, and pool the steps (default 1)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", type=Path, default=None, help="write every result here")
     parser.add_argument("--cleanup", action="store_true", help="only delete namespaces left by a killed run")
@@ -107,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             for rate in rates:
                 net.set_rate(rate)
                 print(f"== {world_size} ranks, {rate} ==", file=sys.stderr, flush=True)
-                for result in run_cell(net, args.workloads, args.methods, args.warmup, args.steps, args.timeout):
+                for result in run_cell(net, args.workloads, args.methods, args.warmup, args.steps, args.timeout,
+                                           args.rounds):
                     results.append({**result, "world_size": world_size, "rate": rate})
     report = {"command": " ".join(["python3", "benchmarks/network/run.py", *(argv or sys.argv[1:])]),
               "seconds": time.time() - started, "results": results}
@@ -115,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0
+
+
+def _spread(result: dict[str, Any]) -> str:
+    """The lowest and highest of the rounds' median steps (``--rounds``), or "1 round"."""
+    rounds = result.get("round_step_ms", [])
+    return f"{min(rounds):.0f}-{max(rounds):.0f} ({len(rounds)})" if len(rounds) > 1 else "1 round"
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
@@ -129,7 +146,8 @@ def markdown(results: list[dict[str, Any]]) -> str:
         noop = by_method.get("noop", {}).get("median_ms", {}).get("step")
         lines += ["", f"{workload}, {world_size} ranks, {rate}:", "",
                   "| method | step ms (median) | mean | forward | backward | optimizer | in hook | blocked "
-                  "| bytes/step | floor ms | step / floor | vs allreduce |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| bytes/step | floor ms | step / floor | vs allreduce | round medians |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             med, mean = r["median_ms"], r["mean_ms"]
             ratio = f"{med['step'] / base:.2f}x" if base else "n/a"
@@ -140,7 +158,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['method']} | {med['step']:.1f} | {mean['step']:.1f} | {med['forward']:.1f} | "
                          f"{med['backward']:.1f} | {med['optimizer']:.1f} | {med['hook']:.1f} | "
                          f"{med['blocked']:.1f} | {r['bytes_per_step'] / 1e6:.3g} MB | {floor_text} | {above} | "
-                         f"{ratio} |")
+                         f"{ratio} | {_spread(r)} |")
     return "\n".join(lines)
 
 

@@ -6,7 +6,8 @@ first, since the first method of a process pays for page faults). For each metho
 wrapper, ``--warmup`` untimed steps (the compressed methods start compressing after 2 of them), then
 ``--steps`` timed steps. ``powersgd-lazy:R`` / ``multi-lazy:R`` are an experiment (issue 15): the hook's
 pipeline with ``advance_on_submit=False``, which never waits inside the backward pass and issues every
-Q phase at the last bucket. Per step, per rank: forward, backward (which includes the
+Q phase at the last bucket. ``--rounds N`` runs every method N times, interleaved, and pools the
+timed steps (each round's median is kept too). Per step, per rank: forward, backward (which includes the
 hooks and DDP's wait for the last collectives), optimizer (and local SGD's averaging), total; the time
 spent inside the comm hook calls on the autograd thread, and, for gradpress's hooks, the part of it
 blocked waiting for a collective. Rank 0 writes the slowest rank's times per step as JSON.
@@ -184,10 +185,8 @@ def run_method(spec: str, workload: str, rank: int, warmup: int, steps: int) -> 
     slowest = times.clone()
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # per step and phase, the slowest rank
     per_phase = {name: [1000 * float(v) for v in slowest[:, i]] for i, name in enumerate(PHASES)}
-    result = {"method": spec, "workload": workload, "steps": steps,
-              "median_ms": {name: statistics.median(v) for name, v in per_phase.items()},
-              "mean_ms": {name: statistics.fmean(v) for name, v in per_phase.items()},
-              "step_ms": per_phase["step"], "numel": sum(p.numel() for p in model.parameters())}
+    result = {"method": spec, "workload": workload, "steps": steps, **_summary(per_phase),
+              "numel": sum(p.numel() for p in model.parameters())}
     numel = result["numel"]
     compressed_steps = warmup + steps - START_ITER
     if isinstance(state, gradpress.PowerSGDState):
@@ -204,6 +203,20 @@ def run_method(spec: str, workload: str, rank: int, warmup: int, steps: int) -> 
     return result
 
 
+def _summary(per_phase: dict[str, list[float]]) -> dict[str, Any]:
+    return {"median_ms": {name: statistics.median(v) for name, v in per_phase.items()},
+            "mean_ms": {name: statistics.fmean(v) for name, v in per_phase.items()},
+            "step_ms": per_phase["step"], "per_step_ms": per_phase}
+
+
+def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One method's results from several rounds as one: every timed step pooled (median, mean), and
+    each round's median step (``round_step_ms``) to show the drift between rounds."""
+    pooled = {name: [v for r in rounds for v in r["per_step_ms"][name]] for name in PHASES}
+    return {**rounds[0], "steps": sum(r["steps"] for r in rounds), "rounds": len(rounds), **_summary(pooled),
+            "round_step_ms": [r["median_ms"]["step"] for r in rounds]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rank", type=int, required=True)
@@ -213,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1, help="run every method this many times, interleaved")
     parser.add_argument("--json", required=True, help="rank 0 writes the results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -222,14 +236,19 @@ def main(argv: list[str] | None = None) -> int:
     for workload in args.workloads.split(","):
         # Untimed: the first method a process runs pays for page faults and allocator growth.
         run_method("noop", workload, args.rank, args.warmup, 1)
-        for spec in args.methods.split(","):
-            result = run_method(spec, workload, args.rank, args.warmup, args.steps)
-            results.append(result)
-            if args.rank == 0:
-                med = result["median_ms"]
-                print(f"[rank 0] {workload:11s} {spec:16s} step {med['step']:8.1f} ms  (backward "
-                      f"{med['backward']:.1f}, hook {med['hook']:.1f}, blocked {med['blocked']:.1f})",
-                      file=sys.stderr, flush=True)
+        specs = args.methods.split(",")
+        # Rounds interleave the methods, so that a slow spell of the shared machine hits them all alike.
+        by_spec: dict[str, list[dict[str, Any]]] = {spec: [] for spec in specs}
+        for round_index in range(args.rounds):
+            for spec in specs:
+                result = run_method(spec, workload, args.rank, args.warmup, args.steps)
+                by_spec[spec].append(result)
+                if args.rank == 0:
+                    med = result["median_ms"]
+                    print(f"[rank 0] {workload:11s} {spec:16s} round {round_index + 1} step {med['step']:8.1f} ms "
+                          f"(backward {med['backward']:.1f}, hook {med['hook']:.1f}, blocked {med['blocked']:.1f})",
+                          file=sys.stderr, flush=True)
+        results += [merge_rounds(by_spec[spec]) for spec in specs]
     if args.rank == 0:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -233,7 +233,8 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     Needs an initialised default process group. Worker ``rank`` trains on its shard of the training
     set (``rank::world_size``), reshuffled every epoch from the seed; the test metric is over the whole
     test set (sharded, summed across workers). ``wall_time_s`` is the training loop without the
-    evaluations, slowest worker. Bytes are the payload one worker sends (:func:`bytes_schedule`);
+    evaluations, slowest worker; each point of ``curve`` has this worker's training time so far
+    (``time_s``, evaluations excluded: time-to-accuracy). Bytes are the payload one worker sends (:func:`bytes_schedule`);
     for PowerSGD they are cross-checked against ``PowerSGDState.bytes_stats()``.
     """
     if method.kind not in METHOD_KINDS:
@@ -270,7 +271,7 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     cursor, running, running_n, sent = 0, 0.0, 0, 0
     curve: list[dict[str, Any]] = []
     test_loss, metric = _evaluate(task, model, x_test, y_test, device)
-    curve.append({"step": 0, "train_loss": None, "test_loss": test_loss, "metric": metric, "bytes": 0})
+    curve.append({"step": 0, "train_loss": None, "test_loss": test_loss, "metric": metric, "bytes": 0, "time_s": 0.0})
     train_time = 0.0
     dist.barrier()
     for step in range(1, config.steps + 1):
@@ -293,7 +294,7 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
         if step in eval_steps:
             test_loss, metric = _evaluate(task, model, x_test, y_test, device)
             curve.append({"step": step, "train_loss": running / running_n, "test_loss": test_loss,
-                          "metric": metric, "bytes": sent})
+                          "metric": metric, "bytes": sent, "time_s": train_time})
             if on_progress is not None and rank == 0:
                 on_progress(method.label, step, config.steps, running / running_n)
             running, running_n = 0.0, 0
@@ -302,10 +303,13 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     if averager is not None:
         syncs = min(config.steps, config.start_iter) + averager.num_averages
         if payload[-1] == 0:  # end on the average of the workers' models, the model one would keep
+            start = time.perf_counter()
             sent += average_tensors_(tensors_to_average(model.parameters()))
+            train_time += time.perf_counter() - start  # part of making the model: counted as training
             syncs += 1
             test_loss, metric = _evaluate(task, model, x_test, y_test, device)
-            curve.append({**curve[-1], "test_loss": test_loss, "metric": metric, "bytes": sent})
+            curve.append({**curve[-1], "test_loss": test_loss, "metric": metric, "bytes": sent,
+                          "time_s": train_time})
     times = torch.tensor([train_time], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     checksum, digest = param_checksum(model)
