@@ -12,6 +12,7 @@ import pytest
 
 import gradpress
 from gradpress.cli.main import main
+from gradpress.hooks.hierarchical import assign_shares
 from gradpress.zoo import build_model
 
 PAPER = ["--workers", "16", "--batch-size", "128", "--dataset-size", "50000"]
@@ -177,3 +178,64 @@ def test_docs_example_is_what_the_command_prints(capsys) -> None:
     (example,) = re.findall(r"```\n\$ gradpress inspect --model lstm-wikitext2 --rank 4\n(.*?)```", docs, re.S)
     code, out, _ = run(capsys, "--model", "lstm-wikitext2", "--rank", "4")
     assert code == 0 and out == example
+
+
+# --- --workers-per-node: inter-node bytes, flat vs hierarchical_wrapper ---------------------------------
+
+@pytest.mark.parametrize("model, workers, per_node, rank", [("resnet18-cifar", "4", 2, 1), ("gpt2", "16", 4, 2)])
+def test_workers_per_node_splits_the_plan_with_the_wrappers_shares(capsys, model, workers, per_node, rank) -> None:
+    report = inspect_json(capsys, "--model", model, "--rank", str(rank), "--workers", workers,
+                          "--workers-per-node", str(per_node), "--bytes-per-weight", "2")
+    h = report["hierarchical"]
+    shapes = [tuple(layer["shape"]) for layer in report["layers"]]
+    flat = {k: 2 * v for k, v in report["totals"]["floats_per_step"].items()}
+    assert (h["workers_per_node"], h["nodes"]) == (per_node, int(workers) // per_node)
+    shares = assign_shares([layer["numel"] for layer in report["layers"]], per_node)
+    assert [s["tensors"] for s in h["shares"]] == shares
+    for share in h["shares"]:
+        plan = gradpress.make_plan([shapes[i] for i in share["tensors"]], rank, 2)
+        assert share["bytes_per_step"] == {"allreduce": 2 * plan.numel, "powersgd": 2 * plan.numel_sent}
+    assert h["per_rank"]["flat"] == flat
+    assert h["per_node"]["flat"] == {k: per_node * v for k, v in flat.items()}
+    # Each node sends what ONE rank of the flat scheme sends: 1/L of the flat node's bytes.
+    assert h["per_node"]["hierarchical"] == flat
+    for k in flat:
+        assert h["per_rank"]["hierarchical_busiest"][k] == max(s["bytes_per_step"][k] for s in h["shares"])
+    # Balanced by size: the allreduce bytes of every share are within one tensor of 1/L.
+    largest = max(layer["numel"] for layer in report["layers"]) * 2
+    assert all(abs(s["bytes_per_step"]["allreduce"] - flat["allreduce"] / per_node) <= largest for s in h["shares"])
+
+
+def test_workers_per_node_text_and_absent_by_default(capsys) -> None:
+    code, out, err = run(capsys, "--model", "resnet18-cifar", "--rank", "1", "--workers", "4",
+                         "--workers-per-node", "2")
+    assert code == 0 and err == ""
+    table = out[out.index("inter-node bytes per step"):]
+    assert "flat: each rank                          44,695,848       183,740" in table
+    assert "flat: each node (2 ranks)                89,391,696       367,480" in table
+    assert "hierarchical: each node                  44,695,848       183,740" in table
+    assert "hierarchical: local rank 0 (32 tensors)  22,348,032        89,236" in table
+    assert "hierarchical: local rank 1 (30 tensors)  22,347,816        94,504" in table
+    assert "4 workers = 2 nodes x 2" in out
+    assert "hierarchical" not in inspect_json(capsys, "--model", "resnet18-cifar", "--rank", "1")
+    code, out, _ = run(capsys, "--model", "resnet18-cifar", "--rank", "1")
+    assert "inter-node" not in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workers-per-node", "0"], "argument --workers-per-node: must be an integer >= 1, got 0"),
+    (["--workers-per-node", "3"], "--workers-per-node 3 does not divide --workers 16: nodes must be of equal size"),
+    (["--workers", "6", "--workers-per-node", "4"], "--workers-per-node 4 does not divide --workers 6"),
+    (["--workers-per-node", "16"], "--workers-per-node 16 puts all --workers 16 on one node: nothing crosses nodes"),
+])
+def test_bad_workers_per_node(capsys, argv: list[str], message: str) -> None:
+    code, out, err = run(capsys, "--model", "resnet18-cifar", "--rank", "1", *argv)
+    assert code == 2 and out == "" and message in err and err.count("\n") == 1
+
+
+def test_docs_workers_per_node_example_is_what_the_command_prints(capsys) -> None:
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    (tail,) = re.findall(r"```\n\$ gradpress inspect --model resnet18-cifar --rank 1 --workers 4 --workers-per-node 2\n"
+                         r"\.\.\.\n(.*?)```", docs, re.S)
+    code, out, _ = run(capsys, "--model", "resnet18-cifar", "--rank", "1", "--workers", "4", "--workers-per-node", "2")
+    assert code == 0 and out.endswith("\n" + tail)

@@ -10,6 +10,10 @@ Traffic per epoch uses the PowerSGD paper's convention (Vogels et al. 2019, Tabl
 what ONE worker puts into the allreduce per step, times ``steps = floor(dataset / (workers x batch))``
 (``drop_last``), in MiB (2^20 bytes) with ``--bytes-per-weight`` bytes per float.
 
+With ``--workers-per-node L`` it also shows the bytes that cross nodes per step, flat (every rank sends
+its whole plan) vs :func:`gradpress.hierarchical_wrapper` (each local rank sends the plan of its share,
+split by :func:`~gradpress.hooks.hierarchical.assign_shares`, the wrapper's own function).
+
 >>> report = compression_report(build_model("resnet18-cifar"), "resnet18-cifar", rank=1)
 >>> report["totals"]["floats_per_step"], round(report["totals"]["mib_per_epoch"]["allreduce"], 1)
 ({'allreduce': 11173962, 'powersgd': 45935}, 1023.0)
@@ -26,12 +30,14 @@ from typing import Any
 
 from torch import nn
 
+from ..hooks.hierarchical import assign_shares
 from ..powersgd import make_plan
 from ..zoo import build_model, model_names
 from .args import float_at_least, int_at_least
 from .table import format_table
 
-__all__ = ["GENERIC_SETTING", "SETTINGS", "Setting", "compression_report", "format_report", "register", "run"]
+__all__ = ["GENERIC_SETTING", "SETTINGS", "Setting", "compression_report", "format_report", "hierarchical_traffic",
+           "register", "run"]
 
 MIB = 1 << 20
 
@@ -66,16 +72,60 @@ def _reason(numel: int, ndim: int, compressed: bool) -> str:
     return "empty" if numel == 0 else "below min rate"
 
 
+def hierarchical_traffic(shapes: list[tuple[int, ...]], rank: int, min_compression_rate: float, workers: int,
+                         workers_per_node: int, bytes_per_weight: int = 4) -> dict[str, Any]:
+    """Inter-node bytes per step of the flat scheme vs :func:`gradpress.hierarchical_wrapper`, as a dict.
+
+    Flat: every rank puts its whole plan into the allreduce that crosses nodes. Hierarchical: local rank
+    ``j`` of each node puts in the plan of its share ``assign_shares(numels, L)[j]`` (the tensors are
+    planned as one bucket; DDP's hook assigns shares per bucket, which moves tensors between local ranks
+    but leaves each node's total unchanged: the sum of the shares' plans is the whole plan). Raises
+    ``ValueError`` unless ``workers_per_node`` divides ``workers`` into at least 2 nodes.
+
+    >>> t = hierarchical_traffic([(512, 512), (512,)], rank=1, min_compression_rate=2, workers=4, workers_per_node=2)
+    >>> [s["bytes_per_step"]["powersgd"] for s in t["shares"]]
+    [4096, 2048]
+    >>> t["per_node"]["hierarchical"]["powersgd"], t["per_node"]["flat"]["powersgd"]
+    (6144, 12288)
+    """
+    if isinstance(workers_per_node, bool) or not isinstance(workers_per_node, int) or workers_per_node < 1:
+        raise ValueError(f"--workers-per-node must be an integer >= 1, got {workers_per_node!r}")
+    if workers % workers_per_node:
+        raise ValueError(f"--workers-per-node {workers_per_node} does not divide --workers {workers}: "
+                         "nodes must be of equal size")
+    if workers_per_node == workers:
+        raise ValueError(f"--workers-per-node {workers_per_node} puts all --workers {workers} on one node: "
+                         "nothing crosses nodes; give more --workers")
+    plan = make_plan(shapes, rank, min_compression_rate)
+    shares = []
+    for local_rank, share in enumerate(assign_shares([t.numel for t in plan.tensors], workers_per_node)):
+        share_plan = make_plan([shapes[i] for i in share], rank, min_compression_rate)
+        shares.append({"local_rank": local_rank, "tensors": share, "numel": share_plan.numel,
+                       "bytes_per_step": {"allreduce": share_plan.numel * bytes_per_weight,
+                                          "powersgd": share_plan.numel_sent * bytes_per_weight}})
+    flat = {"allreduce": plan.numel * bytes_per_weight, "powersgd": plan.numel_sent * bytes_per_weight}
+    busiest = {k: max(s["bytes_per_step"][k] for s in shares) for k in flat}
+    return {
+        "workers_per_node": workers_per_node, "nodes": workers // workers_per_node, "shares": shares,
+        "per_rank": {"flat": flat, "hierarchical_busiest": busiest},
+        "per_node": {"flat": {k: v * workers_per_node for k, v in flat.items()},
+                     "hierarchical": {k: sum(s["bytes_per_step"][k] for s in shares) for k in flat}},
+    }
+
+
 def compression_report(model: nn.Module, name: str, rank: int, min_compression_rate: float = 2.0,
-                       setting: Setting = GENERIC_SETTING, bytes_per_weight: int = 4) -> dict[str, Any]:
+                       setting: Setting = GENERIC_SETTING, bytes_per_weight: int = 4,
+                       workers_per_node: int | None = None) -> dict[str, Any]:
     """The plan of ``model``'s trainable parameters at ``rank``, as a JSON-ready dict.
 
     ``layers``: one entry per parameter (``name``, ``shape``, ``matrix`` ``[n, m]``, effective ``rank``
     ``min(n, m, rank)``, ``numel``, ``compressed``, ``reason``, ``numel_sent``). ``totals``: tensors,
     parameters, P/Q/uncompressed floats, ``floats_per_step``, ``bytes_per_step`` and ``mib_per_epoch``
     for ``allreduce`` and ``powersgd``, and ``compression_ratio``. ``epoch``: the setting and its
-    ``steps``. Raises ``ValueError`` if the model has no trainable parameter or the setting gives no
-    full step per epoch.
+    ``steps``. ``workers_per_node``: also ``hierarchical``, the inter-node bytes of
+    :func:`hierarchical_traffic` for ``setting.workers``. Raises ``ValueError`` if the model has no
+    trainable parameter, the setting gives no full step per epoch or ``workers_per_node`` does not split
+    the workers into at least 2 nodes.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
@@ -84,13 +134,16 @@ def compression_report(model: nn.Module, name: str, rank: int, min_compression_r
     if steps < 1:
         raise ValueError(f"--dataset-size {setting.dataset_size} is smaller than --workers x --batch-size "
                          f"= {setting.workers * setting.batch_size}: no full step per epoch")
-    plan = make_plan([tuple(p.shape) for _, p in named], rank, min_compression_rate)
+    shapes = [tuple(p.shape) for _, p in named]
+    hierarchical = None if workers_per_node is None else hierarchical_traffic(
+        shapes, rank, min_compression_rate, setting.workers, workers_per_node, bytes_per_weight)
+    plan = make_plan(shapes, rank, min_compression_rate)
     layers = [{"name": named[t.index][0], "shape": list(t.shape), "matrix": list(t.matrix), "rank": t.rank,
                "numel": t.numel, "compressed": t.compressed, "reason": _reason(t.numel, len(t.shape), t.compressed),
                "numel_sent": t.numel_sent} for t in plan.tensors]
     floats = {"allreduce": plan.numel, "powersgd": plan.numel_sent}
     step_bytes = {k: v * bytes_per_weight for k, v in floats.items()}
-    return {
+    report: dict[str, Any] = {
         "model": name, "rank": rank, "min_compression_rate": min_compression_rate,
         "bytes_per_weight": bytes_per_weight,
         "epoch": {"workers": setting.workers, "batch_size": setting.batch_size,
@@ -107,6 +160,9 @@ def compression_report(model: nn.Module, name: str, rank: int, min_compression_r
             "compression_ratio": plan.compression_rate,
         },
     }
+    if hierarchical is not None:
+        report["hierarchical"] = hierarchical
+    return report
 
 
 def _dims(values: list[int]) -> str:
@@ -139,7 +195,28 @@ def format_report(report: dict[str, Any]) -> str:
          [f"bytes per step ({b} B/float)", f"{step_bytes['allreduce']:,}", f"{step_bytes['powersgd']:,}"],
          [f"MB per epoch ({e['steps']:,} steps, MB = 2^20 B)", f"{mib['allreduce']:,.1f}", f"{mib['powersgd']:,.1f}"],
          ["compression ratio", "1x", f"{t['compression_ratio']:,.1f}x"]], "<>>")
+    if "hierarchical" in report:
+        lines += ["", *_format_hierarchical(report["hierarchical"], report["rank"], e["workers"])]
     return "\n".join(lines)
+
+
+def _format_hierarchical(h: dict[str, Any], rank: int, workers: int) -> list[str]:
+    size = h["workers_per_node"]
+    flat, busiest = h["per_rank"]["flat"], h["per_rank"]["hierarchical_busiest"]
+
+    def row(label: str, values: dict[str, float]) -> list[str]:
+        return [label, f"{values['allreduce']:,}", f"{values['powersgd']:,}"]
+
+    rows = [row("flat: each rank", flat), row(f"flat: each node ({size} ranks)", h["per_node"]["flat"])]
+    rows += [row(f"hierarchical: local rank {s['local_rank']} ({len(s['tensors'])} tensors)", s["bytes_per_step"])
+             for s in h["shares"]]
+    rows += [row("hierarchical: each node", h["per_node"]["hierarchical"]),
+             ["hierarchical / flat, busiest rank", *(f"{busiest[k] / flat[k]:.2f}x" for k in flat)]]
+    return [f"inter-node traffic, {workers} workers = {h['nodes']} nodes x {size}: flat = every rank sends its "
+            "whole plan across nodes; hierarchical = gradpress.hierarchical_wrapper, local rank j sends its share's",
+            "", *format_table(["inter-node bytes per step", "allreduce", f"PowerSGD r={rank}"], rows, "<>>"),
+            "shares: whole tensors balanced by size, the model planned as one bucket (the hook splits each DDP "
+            "bucket: tensors may move between local ranks, each node's total stays the same)"]
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -170,6 +247,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         help="training samples per epoch (integer >= 1; default: per model)")
     parser.add_argument("--bytes-per-weight", type=int, choices=(2, 4, 8), default=4,
                         help="bytes per float on the wire: 2 (fp16/bf16), 4 (fp32), 8 (fp64) (default: %(default)s)")
+    parser.add_argument("--workers-per-node", type=int_at_least(1), default=None, metavar="L",
+                        help="also show the bytes that cross nodes per step with --workers split into nodes of L, "
+                             "flat vs gradpress.hierarchical_wrapper (integer >= 1 dividing --workers into at "
+                             "least 2 nodes)")
     parser.add_argument("--json", action="store_true", help="print a JSON document instead of the tables")
     parser.set_defaults(func=run)
     return parser
@@ -196,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
                       default.source if given == (None, None, None) else f"command line; defaults: {default.source}")
     try:
         report = compression_report(model, args.model, args.rank, args.min_compression_rate, setting,
-                                    args.bytes_per_weight)
+                                    args.bytes_per_weight, args.workers_per_node)
     except ValueError as exc:
         return _fail(str(exc))
     print(json.dumps(report, indent=2) if args.json else format_report(report))

@@ -1,0 +1,302 @@
+"""FSDP2: any gradpress hook as the gradient all-reduce across replicas of ``fully_shard`` units.
+
+Hybrid sharding by hand: shard each unit over a 1-D mesh (``mesh["shard"]``), and let a gradpress hook
+average the reduce-scattered shards over the replicate group (``mesh["replicate"]``), e.g. PowerSGD.
+
+>>> mesh = init_device_mesh("cuda", (nodes, 8), mesh_dim_names=("replicate", "shard"))  # doctest: +SKIP
+>>> for block in model.blocks:                                                        # doctest: +SKIP
+...     fully_shard(block, mesh=mesh["shard"])
+>>> fully_shard(model, mesh=mesh["shard"])                                              # doctest: +SKIP
+>>> state = gradpress.PowerSGDState(mesh["replicate"].get_group(), matrix_approximation_rank=4)  # doctest: +SKIP
+>>> gradpress.register_fsdp_comm_hook(model, state, gradpress.powerSGD_hook)           # doctest: +SKIP
+
+How it maps onto FSDP2 (torch 2.13, ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``,
+``foreach_reduce``): ``FSDPModule.set_all_reduce_hook`` calls a hook once per unit per backward with
+the reduce-scatter output, a flat 1-D tensor holding the unit's parameters' dim-0 shards, each padded to
+``ceil(dim0 / shards)`` rows, in the unit's parameter order. FSDP has already averaged it over the shard
+group, or divided it only in part and divides the rest after the hook (fp16 reduce dtype,
+``set_force_sum_reduction_for_comms``, ``set_gradient_divide_factor``: a scale the hook needs not know).
+FSDP reads the tensor back as soon as the hook returns, so the hook must finish its communication
+before returning (on a GPU it runs on FSDP's all-reduce stream, which FSDP orders with its own).
+This module's hook:
+
+  1. views the flat tensor as a :class:`FSDPBucket` (gradients = the local shards, padding left out);
+  2. runs ``hook(state, bucket)`` and waits for its future (the collectives run inside the call);
+  3. writes the result back. FSDP's own later division then gives the mean over all ranks, exactly what
+     native HSDP gives; with ``set_gradient_divide_factor(f)`` the result is also native HSDP's (the
+     sum over all ranks divided by ``f``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .bucket import future_tensor
+from .powersgd import PowerSGDState
+
+__all__ = ["FSDPBucket", "register_fsdp_comm_hook"]
+
+Hook = Callable[[Any, Any], torch.futures.Future]
+
+
+class FSDPBucket:
+    """One ``fully_shard`` unit's reduced gradient shards, shaped like DDP's ``GradBucket``.
+
+    ``buffer()`` holds the trainable parameters' local shards back to back, without FSDP's padding (a
+    copy when the unit has padding, else FSDP's own tensor); ``gradients()`` are views into it shaped as
+    the local shards (a 2-D weight sharded over ``s`` ranks gives an ``(n / s, m)`` row block, the same
+    block on every rank of a replicate group); ``parameters()`` are the module's sharded parameters
+    (``DTensor``, stable across iterations: PowerSGD keys its memory by them). ``index()`` numbers the
+    units with parameters in ``module.modules()`` order; ``is_last()`` is true for the last unit reduced in
+    a backward pass.
+    """
+
+    __slots__ = ("_index", "_is_last", "_parameters", "_shapes", "_buffer", "_gradients")
+
+    def __init__(self, index: int, is_last: bool, parameters: list[Tensor], shapes: list[torch.Size],
+                 buffer: Tensor) -> None:
+        self._index = index
+        self._is_last = is_last
+        self._parameters = parameters
+        self._shapes = shapes
+        self.set_buffer(buffer)
+
+    def buffer(self) -> Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[Tensor]:
+        return self._gradients
+
+    def parameters(self) -> list[Tensor]:
+        return self._parameters
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def set_buffer(self, buffer: Tensor) -> None:
+        self._buffer = buffer
+        self._gradients = [chunk.view(shape) for chunk, shape in
+                           zip(buffer.split([shape.numel() for shape in self._shapes]), self._shapes)]
+
+
+def register_fsdp_comm_hook(module: nn.Module, state: Any, hook: Hook) -> None:
+    """Run ``hook(state, bucket)`` as the all-reduce across replicas of every ``fully_shard`` unit.
+
+    Args:
+        module: a module containing FSDP2 ``fully_shard`` units (itself one or not), each sharded over a
+            1-D device mesh (the shard dimension of a ``("replicate", "shard")`` mesh).
+        state: the hook's state. It names the replicate group: ``PowerSGDState.process_group`` for the
+            PowerSGD hooks; the group itself (``None``: the default group) for :func:`allreduce_hook`,
+            :func:`fp16_compress_hook` and :func:`bf16_compress_hook`. That group must contain no other
+            rank of a unit's shard mesh (the ranks holding the same shard, one per replica).
+        hook: any gradpress DDP hook or cast wrapper (``fp16_compress_wrapper(powerSGD_hook)``), or a
+            function with the same contract: average ``bucket.buffer()`` over the group, return a future.
+
+    Contracts:
+        * Replaces each unit's ``set_all_reduce_hook``. The result equals native HSDP's gradients (the
+          mean over all ranks) for exact hooks, on every rank; FSDP's gradient divide factor, reduce dtype
+          and sum-only option keep their meaning.
+        * Each unit's hook completes its collectives before returning (FSDP reads the buffer right
+          after); the units are reduced in backward order, the same on every rank.
+        * ``bucket.is_last()`` is true for the last unit of each backward pass, so a ``PowerSGDState``
+          counts one iteration per backward that synchronizes gradients (none while
+          ``set_requires_gradient_sync(False)`` accumulates). Its memory is per parameter and per rank:
+          save ``state.state_dict()`` on every rank.
+        * Padding rows of uneven shards (``dim0 % shards != 0``) are never sent, compressed or counted.
+        * Every trainable parameter must get a gradient in every backward (else a ``RuntimeError``
+          says so; ``set_reduce_scatter_unused_params(True)`` reduces zeros for unused ones).
+
+    Raises:
+        TypeError: ``hook`` is not callable, or ``state`` names no process group.
+        ValueError: ``module`` has no ``fully_shard`` unit with parameters; a unit is sharded over a 2-D
+            mesh (native HSDP all-reduces already); the group contains other ranks of a shard mesh.
+
+    Example::
+
+        state = gradpress.PowerSGDState(mesh["replicate"].get_group(), matrix_approximation_rank=4,
+                                        start_powerSGD_iter=10)
+        gradpress.register_fsdp_comm_hook(model, state, gradpress.powerSGD_hook)
+        loss.backward()        # each unit: reduce-scatter over mesh["shard"], PowerSGD over mesh["replicate"]
+    """
+    if not callable(hook):
+        raise TypeError(f"hook must be a callable hook(state, bucket) -> Future such as gradpress.powerSGD_hook, "
+                        f"got {hook!r}")
+    group = _replicate_group(state)
+    units = _units(module)
+    replicas = dist.get_world_size(group)
+    for name, unit, param_group in units:
+        _check_replicate_group(group, param_group, name)
+    counter = _BackwardCounter([param_group for _, _, param_group in units])
+    for index, (_, unit, param_group) in enumerate(units):
+        unit.set_all_reduce_hook(_UnitHook(state, hook, index, param_group, counter, replicas))
+
+
+class _UnitHook:
+    """The all-reduce hook of one unit: steps 1-3 of the module docstring."""
+
+    __slots__ = ("state", "hook", "index", "param_group", "counter", "replicas")
+
+    def __init__(self, state: Any, hook: Hook, index: int, param_group: Any, counter: _BackwardCounter,
+                 replicas: int) -> None:
+        self.state = state
+        self.hook = hook
+        self.index = index
+        self.param_group = param_group
+        self.counter = counter
+        self.replicas = replicas
+
+    def __call__(self, flat: Tensor) -> None:
+        parameters, offsets, shapes = _layout(self.param_group, flat)
+        dense = _is_dense(offsets, shapes)
+        packed = flat if dense else torch.cat([flat[o: o + s.numel()] for o, s in zip(offsets, shapes)])
+        bucket = FSDPBucket(self.index, self.counter.next_is_last(), parameters, shapes, packed)
+        fut = self.hook(self.state, bucket)
+        if isinstance(self.state, PowerSGDState):
+            # The PowerSGD hooks queue their later phases in the state's ordered pipeline and complete
+            # the future when it advances (on the next bucket in DDP). FSDP needs the result now.
+            self.state._pipeline.drain()
+        result = future_tensor(fut.wait())
+        if result.numel() != packed.numel():
+            raise RuntimeError(f"the hook's future holds {result.numel()} elements, the bucket {packed.numel()}")
+        if dense:
+            if result is not flat:
+                flat.copy_(result)
+        else:
+            for chunk, offset in zip(result.split([s.numel() for s in shapes]), offsets):
+                flat[offset: offset + chunk.numel()].copy_(chunk)
+        if self.param_group.gradient_divide_factor is not None:
+            # FSDP divides by the factor alone and expects the sum across replicas (native HSDP sums
+            # there); the hook averaged.
+            flat.mul_(self.replicas)
+
+
+class _BackwardCounter:
+    """Tells which unit is the last of a backward pass: the n-th one reduced, for n trainable units.
+
+    A backward pass is recognized by autograd's graph task id; an autograd final callback checks that
+    every unit was reduced (FSDP skips a unit whose parameters got no gradient, which would leave a
+    PowerSGD state without its end of iteration).
+    """
+
+    __slots__ = ("param_groups", "calls", "expected", "task")
+
+    def __init__(self, param_groups: list[Any]) -> None:
+        self.param_groups = param_groups
+        self.calls = 0
+        self.expected = 0
+        self.task = -1
+
+    def next_is_last(self) -> bool:
+        task = torch._C._current_graph_task_id()
+        if self.calls == 0 or task != self.task:
+            self.task = task
+            self.calls = 0
+            self.expected = sum(any(p.sharded_param.requires_grad for p in g.fsdp_params) for g in self.param_groups)
+            torch.autograd.Variable._execution_engine.queue_callback(self._check_complete)
+        self.calls += 1
+        return self.calls == self.expected
+
+    def _check_complete(self) -> None:
+        calls, self.calls = self.calls, 0
+        if calls != self.expected:
+            raise RuntimeError(
+                f"register_fsdp_comm_hook: {calls} of {self.expected} fully_shard units with trainable "
+                "parameters reduced gradients in this backward pass. Every trainable parameter must get a "
+                "gradient (call set_reduce_scatter_unused_params(True) on the root module to reduce zeros "
+                "for unused ones), and set_requires_gradient_sync must be set on the root module.")
+
+
+# --- the places that read FSDP2's internals ----------------------------------------------------------------
+
+def _units(module: nn.Module) -> list[tuple[str, nn.Module, Any]]:
+    """``(name, unit, FSDPParamGroup)`` for each ``fully_shard`` unit with parameters, in module order."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module containing fully_shard units, got {type(module).__name__}")
+    units = []
+    for name, unit in module.named_modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        label = repr(name) if name else "the root module"
+        param_groups = unit._get_fsdp_state()._fsdp_param_groups
+        if len(param_groups) > 1:
+            raise ValueError(f"module: fully_shard unit {label} has {len(param_groups)} parameter groups "
+                             "(per-parameter meshes); register_fsdp_comm_hook supports one mesh per unit")
+        if not param_groups:
+            continue  # a unit without parameters of its own reduces nothing
+        mesh_info = param_groups[0].mesh_info
+        if isinstance(mesh_info, DDPMeshInfo) or mesh_info.mesh.ndim != 1:
+            raise ValueError(
+                f"module: fully_shard unit {label} is sharded over a {mesh_info.mesh.ndim}-D mesh "
+                f"{tuple(mesh_info.mesh.shape)}; native HSDP already all-reduces across replicas. "
+                "Shard every unit over a 1-D mesh, e.g. fully_shard(unit, mesh=mesh['shard'])")
+        units.append((name, unit, param_groups[0]))
+    if not units:
+        raise ValueError(f"module: {type(module).__name__} has no fully_shard unit with parameters; apply "
+                         "torch.distributed.fsdp.fully_shard(submodule, mesh=mesh['shard']) first")
+    return units
+
+
+def _layout(param_group: Any, flat: Tensor) -> tuple[list[Tensor], list[int], list[torch.Size]]:
+    """Parameters, offsets in ``flat`` and local shard shapes of the gradients FSDP reduced.
+
+    FSDP puts each parameter that has a gradient (``requires_grad`` ones, in the unit's order) at the next
+    multiple of its padded shard size (``padded_sharded_param_size``); the local shard
+    (``sharded_size``) comes first, the padding rows after it.
+    """
+    parameters, offsets, shapes = [], [], []
+    offset = 0
+    for fsdp_param in param_group.fsdp_params:
+        if not fsdp_param.sharded_param.requires_grad:
+            continue
+        parameters.append(fsdp_param.sharded_param)
+        offsets.append(offset)
+        shapes.append(torch.Size(fsdp_param.sharded_size))
+        offset += fsdp_param.padded_sharded_param_size.numel()
+    if offset != flat.numel():
+        raise RuntimeError(
+            f"register_fsdp_comm_hook: fully_shard reduced {flat.numel()} elements for a unit whose trainable "
+            f"parameters take {offset}: a trainable parameter got no gradient. Every trainable parameter must "
+            "get one (set_reduce_scatter_unused_params(True) on the root module reduces zeros for unused ones)")
+    return parameters, offsets, shapes
+
+
+def _is_dense(offsets: list[int], shapes: list[torch.Size]) -> bool:
+    end = 0
+    for offset, shape in zip(offsets, shapes):
+        if offset != end:
+            return False
+        end += shape.numel()
+    return True
+
+
+def _replicate_group(state: Any) -> dist.ProcessGroup | None:
+    if state is None or isinstance(state, dist.ProcessGroup):
+        return state
+    if hasattr(state, "process_group"):
+        return state.process_group
+    raise TypeError(f"state must be the hook's state naming the replicate group: a PowerSGDState, a "
+                    f"ProcessGroup or None (the default group), got {type(state).__name__}")
+
+
+def _check_replicate_group(group: dist.ProcessGroup | None, param_group: Any, name: str) -> None:
+    """The group must hold one rank per shard group: this one, and no other rank of its shard mesh."""
+    group_ranks = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    shard_ranks = set(param_group.mesh_info.mesh.mesh.flatten().tolist())
+    if group_ranks & shard_ranks != {dist.get_rank()}:
+        label = repr(name) if name else "the root module"
+        raise ValueError(
+            f"state: the hook's process group has ranks {sorted(group_ranks)}, which should include this rank "
+            f"({dist.get_rank()}) and no other rank of the shard mesh {sorted(shard_ranks)} of fully_shard unit "
+            f"{label}: they hold other shards. Pass the replicate group, e.g. mesh['replicate'].get_group() "
+            "(None means the default group)")
