@@ -76,7 +76,8 @@ def run_cell(net: Network, workloads: str, methods: str, warmup: int, steps: int
              rounds: int = 1) -> list[dict[str, Any]]:
     """Run every method of ``methods`` on every workload over ``net`` as it is shaped now."""
     return run_workers(net, HERE / "worker.py", ["--workloads", workloads, "--methods", methods, "--warmup",
-                                                 str(warmup), "--steps", str(steps), "--rounds", str(rounds)], timeout)
+                                                 str(warmup), "--steps", str(steps), "--rounds", str(rounds),
+                                                 "--ranks-per-node", str(net.ranks_per_node)], timeout)
 
 
 def floor_ms(noop_step: float, hook_compute: float, bytes_sent: float, world_size: int, rate_bits: float) -> float:
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every method this many times, interleaved, and pool the steps (default 1)")
+    parser.add_argument("--ranks-per-node", type=int, default=1,
+                        help="ranks per node: they share a namespace, only links between nodes are shaped")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", type=Path, default=None, help="write every result here")
     parser.add_argument("--cleanup", action="store_true", help="only delete namespaces left by a killed run")
@@ -113,13 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     started = time.time()
     for world_size in (int(w) for w in args.world_sizes.split(",")):
-        with Network(world_size, rates[0]) as net:
+        with Network(world_size, rates[0], args.ranks_per_node) as net:
             for rate in rates:
                 net.set_rate(rate)
-                print(f"== {world_size} ranks, {rate} ==", file=sys.stderr, flush=True)
+                print(f"== {world_size} ranks ({net.nodes} nodes), {rate} ==", file=sys.stderr, flush=True)
                 for result in run_cell(net, args.workloads, args.methods, args.warmup, args.steps, args.timeout,
                                            args.rounds):
-                    results.append({**result, "world_size": world_size, "rate": rate})
+                    results.append({**result, "world_size": world_size, "rate": rate,
+                                    "ranks_per_node": args.ranks_per_node})
     report = {"command": " ".join(["python3", "benchmarks/network/run.py", *(argv or sys.argv[1:])]),
               "seconds": time.time() - started, "results": results}
     print(markdown(results))
@@ -144,15 +148,19 @@ def markdown(results: list[dict[str, Any]]) -> str:
         by_method = {r["method"]: r for r in rows}
         base = by_method.get("allreduce", {}).get("median_ms", {}).get("step")
         noop = by_method.get("noop", {}).get("median_ms", {}).get("step")
-        lines += ["", f"{workload}, {world_size} ranks, {rate}:", "",
+        per_node = rows[0].get("ranks_per_node", 1)
+        nodes = f" ({world_size // per_node} nodes of {per_node})" if per_node > 1 else ""
+        lines += ["", f"{workload}, {world_size} ranks{nodes}, {rate}:", "",
                   "| method | step ms (median) | mean | forward | backward | optimizer | in hook | blocked "
                   "| bytes/step | floor ms | step / floor | vs allreduce | round medians |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             med, mean = r["median_ms"], r["mean_ms"]
             ratio = f"{med['step'] / base:.2f}x" if base else "n/a"
-            floor = None if noop is None else floor_ms(noop, med["hook"] - med["blocked"], r["bytes_per_step"],
-                                                       world_size, parse_rate(rate))
+            # The floor's ring model assumes one rank per link: with nodes of several ranks it does not apply.
+            shared = r.get("ranks_per_node", 1) > 1
+            floor = None if noop is None or shared else floor_ms(noop, med["hook"] - med["blocked"],
+                                                                 r["bytes_per_step"], world_size, parse_rate(rate))
             floor_text = "n/a" if floor is None else f"{floor:.1f}"
             above = "n/a" if floor is None else f"{med['step'] / floor:.2f}x"
             lines.append(f"| {r['method']} | {med['step']:.1f} | {mean['step']:.1f} | {med['forward']:.1f} | "

@@ -7,7 +7,11 @@ wrapper, ``--warmup`` untimed steps (the compressed methods start compressing af
 ``--steps`` timed steps. ``powersgd-lazy:R`` / ``multi-lazy:R`` are an experiment (issue 15): the hook's
 pipeline with ``advance_on_submit=False``, which never waits inside the backward pass and issues every
 Q phase at the last bucket. ``--rounds N`` runs every method N times, interleaved, and pools the
-timed steps (each round's median is kept too). Per step, per rank: forward, backward (which includes the
+timed steps (each round's median is kept too). With ``--ranks-per-node L`` (nodes of L ranks sharing a
+namespace), ``hier-powersgd:R`` / ``hier-allreduce`` wrap the hook in ``gradpress.hierarchical_wrapper``
+(exact inside the node, the hook across nodes); ``hsdp`` is FSDP2's native hybrid sharding (sharded inside
+the node, all-reduced across nodes) and ``fsdp-powersgd:R`` the same sharding with PowerSGD across nodes
+(``gradpress.register_fsdp_comm_hook``). Per step, per rank: forward, backward (which includes the
 hooks and DDP's wait for the last collectives), optimizer (and local SGD's averaging), total; the time
 spent inside the comm hook calls on the autograd thread, and, for gradpress's hooks, the part of it
 blocked waiting for a collective. Rank 0 writes the slowest rank's times per step as JSON.
@@ -120,6 +124,27 @@ def make_method(spec: str, model: nn.Module) -> tuple[DDP, Any, Any]:
             from gradpress.pipeline import OrderedPipeline
             state._pipeline = OrderedPipeline(advance_on_submit=False)
         hook = gradpress.powerSGD_hook
+    elif kind in ("hier-powersgd", "hier-allreduce"):  # issue 16: exact inside the node, hook across nodes
+        if _GROUPS["intra"] is None:
+            raise ValueError(f"{spec} needs --ranks-per-node >= 2")
+        inner = gradpress.powerSGD_hook if kind == "hier-powersgd" else gradpress.allreduce_hook
+        state = _GROUPS["inter"] if kind == "hier-allreduce" else gradpress.PowerSGDState(
+            _GROUPS["inter"], matrix_approximation_rank=int(number), start_powerSGD_iter=START_ITER)
+        hook = gradpress.hierarchical_wrapper(inner, _GROUPS["intra"])
+    elif kind in ("hsdp", "fsdp-powersgd"):  # issue 16: FSDP2 sharded inside the node, replicas across nodes
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = _GROUPS["mesh"]
+        if mesh is None:
+            raise ValueError(f"{spec} needs --ranks-per-node >= 2")
+        if kind == "hsdp":  # native HSDP: FSDP all-reduces across replicas itself
+            fully_shard(model, mesh=mesh)
+            return model, None, None
+        fully_shard(model, mesh=mesh["shard"])
+        state = gradpress.PowerSGDState(mesh["replicate"].get_group(), matrix_approximation_rank=int(number),
+                                        start_powerSGD_iter=START_ITER)
+        gradpress.register_fsdp_comm_hook(model, state, _timed(gradpress.powerSGD_hook))
+        return model, state, None
     elif kind == "localsgd":
         state = gradpress.PostLocalSGDState(None, None, start_localSGD_iter=START_ITER,
                                             post_local_gradient_allreduce=False)
@@ -129,6 +154,28 @@ def make_method(spec: str, model: nn.Module) -> tuple[DDP, Any, Any]:
         raise ValueError(f"unknown method {spec!r}; valid: {', '.join(METHODS)}")
     ddp.register_comm_hook(state, _timed(hook))
     return ddp, state, averager
+
+
+#: This rank's node (``intra``) and the ranks with its local index on every node (``inter``), built once
+#: by :func:`make_node_groups` when ``--ranks-per-node`` is above 1.
+_GROUPS: dict[str, Any] = {"intra": None, "inter": None, "mesh": None}
+
+
+def make_node_groups(ranks_per_node: int) -> None:
+    """Every rank creates every group, in the same order (as torch.distributed requires)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for node in range(world // ranks_per_node):
+        group = dist.new_group(list(range(node * ranks_per_node, (node + 1) * ranks_per_node)))
+        if rank // ranks_per_node == node:
+            _GROUPS["intra"] = group
+    for local in range(ranks_per_node):
+        group = dist.new_group(list(range(local, world, ranks_per_node)))
+        if rank % ranks_per_node == local:
+            _GROUPS["inter"] = group
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _GROUPS["mesh"] = init_device_mesh("cpu", (world // ranks_per_node, ranks_per_node),
+                                       mesh_dim_names=("replicate", "shard"))
 
 
 # Time inside hook calls (autograd thread) and, within it, blocked on gradpress's collectives.
@@ -198,6 +245,8 @@ def run_method(spec: str, workload: str, rank: int, warmup: int, steps: int) -> 
         period = averager.period if averager is not None else None
         per_element = {"noop": 0, "allreduce": 4, "fp16": 2}.get(spec.partition(":")[0], 4)
         result["bytes_per_step"] = per_element * numel / (period or 1)
+        if spec in ("hsdp", "hier-allreduce"):  # what crosses nodes per rank: its 1/L of the gradients
+            result["bytes_per_step"] /= dist.get_world_size(_GROUPS["intra"])
     del ddp
     dist.barrier()
     return result
@@ -227,11 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=1, help="run every method this many times, interleaved")
+    parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks per node (hier-* methods)")
     parser.add_argument("--json", required=True, help="rank 0 writes the results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{args.port}", rank=args.rank,
                             world_size=args.world_size, timeout=timedelta(seconds=600))
+    if args.ranks_per_node > 1:
+        make_node_groups(args.ranks_per_node)
     results = []
     for workload in args.workloads.split(","):
         # Untimed: the first method a process runs pays for page faults and allocator growth.
