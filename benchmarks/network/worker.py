@@ -4,11 +4,13 @@ Started by ``run.py`` inside the rank's network namespace (``GLOO_SOCKET_IFNAME=
 per rank, all methods in sequence in the same process group (start-up paid once; one untimed noop run
 first, since the first method of a process pays for page faults). For each method a fresh model and DDP
 wrapper, ``--warmup`` untimed steps (the compressed methods start compressing after 2 of them), then
-``--steps`` timed steps. ``powersgd-lazy:R`` / ``multi-lazy:R`` are an experiment (issue 15): the hook's
-pipeline with ``advance_on_submit=False``, which never waits inside the backward pass and issues every
-Q phase at the last bucket. ``--rounds N`` runs every method N times, interleaved, and pools the
+``--steps`` timed steps. ``powersgd-eager:R`` / ``multi-eager:R`` use the hook's pipeline as it was
+before issue 15 (``advance_on_submit=True``: each bucket's hook first finishes the previous buckets' P
+phase, waiting for it inside the backward pass); ``powersgd-lazy:R`` / ``multi-lazy:R`` name today's
+default explicitly (every Q phase at the last bucket). ``--rounds N`` runs every method N times, interleaved, and pools the
 timed steps (each round's median is kept too). With ``--ranks-per-node L`` (nodes of L ranks sharing a
-namespace), ``hier-powersgd:R`` / ``hier-allreduce`` wrap the hook in ``gradpress.hierarchical_wrapper``
+namespace), ``hier-powersgd:R`` / ``hier-allreduce`` / ``hier-noop`` (nothing across nodes: the intra-node
+collectives alone) wrap the hook in ``gradpress.hierarchical_wrapper``
 (exact inside the node, the hook across nodes); ``hsdp`` is FSDP2's native hybrid sharding (sharded inside
 the node, all-reduced across nodes) and ``fsdp-powersgd:R`` the same sharding with PowerSGD across nodes
 (``gradpress.register_fsdp_comm_hook``). Per step, per rank: forward, backward (which includes the
@@ -117,18 +119,20 @@ def make_method(spec: str, model: nn.Module) -> tuple[DDP, Any, Any]:
         state, hook = None, gradpress.allreduce_hook
     elif kind == "fp16":
         state, hook = None, gradpress.fp16_compress_hook
-    elif kind in ("powersgd", "multi", "powersgd-lazy", "multi-lazy"):
+    elif kind in ("powersgd", "multi", "powersgd-lazy", "multi-lazy", "powersgd-eager", "multi-eager"):
         state = gradpress.PowerSGDState(None, matrix_approximation_rank=int(number), start_powerSGD_iter=START_ITER,
                                         num_iters_per_step=1 if kind.startswith("multi") else None)
-        if kind.endswith("-lazy"):  # experiment: no phase advanced (and no wait) inside the backward pass
+        if kind.endswith(("-lazy", "-eager")):  # the two orders of the pipeline (lazy: the default since issue 15)
             from gradpress.pipeline import OrderedPipeline
-            state._pipeline = OrderedPipeline(advance_on_submit=False)
+            state._pipeline = OrderedPipeline(advance_on_submit=kind.endswith("-eager"))
         hook = gradpress.powerSGD_hook
-    elif kind in ("hier-powersgd", "hier-allreduce"):  # issue 16: exact inside the node, hook across nodes
+    elif kind in ("hier-powersgd", "hier-allreduce", "hier-noop"):  # issue 16: exact in the node, hook across
         if _GROUPS["intra"] is None:
             raise ValueError(f"{spec} needs --ranks-per-node >= 2")
-        inner = gradpress.powerSGD_hook if kind == "hier-powersgd" else gradpress.allreduce_hook
-        state = _GROUPS["inter"] if kind == "hier-allreduce" else gradpress.PowerSGDState(
+        # hier-noop: only the intra-node reduce-scatter and all-gather (what a fast node link would make free)
+        inner = {"hier-powersgd": gradpress.powerSGD_hook, "hier-allreduce": gradpress.allreduce_hook,
+                 "hier-noop": _noop_hook}[kind]
+        state = _GROUPS["inter"] if kind != "hier-powersgd" else gradpress.PowerSGDState(
             _GROUPS["inter"], matrix_approximation_rank=int(number), start_powerSGD_iter=START_ITER)
         hook = gradpress.hierarchical_wrapper(inner, _GROUPS["intra"])
     elif kind in ("hsdp", "fsdp-powersgd"):  # issue 16: FSDP2 sharded inside the node, replicas across nodes
@@ -247,6 +251,8 @@ def run_method(spec: str, workload: str, rank: int, warmup: int, steps: int) -> 
         result["bytes_per_step"] = per_element * numel / (period or 1)
         if spec in ("hsdp", "hier-allreduce"):  # what crosses nodes per rank: its 1/L of the gradients
             result["bytes_per_step"] /= dist.get_world_size(_GROUPS["intra"])
+        elif spec == "hier-noop":
+            result["bytes_per_step"] = 0
     del ddp
     dist.barrier()
     return result

@@ -7,9 +7,16 @@ Backends match collectives by the order in which they are issued (design rule 3)
 the Q allreduce from a future callback, on whatever thread finished the P allreduce, which can race with
 the next bucket's collective issued by the autograd thread. Here every collective is issued by the
 thread that calls :meth:`OrderedPipeline.submit` / :meth:`drain`, in an order that depends only on the
-sequence of calls, never on timing: each submit first moves every in-flight task forward by one phase,
-oldest first, then starts the new task. So the P allreduce of bucket ``b`` overlaps with the backward
-pass that produces bucket ``b + 1``, and no future callback ever blocks.
+sequence of calls, never on timing. Two such orders:
+
+* ``advance_on_submit=True``: each submit first moves every in-flight task forward by one phase, oldest
+  first (waiting for its collective), then starts the new task; the P allreduce of bucket ``b`` overlaps
+  with the backward pass that produces bucket ``b + 1``;
+* ``advance_on_submit=False`` (what ``PowerSGDState`` uses): a submit only starts the new task; the later
+  phases of all tasks run in :meth:`OrderedPipeline.drain`, at the last bucket. Every P allreduce
+  overlaps with the rest of the backward pass and the submitting thread never waits on the link.
+
+No future callback ever blocks.
 """
 
 from __future__ import annotations

@@ -175,7 +175,10 @@ class PowerSGDState:
         self._key_shapes: list[tuple[int, ...]] = []
         self._padded: dict[int, tuple[int, Segment, Tensor]] = {}
         self._saved_padded: dict[int, dict[str, Any]] = {}
-        self._pipeline = OrderedPipeline()
+        # Each bucket's hook only starts its first phase; every later phase runs when the last bucket drains
+        # the pipeline, so the autograd thread never waits on the link mid-backward (measured on a real
+        # backward pass, issue 15: 7-11% faster steps than advancing on every submit; docs/design.md#ordering).
+        self._pipeline = OrderedPipeline(advance_on_submit=False)
         self._comm: Communicator | None = None
         self.lr_scheduler = lr_scheduler
         self.total_bytes_before_compression = 0
