@@ -35,3 +35,30 @@ def test_example_refuses_to_run_outside_torchrun() -> None:
     proc = subprocess.run([sys.executable, str(EXAMPLE), "--method", "powersgd:1"], capture_output=True,
                           text=True, timeout=60, env=env)
     assert proc.returncode == 2 and "torchrun" in proc.stderr
+
+
+def _torchrun(script: str, *args: str, nproc: int = 4) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), str(EXAMPLE.parent / script), *args], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_fsdp_example_of_the_readme_compresses_across_replicas() -> None:
+    out = _torchrun("fsdp_powersgd.py", "--steps", "12", "--start-iter", "4")
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) >= 2 and losses[-1] < losses[0]
+    assert "PowerSGD across 2 replicas: 12 iterations" in out
+
+
+def test_hierarchical_example_of_the_readme_sends_half_the_flat_bytes_per_node() -> None:
+    out = _torchrun("hierarchical_powersgd.py", "--steps", "8")
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) >= 2 and losses[-1] < losses[0]
+    flat = next(line for line in out.splitlines() if line.strip().startswith("flat:"))
+    hierarchical = next(line for line in out.splitlines() if line.strip().startswith("hierarchical:"))
+    per_rank = int(flat.split()[1].replace(",", ""))
+    per_node = int(hierarchical.split("), ")[1].split()[0].replace(",", ""))
+    assert per_node == per_rank  # a node sends what one flat rank sends: 1/L per rank with L = 2

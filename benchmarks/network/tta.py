@@ -105,7 +105,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     rates = list(report["rates"])
     fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4.2), squeeze=False)
@@ -117,8 +117,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
         name = rows[0]["metric_name"]
         if name != "accuracy":
             ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
             ax.yaxis.set_major_formatter(ScalarFormatter())
-            ax.yaxis.set_minor_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_title(f"{report['task']}, {report['world_size']} ranks, {rate} link")
         ax.set_xlabel("training seconds (evaluations excluded)")
         ax.set_ylabel(f"held-out {name}")

@@ -170,6 +170,11 @@ TASKS: dict[str, Task] = {
                    DigitsCNN, lr=0.05, batch_size=32),
     "charlm": Task("charlm", "character-level LSTM on Python's documentation text", "perplexity",
                    _load_charlm, lambda: CharLSTM(len(CHARSET)), lr=0.5, batch_size=16),
+    # The same text with a 3.4x larger LSTM (1.23M parameters, 4.9 MB of fp32 gradients per step): a model
+    # whose communication outweighs its compute on a 100 Mbit/s link (benchmarks/network/tta.py).
+    "charlm-wide": Task("charlm-wide", "character-level LSTM with 512 hidden units (3.4x charlm's parameters) on "
+                        "the same text", "perplexity", _load_charlm, lambda: CharLSTM(len(CHARSET), hidden=512),
+                        lr=0.5, batch_size=16),
 }
 
 
