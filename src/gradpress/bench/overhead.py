@@ -73,6 +73,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import zoo
+from ..hooks.bucket import DenseBucket
 
 __all__ = ["COMPARED", "MIN_ROUNDS_FOR_SPREAD", "MODELS", "FakeBucket", "iqr", "main", "make_buckets",
            "model_names", "model_parameters", "run_benchmark", "summarize", "trust_warnings", "usable_cores"]
@@ -105,42 +106,13 @@ def model_parameters(name: str) -> list[Tensor]:
 # --------------------------------------------------------------------------------------------------
 # Buckets
 # --------------------------------------------------------------------------------------------------
-class FakeBucket:
-    """A ``dist.GradBucket`` stand-in: a flat buffer and per-parameter gradient views into it."""
+class FakeBucket(DenseBucket):
+    """A ``dist.GradBucket`` stand-in: a new flat buffer of ``dtype`` and per-parameter gradient views into it."""
+
+    __slots__ = ()
 
     def __init__(self, index: int, params: list[Tensor], is_last: bool, dtype: torch.dtype) -> None:
-        self._index = index
-        self._params = params
-        self._is_last = is_last
-        self._buffer = torch.empty(sum(p.numel() for p in params), dtype=dtype)
-        self._grads = self._views(self._buffer)
-
-    def _views(self, buffer: Tensor) -> list[Tensor]:
-        views, offset = [], 0
-        for p in self._params:
-            views.append(buffer[offset: offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        return views
-
-    def buffer(self) -> Tensor:
-        return self._buffer
-
-    def gradients(self) -> list[Tensor]:
-        return self._grads
-
-    def parameters(self) -> list[Tensor]:
-        return self._params
-
-    def index(self) -> int:
-        return self._index
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-    def set_buffer(self, buffer: Tensor) -> None:
-        # Like GradBucket.set_buffer: the bucket now refers to ``buffer``; gradients are views into it.
-        self._buffer = buffer
-        self._grads = self._views(buffer)
+        super().__init__(index, is_last, params, torch.empty(sum(p.numel() for p in params), dtype=dtype))
 
 
 def make_buckets(params: list[Tensor], caps: Sequence[int] = DEFAULT_BUCKET_CAPS,

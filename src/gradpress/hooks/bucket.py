@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["CastBucket", "bucket_gradient_views", "future_tensor"]
+__all__ = ["CastBucket", "DenseBucket", "bucket_gradient_views", "future_tensor"]
 
 
 def bucket_gradient_views(buffer: Tensor, gradients: list[Tensor]) -> list[Tensor]:
@@ -59,6 +60,46 @@ class CastBucket:
     def set_buffer(self, buffer: Tensor) -> None:
         self._buffer = buffer
         self._gradients = bucket_gradient_views(buffer, self._bucket.gradients())
+
+
+class DenseBucket:
+    """A ``GradBucket`` stand-in over a dense buffer: the gradients back to back, shaped ``shapes``
+    (default: the parameters' shapes).
+
+    Supports what hooks use: ``buffer()``, ``gradients()`` (views into the buffer), ``parameters()``,
+    ``index()``, ``is_last()``, ``set_buffer()`` (the gradients become views into the new buffer, as with
+    ``GradBucket.set_buffer``).
+    """
+
+    __slots__ = ("_index", "_is_last", "_parameters", "_shapes", "_buffer", "_gradients")
+
+    def __init__(self, index: int, is_last: bool, parameters: list[Tensor], buffer: Tensor,
+                 shapes: Sequence[torch.Size] | None = None) -> None:
+        self._index = index
+        self._is_last = is_last
+        self._parameters = parameters
+        self._shapes = [p.shape for p in parameters] if shapes is None else list(shapes)
+        self.set_buffer(buffer)
+
+    def buffer(self) -> Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[Tensor]:
+        return self._gradients
+
+    def parameters(self) -> list[Tensor]:
+        return self._parameters
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def set_buffer(self, buffer: Tensor) -> None:
+        self._buffer = buffer
+        pieces = buffer.split([shape.numel() for shape in self._shapes])
+        self._gradients = [piece.view(shape) for piece, shape in zip(pieces, self._shapes)]
 
 
 def future_tensor(value: Any) -> Tensor:

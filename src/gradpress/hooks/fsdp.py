@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .bucket import future_tensor
+from .bucket import DenseBucket, future_tensor
 from .powersgd import PowerSGDState
 
 __all__ = ["FSDPBucket", "register_fsdp_comm_hook"]
@@ -44,7 +44,7 @@ __all__ = ["FSDPBucket", "register_fsdp_comm_hook"]
 Hook = Callable[[Any, Any], torch.futures.Future]
 
 
-class FSDPBucket:
+class FSDPBucket(DenseBucket):
     """One ``fully_shard`` unit's reduced gradient shards, shaped like DDP's ``GradBucket``.
 
     ``buffer()`` holds the trainable parameters' local shards back to back, without FSDP's padding (a
@@ -56,35 +56,11 @@ class FSDPBucket:
     a backward pass.
     """
 
-    __slots__ = ("_index", "_is_last", "_parameters", "_shapes", "_buffer", "_gradients")
+    __slots__ = ()
 
     def __init__(self, index: int, is_last: bool, parameters: list[Tensor], shapes: list[torch.Size],
                  buffer: Tensor) -> None:
-        self._index = index
-        self._is_last = is_last
-        self._parameters = parameters
-        self._shapes = shapes
-        self.set_buffer(buffer)
-
-    def buffer(self) -> Tensor:
-        return self._buffer
-
-    def gradients(self) -> list[Tensor]:
-        return self._gradients
-
-    def parameters(self) -> list[Tensor]:
-        return self._parameters
-
-    def index(self) -> int:
-        return self._index
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-    def set_buffer(self, buffer: Tensor) -> None:
-        self._buffer = buffer
-        self._gradients = [chunk.view(shape) for chunk, shape in
-                           zip(buffer.split([shape.numel() for shape in self._shapes]), self._shapes)]
+        super().__init__(index, is_last, parameters, buffer, shapes)
 
 
 def register_fsdp_comm_hook(module: nn.Module, state: Any, hook: Hook) -> None:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .bucket import future_tensor
+from .bucket import DenseBucket, future_tensor
 
 __all__ = ["HierarchicalHook", "ShareBucket", "assign_shares", "hierarchical_wrapper"]
 
@@ -112,7 +112,7 @@ class _Layout:
                   out=buffer)
 
 
-class ShareBucket:
+class ShareBucket(DenseBucket):
     """A ``GradBucket`` stand-in holding one local rank's share of a bucket (see :class:`CastBucket`).
 
     ``buffer()``: a contiguous tensor with the share's gradients back to back; ``gradients()``: views of
@@ -120,33 +120,7 @@ class ShareBucket:
     index; ``is_last()``: whether this is the last share this rank hands to the hook in this backward pass.
     """
 
-    __slots__ = ("_index", "_is_last", "_parameters", "_buffer", "_gradients")
-
-    def __init__(self, index: int, is_last: bool, parameters: list[Tensor], buffer: Tensor) -> None:
-        self._index = index
-        self._is_last = is_last
-        self._parameters = parameters
-        self.set_buffer(buffer)
-
-    def buffer(self) -> Tensor:
-        return self._buffer
-
-    def gradients(self) -> list[Tensor]:
-        return self._gradients
-
-    def parameters(self) -> list[Tensor]:
-        return self._parameters
-
-    def index(self) -> int:
-        return self._index
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-    def set_buffer(self, buffer: Tensor) -> None:
-        self._buffer = buffer
-        pieces = buffer.split([p.numel() for p in self._parameters])
-        self._gradients = [piece.view(p.shape) for piece, p in zip(pieces, self._parameters)]
+    __slots__ = ()
 
 
 class _Entry:
