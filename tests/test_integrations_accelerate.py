@@ -1,0 +1,201 @@
+"""Accelerate: ``register_comm_hook`` on 2 CPU processes (MULTI_CPU, gloo) with a real ``Accelerator``.
+
+The Accelerators run inside the shared worker group (``tests/distributed.py``) with the environment a
+launcher sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...): Accelerate takes the existing process group
+and runs as MULTI_CPU, as under ``accelerate launch --cpu`` or ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+accelerate = pytest.importorskip("accelerate")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import gradpress  # noqa: E402
+from distributed import run  # noqa: E402
+from gradpress.integrations.accelerate import register_comm_hook, state_file  # noqa: E402
+
+MICRO_BATCHES = 8  # per rank and epoch: 64 samples, 2 ranks, batch 4
+ACCUMULATION = 2
+START_ITER = 2
+
+
+def _reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def launched(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a worker function with the environment a launcher sets (Accelerate then runs as MULTI_CPU over
+    the existing process group), fresh Accelerate singletons, and the shared worker's environment restored
+    after."""
+
+    @functools.wraps(fn)
+    def wrapper(rank: int, world: int, *args: Any) -> Any:
+        saved = dict(os.environ)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+        _reset_accelerate()
+        try:
+            return fn(rank, world, *args)
+        finally:
+            _reset_accelerate()
+            os.environ.clear()
+            os.environ.update(saved)
+
+    return wrapper
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _loader() -> DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=generator)
+    y = torch.tanh(x @ torch.randn(8, 4, generator=generator))
+    return DataLoader(TensorDataset(x, y), batch_size=4)
+
+
+@launched
+def train(rank: int, world: int, method: str, epochs: int, save_to: str | None = None,
+          load_from: str | None = None) -> dict[str, Any]:
+    """``epochs`` epochs with gradient accumulation; optionally ``load_state`` first / ``save_state`` after."""
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
+    assert accelerator.distributed_type == accelerate.DistributedType.MULTI_CPU
+    original = _model()
+    model, optimizer, loader = accelerator.prepare(original, torch.optim.SGD(original.parameters(), lr=0.05,
+                                                                               momentum=0.9), _loader())
+    state = None
+    if method == "powersgd":
+        state = gradpress.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=START_ITER)
+        with pytest.raises(TypeError, match="model must be the DistributedDataParallel model"):
+            register_comm_hook(accelerator, original, state, gradpress.powerSGD_hook)
+        register_comm_hook(accelerator, model, state, gradpress.powerSGD_hook)
+    if load_from is not None:
+        accelerator.load_state(load_from)
+    losses = []
+    for _ in range(epochs):
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                loss = nn.functional.mse_loss(model(x), y)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+    if save_to is not None:
+        accelerator.save_state(save_to)
+        accelerator.wait_for_everyone()
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "losses": losses,
+        "iter": getattr(state, "iter", None),
+        "stats": None if state is None else state.compression_stats(),
+        "error": None if state is None else state.state_dict()["memory"],
+    }
+
+
+@pytest.fixture(scope="module")
+def straight() -> dict[str, list[dict[str, Any]]]:
+    return {method: run(train, 2, method, 2, timeout=300) for method in ("allreduce", "powersgd")}
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_powersgd_runs_on_sync_steps_only_and_ranks_agree(straight):
+    ours, plain = straight["powersgd"], straight["allreduce"]
+    assert _same(ours[0]["params"], ours[1]["params"]), "ranks ended with different parameters"
+    assert not _same(ours[0]["params"], plain[0]["params"]), "same result as plain allreduce: the hook did not run"
+    sync_steps = 2 * MICRO_BATCHES // ACCUMULATION
+    assert ours[0]["iter"] == ours[1]["iter"] == sync_steps  # 16 backward passes, 8 of them synchronize
+    shapes = [p.shape for p in _model().parameters()]
+    plan = gradpress.make_plan(shapes, 1, 2)
+    _, before, after = ours[0]["stats"]
+    assert (before, after) == ((sync_steps - START_ITER) * plan.numel, (sync_steps - START_ITER) * plan.numel_sent)
+    losses = ours[0]["losses"]
+    assert sum(losses[-4:]) < 0.7 * sum(losses[:4])
+
+
+def test_save_state_and_load_state_resume_exactly_with_each_ranks_memory(straight, tmp_path):
+    checkpoint = str(tmp_path / "checkpoint")
+    first = run(train, 2, "powersgd", 1, checkpoint, timeout=300)
+    for rank in range(2):
+        saved = torch.load(state_file(checkpoint, rank), weights_only=True)
+        assert saved["rank"] == rank and saved["world_size"] == 2
+        key = next(iter(saved["comm_state"]["memory"]))
+        assert torch.equal(saved["comm_state"]["memory"][key]["error"], first[rank]["error"][key]["error"])
+    key = next(iter(first[0]["error"]))
+    assert not torch.equal(first[0]["error"][key]["error"], first[1]["error"][key]["error"])  # per-rank memory
+    resumed = run(train, 2, "powersgd", 1, None, checkpoint, timeout=300)
+    for rank in range(2):
+        assert _same(resumed[rank]["params"], straight["powersgd"][rank]["params"]), f"rank {rank} differs"
+        assert resumed[rank]["losses"] == straight["powersgd"][rank]["losses"][MICRO_BATCHES:]
+        assert resumed[rank]["iter"] == straight["powersgd"][rank]["iter"]
+        assert resumed[rank]["stats"] == straight["powersgd"][rank]["stats"]
+    os.remove(state_file(checkpoint, 1))  # a rank without its file: a clear error on that rank
+    errors = run(load_only, 2, checkpoint, timeout=300)
+    assert errors[0] == ""
+    assert errors[1].startswith("FileNotFoundError: ") and "gradpress_comm_state_0_rank1.pt is missing" in errors[1]
+
+
+@launched
+def load_only(rank: int, world: int, checkpoint: str) -> str:
+    """``load_state`` into a fresh PowerSGD run; the error it raises, as text ("" if none)."""
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = accelerator.prepare(_model())
+    register_comm_hook(accelerator, model, gradpress.PowerSGDState(None, start_powerSGD_iter=START_ITER),
+                       gradpress.powerSGD_hook)
+    try:
+        accelerator.load_state(checkpoint)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def test_bad_arguments_are_clear_errors():
+    _reset_accelerate()
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = accelerator.prepare(_model())
+    with pytest.raises(TypeError, match="accelerator must be an accelerate.Accelerator"):
+        register_comm_hook(object(), model, None, gradpress.allreduce_hook)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="hook must be a callable"):
+        register_comm_hook(accelerator, model, None, "allreduce")  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match="a single process"):
+        register_comm_hook(accelerator, model, None, gradpress.allreduce_hook)
+    _reset_accelerate()
+
+
+def test_the_state_file_name_is_per_rank_and_per_registration(tmp_path):
+    assert Path(state_file(tmp_path, 1, 2)).name == "gradpress_comm_state_2_rank1.pt"
+
+
+def test_the_example_runs_under_torchrun(tmp_path):
+    """``examples/accelerate_powersgd.py`` (the README's Accelerate snippet) on 2 processes started by torchrun."""
+    import subprocess
+    import sys
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "accelerate_powersgd.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(example), "--epochs", "2", "--save", str(tmp_path / "checkpoint")],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    assert "PowerSGD: 32 synchronizing steps" in proc.stdout and "ranks identical: True" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "checkpoint").glob("gradpress_*")) == [
+        "gradpress_comm_state_0_rank0.pt", "gradpress_comm_state_0_rank1.pt"]
