@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .averaging import broadcast_parameters
+from .checkpoint import check_placement, placement
 from .comm import Communicator, make_communicator
 from .pipeline import OrderedPipeline, Task
 from .powersgd.config import EngineConfig
@@ -341,6 +342,7 @@ class PowerSGD(Aggregator):
         """Step counter, configuration and per-parameter error memory and factors, as plain tensors."""
         return {
             "version": _STATE_DICT_VERSION,
+            "placement": placement(self.process_group),
             "config": asdict(self.config),
             "step_counter": self.step_counter,
             "total_numel": self.total_numel,
@@ -351,10 +353,12 @@ class PowerSGD(Aggregator):
             "memory": {key: m.to_dict() for key, m in self._store.export().items()},
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, allow_other_rank: bool = False) -> None:
         """Restore :meth:`state_dict`'s output (tensors may come from another device).
 
-        Raises ``ValueError`` if it was saved for other parameter shapes or another compression setting.
+        Raises ``ValueError`` if it was saved for other parameter shapes, another compression setting, or
+        on another rank or world size (checkpoints without this record are accepted;
+        ``allow_other_rank=True`` skips the rank/world-size check).
         """
         if state_dict.get("version") != _STATE_DICT_VERSION:
             raise ValueError(f"unsupported PowerSGD state_dict version {state_dict.get('version')!r}; "
@@ -364,10 +368,17 @@ class PowerSGD(Aggregator):
             if saved.get(name) != getattr(self.config, name):
                 raise ValueError(f"checkpoint was saved with {name}={saved.get(name)!r} but this PowerSGD has "
                                  f"{name}={getattr(self.config, name)!r}; use the same Config to resume")
-        shapes = [tuple(s) for s in state_dict["param_shapes"]]
-        if shapes != [tuple(p.shape) for p in self.params]:
-            raise ValueError("checkpoint was saved for parameters of other shapes: "
-                             f"{len(shapes)} saved, {len(self.params)} here")
+        shapes = [tuple(int(d) for d in s) for s in state_dict["param_shapes"]]
+        current = [tuple(p.shape) for p in self.params]
+        if len(shapes) != len(current):
+            raise ValueError(f"checkpoint was saved for {len(shapes)} parameters, this PowerSGD has "
+                             f"{len(current)}: the checkpoint belongs to a different model")
+        for i, (was, now) in enumerate(zip(shapes, current)):
+            if was != now:
+                raise ValueError(f"checkpoint parameter #{i} has shape {was}, this PowerSGD's has {now}: "
+                                 "the checkpoint belongs to a different model")
+        check_placement(state_dict.get("placement"), placement(self.process_group), "PowerSGD",
+                        allow_other_rank)
         self.step_counter = int(state_dict["step_counter"])
         self.total_numel = int(state_dict["total_numel"])
         self.total_floats_sent = int(state_dict["total_floats_sent"])

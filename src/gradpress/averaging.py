@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .checkpoint import check_placement, placement
+
 __all__ = ["HierarchicalModelAverager", "ModelAverager", "OuterOptimizerAverager", "PeriodicModelAverager",
            "PostLocalSGDOptimizer", "average_parameters", "broadcast_parameters"]
 
@@ -341,7 +343,13 @@ class OuterOptimizerAverager(PeriodicModelAverager):
                 state["powersgd"] = self._powersgd.state_dict()
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_other_rank: bool = False) -> None:
+        """Restore :meth:`state_dict`'s output. The compressed variant's error memory is per rank: a
+        checkpoint saved on another rank or world size raises ``ValueError`` here (unless
+        ``allow_other_rank=True``); older checkpoints without that record are accepted."""
+        if isinstance(state.get("powersgd"), Mapping):
+            check_placement(state["powersgd"].get("placement"), placement(self.process_group),
+                            "OuterOptimizerAverager", allow_other_rank)
         super().load_state_dict(state)
         if "anchor" not in state:
             self._anchor = None
@@ -354,7 +362,7 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         assert self._outer is not None
         self._outer.load_state_dict(state["outer"])
         if self._powersgd is not None and "powersgd" in state:
-            self._powersgd.load_state_dict(state["powersgd"])
+            self._powersgd.load_state_dict(state["powersgd"], allow_other_rank=True)  # checked on load
 
 
 class PostLocalSGDOptimizer(torch.optim.Optimizer):

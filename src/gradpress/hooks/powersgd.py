@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..checkpoint import check_placement, placement
 from ..comm import Communicator, make_communicator
 from ..pipeline import OrderedPipeline, Task
 from ..powersgd.config import EngineConfig
@@ -308,6 +309,7 @@ class PowerSGDState:
         memory = self._store.export()
         return {
             "version": _STATE_DICT_VERSION,
+            "placement": placement(self.process_group),
             "options": {
                 "matrix_approximation_rank": self.matrix_approximation_rank,
                 "min_compression_rate": self.min_compression_rate,
@@ -337,10 +339,12 @@ class PowerSGDState:
                        for index, (numel, seg, _) in self._padded.items()},
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, allow_other_rank: bool = False) -> None:
         """Restore what :meth:`state_dict` saved; tensors may come from another device.
 
-        Raises ``ValueError`` if the checkpoint was made with different compression options.
+        Raises ``ValueError`` if the checkpoint was made with different compression options, or on another
+        rank or world size (checkpoints without this record are accepted; ``allow_other_rank=True`` skips
+        the rank/world-size check).
         """
         if state_dict.get("version") != _STATE_DICT_VERSION:
             raise ValueError(f"unsupported PowerSGDState state_dict version {state_dict.get('version')!r}; "
@@ -349,8 +353,10 @@ class PowerSGDState:
         for name in _MEMORY_OPTIONS:
             if options.get(name) != getattr(self, name):
                 raise ValueError(
-                    f"checkpoint was saved with {name}={options[name]!r} but this PowerSGDState has "
+                    f"checkpoint was saved with {name}={options.get(name)!r} but this PowerSGDState has "
                     f"{name}={getattr(self, name)!r}; construct the state with the same value to resume")
+        check_placement(state_dict.get("placement"), placement(self.process_group), "PowerSGDState",
+                        allow_other_rank)
         if len(self._pipeline):
             raise RuntimeError("PowerSGDState.load_state_dict() was called while a backward pass is in flight")
         self.iter = int(state_dict["iter"])
@@ -377,7 +383,7 @@ class PowerSGDState:
     def __setstate__(self, state: dict[str, Any]) -> None:
         options = dict(state["options"])
         self.__init__(None, **options)  # type: ignore[misc]
-        self.load_state_dict(state)
+        self.load_state_dict(state, allow_other_rank=True)  # a copy, not a resume on a given rank
         if dist.is_available() and dist.is_initialized():
             logger.warning("PowerSGDState unpickled: process_group is the default group; set "
                            "state.process_group if another group is wanted.")
