@@ -7,10 +7,9 @@ and runs as MULTI_CPU, as under ``accelerate launch --cpu`` or ``torchrun``.
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -21,40 +20,13 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import gradpress  # noqa: E402
+from accelerate_launch import launched, reset_accelerate  # noqa: E402
 from distributed import run  # noqa: E402
 from gradpress.integrations.accelerate import register_comm_hook, state_file  # noqa: E402
 
 MICRO_BATCHES = 8  # per rank and epoch: 64 samples, 2 ranks, batch 4
 ACCUMULATION = 2
 START_ITER = 2
-
-
-def _reset_accelerate() -> None:
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-def launched(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a worker function with the environment a launcher sets (Accelerate then runs as MULTI_CPU over
-    the existing process group), fresh Accelerate singletons, and the shared worker's environment restored
-    after."""
-
-    @functools.wraps(fn)
-    def wrapper(rank: int, world: int, *args: Any) -> Any:
-        saved = dict(os.environ)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-        _reset_accelerate()
-        try:
-            return fn(rank, world, *args)
-        finally:
-            _reset_accelerate()
-            os.environ.clear()
-            os.environ.update(saved)
-
-    return wrapper
 
 
 def _model() -> nn.Module:
@@ -167,7 +139,7 @@ def load_only(rank: int, world: int, checkpoint: str) -> str:
 
 
 def test_bad_arguments_are_clear_errors():
-    _reset_accelerate()
+    reset_accelerate()
     accelerator = accelerate.Accelerator(cpu=True)
     model = accelerator.prepare(_model())
     with pytest.raises(TypeError, match="accelerator must be an accelerate.Accelerator"):
@@ -176,7 +148,7 @@ def test_bad_arguments_are_clear_errors():
         register_comm_hook(accelerator, model, None, "allreduce")  # type: ignore[arg-type]
     with pytest.warns(UserWarning, match="a single process"):
         register_comm_hook(accelerator, model, None, gradpress.allreduce_hook)
-    _reset_accelerate()
+    reset_accelerate()
 
 
 def test_the_state_file_name_is_per_rank_and_per_registration(tmp_path):

@@ -7,10 +7,9 @@ process group and wraps the model in DDP through Accelerate (MULTI_CPU).
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -20,6 +19,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import gradpress  # noqa: E402
+from accelerate_launch import launched  # noqa: E402
 from distributed import run  # noqa: E402
 from gradpress.integrations.transformers import GradpressCallback, register_comm_hook, state_file  # noqa: E402
 
@@ -43,34 +43,6 @@ def _dataset() -> list[dict[str, torch.Tensor]]:
     x = torch.randn(64, 8, generator=generator)
     y = torch.tanh(x @ torch.randn(8, 4, generator=generator))
     return [{"x": x[i], "labels": y[i]} for i in range(64)]
-
-
-def _reset_accelerate() -> None:
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-def launched(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a worker function with the environment a launcher sets (Accelerate then runs as MULTI_CPU over
-    the existing process group), fresh Accelerate singletons, and the shared worker's environment restored
-    after."""
-
-    @functools.wraps(fn)
-    def wrapper(rank: int, world: int, *args: Any) -> Any:
-        saved = dict(os.environ)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-        _reset_accelerate()
-        try:
-            return fn(rank, world, *args)
-        finally:
-            _reset_accelerate()
-            os.environ.clear()
-            os.environ.update(saved)
-
-    return wrapper
 
 
 @launched
