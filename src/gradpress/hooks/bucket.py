@@ -1,4 +1,4 @@
-"""Adapters between DDP's ``GradBucket`` and plain tensors."""
+"""Adapters between DDP's ``GradBucket`` and plain tensors, and the check every function that takes a hook makes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["CastBucket", "DenseBucket", "bucket_gradient_views", "future_tensor"]
+__all__ = ["CastBucket", "DenseBucket", "bucket_gradient_views", "check_hook", "future_tensor"]
+
+
+def check_hook(hook: Any, where: str | None = None, name: str = "hook") -> Any:
+    """``hook`` itself if it is callable; else ``TypeError`` saying which argument (``name``) of which
+    function (``where``) must be a hook, and what was given.
+
+    >>> check_hook(len) is len
+    True
+    """
+    if not callable(hook):
+        prefix = f"{where}: " if where else ""
+        raise TypeError(f"{prefix}{name} must be a callable hook(state, bucket) -> Future, such as "
+                        f"gradpress.powerSGD_hook, got {type(hook).__name__}: {hook!r}")
+    return hook
 
 
 def bucket_gradient_views(buffer: Tensor, gradients: list[Tensor]) -> list[Tensor]:

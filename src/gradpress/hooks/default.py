@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .bucket import CastBucket, future_tensor
+from .bucket import CastBucket, check_hook, future_tensor
 
 __all__ = ["allreduce_hook", "allreduce_mean_future", "bf16_compress_hook", "bf16_compress_wrapper",
            "fp16_compress_hook", "fp16_compress_wrapper"]
@@ -64,8 +64,7 @@ bf16_compress_hook.__name__ = "gradpress_bf16_compress_hook"
 
 
 def _cast_wrapper(hook: Hook, dtype: torch.dtype) -> Hook:
-    if not callable(hook):
-        raise TypeError(f"hook must be a callable hook(state, bucket) -> Future, got {hook!r}")
+    check_hook(hook)
 
     def cast_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
         buffer = bucket.buffer()

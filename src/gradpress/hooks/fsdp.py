@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .bucket import DenseBucket, future_tensor
+from .bucket import DenseBucket, check_hook, future_tensor
 from .powersgd import PowerSGDState
 
 __all__ = ["FSDPBucket", "register_fsdp_comm_hook"]
@@ -102,9 +102,7 @@ def register_fsdp_comm_hook(module: nn.Module, state: Any, hook: Hook) -> None:
         gradpress.register_fsdp_comm_hook(model, state, gradpress.powerSGD_hook)
         loss.backward()        # each unit: reduce-scatter over mesh["shard"], PowerSGD over mesh["replicate"]
     """
-    if not callable(hook):
-        raise TypeError(f"hook must be a callable hook(state, bucket) -> Future such as gradpress.powerSGD_hook, "
-                        f"got {hook!r}")
+    check_hook(hook, "register_fsdp_comm_hook")
     group = _replicate_group(state)
     units = _units(module)
     replicas = dist.get_world_size(group)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .bucket import DenseBucket, future_tensor
+from .bucket import DenseBucket, check_hook, future_tensor
 
 __all__ = ["HierarchicalHook", "ShareBucket", "assign_shares", "hierarchical_wrapper"]
 
@@ -180,9 +180,7 @@ class HierarchicalHook:
     """
 
     def __init__(self, hook: Hook, intra_group: dist.ProcessGroup | None) -> None:
-        if not callable(hook):
-            raise TypeError(f"hierarchical_wrapper: hook must be a callable hook(state, bucket) -> Future, "
-                            f"got {hook!r}")
+        check_hook(hook, "hierarchical_wrapper")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("hierarchical_wrapper needs torch.distributed to be initialized "
                                "(call torch.distributed.init_process_group first)")

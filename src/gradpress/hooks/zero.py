@@ -49,6 +49,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from . import _zero_internals as internals
+from .bucket import check_hook
 
 __all__ = ["ZeroStepHook", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
@@ -109,8 +110,7 @@ class ZeroStepHook:
     def __init__(self, hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer,
                  shard_buckets: bool, interleaved: bool) -> None:
         name = "hook_with_zero_step_interleaved" if interleaved else "hook_with_zero_step"
-        if not callable(hook):
-            raise TypeError(f"{name}: hook must be a callable hook(state, bucket) -> Future, got {type(hook).__name__}")
+        check_hook(hook, name)
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"{name}: ddp must be a torch.nn.parallel.DistributedDataParallel model, "
                             f"got {type(ddp).__name__}")

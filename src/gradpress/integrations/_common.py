@@ -14,6 +14,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import placement
+from ..hooks.bucket import check_hook as _check_hook
+
 #: Version of the layout written by the adapters (inside each framework's checkpoint).
 FORMAT_VERSION = 1
 
@@ -22,10 +25,7 @@ def check_hook(hook: Any, name: str = "hook", *, allow_none: bool = False) -> Ca
     """``hook`` itself if it is callable (or ``None`` when allowed); ``TypeError`` naming ``name`` otherwise."""
     if hook is None and allow_none:
         return None
-    if not callable(hook):
-        raise TypeError(f"{name} must be a callable hook(state, bucket) -> torch.futures.Future, such as "
-                        f"gradpress.powerSGD_hook, got {type(hook).__name__}: {hook!r}")
-    return hook
+    return _check_hook(hook, name=name)
 
 
 def is_stateful(obj: Any) -> bool:
@@ -59,9 +59,8 @@ def build_averager(averager: Any, name: str = "model_averager") -> Any:
 
 def rank_and_world() -> tuple[int, int]:
     """``(rank, world size)`` of the default group; ``(0, 1)`` when ``torch.distributed`` is not running."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    where = placement()
+    return where["rank"], where["world_size"]
 
 
 def to_cpu(obj: Any) -> Any:
