@@ -160,26 +160,20 @@ def make_method(spec: str, model: nn.Module) -> tuple[DDP, Any, Any]:
     return ddp, state, averager
 
 
-#: This rank's node (``intra``) and the ranks with its local index on every node (``inter``), built once
-#: by :func:`make_node_groups` when ``--ranks-per-node`` is above 1.
+#: This rank's node (``intra``), the ranks with its local index on every node (``inter``) and the
+#: ``(replicate, shard)`` mesh they come from, built once by :func:`make_node_groups` when
+#: ``--ranks-per-node`` is above 1.
 _GROUPS: dict[str, Any] = {"intra": None, "inter": None, "mesh": None}
 
 
 def make_node_groups(ranks_per_node: int) -> None:
-    """Every rank creates every group, in the same order (as torch.distributed requires)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    for node in range(world // ranks_per_node):
-        group = dist.new_group(list(range(node * ranks_per_node, (node + 1) * ranks_per_node)))
-        if rank // ranks_per_node == node:
-            _GROUPS["intra"] = group
-    for local in range(ranks_per_node):
-        group = dist.new_group(list(range(local, world, ranks_per_node)))
-        if rank % ranks_per_node == local:
-            _GROUPS["inter"] = group
+    """Nodes of consecutive ranks: the mesh's ``shard`` dimension is the node, ``replicate`` the ranks
+    with the same local index (every rank builds every group, as torch.distributed requires)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    _GROUPS["mesh"] = init_device_mesh("cpu", (world // ranks_per_node, ranks_per_node),
-                                       mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // ranks_per_node, ranks_per_node),
+                            mesh_dim_names=("replicate", "shard"))
+    _GROUPS.update(mesh=mesh, intra=mesh["shard"].get_group(), inter=mesh["replicate"].get_group())
 
 
 # Time inside hook calls (autograd thread) and, within it, blocked on gradpress's collectives.
