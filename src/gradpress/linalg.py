@@ -14,20 +14,20 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def as_matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
-    """The ``(n, m)`` matrix view PowerSGD uses for a tensor: ``(shape[0], numel // shape[0])``.
+    """The ``(n, m)`` matrix view PowerSGD uses for a tensor: ``(shape[0], prod(shape[1:]))``.
 
-    A 0-d tensor is ``(1, 1)``; a 1-d tensor of length ``n`` is ``(n, 1)``.
+    A 0-d tensor is ``(1, 1)``; a 1-d tensor of length ``n`` is ``(n, 1)``; an empty ``(0, 5)`` is
+    ``(0, 5)`` (``numel // shape[0]`` would be undefined).
 
     >>> as_matrix_shape((64, 3, 3, 3))
     (64, 27)
     """
     if len(shape) == 0:
         return (1, 1)
-    n = int(shape[0])
-    numel = 1
-    for size in shape:
-        numel *= int(size)
-    return (n, numel // n if n else 0)
+    m = 1
+    for size in shape[1:]:
+        m *= int(size)
+    return (int(shape[0]), m)
 
 
 def orthogonalize_(matrices: Tensor, epsilon: float = 0.0) -> Tensor:

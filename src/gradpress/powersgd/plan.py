@@ -6,7 +6,8 @@ A plan is pure arithmetic over tensor shapes; the DDP hooks, the standalone aggr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -140,14 +141,16 @@ def make_plan(shapes: Sequence[torch.Size | tuple[int, ...]], rank: int,
     >>> [g.members for g in plan.groups], plan.uncompressed, plan.numel_sent
     ([(0, 2)], (1,), 448)
     """
-    if rank < 1:
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1:
         raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
-    if min_compression_rate < 0:
-        raise ValueError(f"min_compression_rate must be >= 0, got {min_compression_rate!r}")
+    if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, numbers.Real) \
+            or not min_compression_rate >= 0:
+        raise ValueError(f"min_compression_rate must be a number >= 0, got {min_compression_rate!r}")
+    rank = int(rank)
     tensors: list[TensorPlan] = []
     offset = 0
-    for index, shape in enumerate(shapes):
-        shape = tuple(int(s) for s in shape)
+    for index, shape in enumerate(_iterable(shapes, "shapes", "tensor shapes")):
+        shape = _checked_shape(index, shape)
         numel = 1
         for size in shape:
             numel *= size
@@ -171,3 +174,21 @@ def make_plan(shapes: Sequence[torch.Size | tuple[int, ...]], rank: int,
     uncompressed = tuple(t.index for t in tensors if not t.compressed)
     return Plan(tuple(tensors), tuple(groups), uncompressed, work, p, q,
                 sum(tensors[i].numel for i in uncompressed))
+
+
+def _iterable(value: object, name: str, what: str) -> Iterable[object]:
+    """``value`` if it is an iterable other than a string, else a ``TypeError`` naming ``name``."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be a sequence of {what}, got {value!r}")
+    return value
+
+
+def _checked_shape(index: int, shape: object) -> tuple[int, ...]:
+    """``shapes[index]`` as a tuple of ints; ``TypeError``/``ValueError`` naming it if it is not a shape."""
+    dims = tuple(_iterable(shape, f"shapes[{index}]", "ints (a torch.Size or a tuple)"))
+    for size in dims:
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            raise TypeError(f"shapes[{index}] must be a sequence of ints (a torch.Size or a tuple), got {shape!r}")
+        if size < 0:
+            raise ValueError(f"shapes[{index}] must have sizes >= 0, got {shape!r}")
+    return tuple(int(size) for size in dims)
