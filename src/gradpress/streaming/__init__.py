@@ -1,0 +1,19 @@
+"""Streaming DiLoCo: outer steps one fragment of the model at a time, overlapped with inner steps, with
+int8/int4/top-k compressed outer gradients and error feedback (:class:`StreamingDiLoCoAverager`)::
+
+    from gradpress import PostLocalSGDOptimizer, StreamingDiLoCoAverager, QuantizeInt8
+    averager = StreamingDiLoCoAverager(sync_every=64, num_fragments=4, fragment_sync_delay=4,
+                                       fragment_update_alpha=0.5, compression=QuantizeInt8())
+    optimizer = PostLocalSGDOptimizer(torch.optim.AdamW(model.parameters()), averager)
+    for x, y in loader:   # every 16 steps a quarter of the model: sent, then applied 4 steps later
+        optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step()
+
+Modules: ``fragments`` (split and schedule), ``compress`` (the payload codecs), ``averager`` (the rest).
+"""
+
+from .averager import StreamingDiLoCoAverager
+from .compress import Compressor, QuantizeInt4, QuantizeInt8, TopK
+from .fragments import fragment_offsets, split_by_size
+
+__all__ = ["Compressor", "QuantizeInt4", "QuantizeInt8", "StreamingDiLoCoAverager", "TopK", "fragment_offsets",
+           "split_by_size"]

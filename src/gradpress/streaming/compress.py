@@ -1,0 +1,272 @@
+"""Outer-gradient compressors of :class:`~gradpress.streaming.StreamingDiLoCoAverager`.
+
+A compressor turns a flat float vector into a ``uint8`` payload (``encode``) and any stack of payloads
+back into vectors (``decode``); the averager all-gathers the payloads, decodes every rank's, sums in the
+working dtype (fp32, or fp64 for fp64 parameters) and divides by the world size. The error feedback
+(what a rank's own payload failed to carry, added to its next outer gradient) lives in the averager.
+
+Payload layouts and exact sizes (``n`` values, chunks of ``C``, ``nc = ceil(n / C)``; scales fp32):
+
+* ``QuantizeInt8``: ``n`` int8 codes | ``nc`` scales: ``n + 4·nc`` bytes;
+* ``QuantizeInt4``: ``n`` 4-bit codes, two per byte | ``nc`` scales: ``ceil(n/2) + 4·nc`` bytes;
+* ``TopK``: ``nc·k`` 2-bit codes, four per byte | ``nc`` scales | ``nc·k`` indices within the chunk:
+  ``ceil(nc·k/4) + 4·nc + b·nc·k`` bytes, ``b = 2`` (int16) for ``C <= 32768``, else ``4`` (int32).
+
+Integer quantization is symmetric per chunk: ``scale = max|x| / L`` (``L = 127`` or ``7``), code
+``q = round(x / scale)`` in ``[-L, L]``, value ``q · scale``. Nearest rounding errs by at most
+``scale / 2`` per value, stochastic rounding (``floor(x / scale + u)``, ``u ~ U[0, 1)``, unbiased) by less
+than ``scale``. Top-k keeps the ``k`` largest magnitudes of each chunk (SparseLoCo) and sends each as a
+2-bit code on the grid ``{-s, -s/3, s/3, s}`` with ``s`` the chunk's largest magnitude: error at most
+``s / 3`` (nearest) or ``2s / 3`` (stochastic) per kept value; the others are left to error feedback.
+
+A non-finite input value makes its chunk's scale non-finite, so every rank decodes a non-finite value
+there and the averager skips that fragment's outer step (rather than sending garbage codes).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+__all__ = ["Compressor", "QuantizeInt4", "QuantizeInt8", "TopK"]
+
+_ROUNDINGS = ("nearest", "stochastic")
+
+
+def _check_int(owner: str, name: str, value: object, minimum: int, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum \
+            or (maximum is not None and value > maximum):
+        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{owner}: {name} must be an integer {bound}, got {value!r}")
+
+
+def _check_rounding(owner: str, rounding: object) -> None:
+    if rounding not in _ROUNDINGS:
+        raise ValueError(f"{owner}: rounding must be one of {_ROUNDINGS}, got {rounding!r}")
+
+
+def _chunks(x: Tensor, chunk_size: int) -> Tensor:
+    """``x`` (flat) zero-padded to whole chunks, as ``(num_chunks, chunk_size)``."""
+    pad = -x.numel() % chunk_size
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad)])
+    return x.view(-1, chunk_size)
+
+
+def _round(ratio: Tensor, rounding: str, generator: torch.Generator | None) -> Tensor:
+    if rounding == "nearest":
+        return torch.round(ratio)
+    if generator is None:
+        raise ValueError("stochastic rounding needs a generator")
+    # Drawn on the CPU (the same numbers on every device), then moved.
+    noise = torch.rand(ratio.shape, generator=generator, dtype=ratio.dtype).to(ratio.device)
+    return torch.floor(ratio + noise)
+
+
+def _view(raw: Tensor, dtype: torch.dtype) -> Tensor:
+    """``raw`` (uint8, last dim) reinterpreted as ``dtype``; copied first so that the view is aligned."""
+    return raw.clone(memory_format=torch.contiguous_format).view(dtype)
+
+
+def _bytes_of(t: Tensor) -> Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+class Compressor(ABC):
+    """What the averager needs of a compressor. Implementations are frozen dataclasses."""
+
+    chunk_size: int
+    rounding: str
+    seed: int
+
+    @abstractmethod
+    def payload_bytes(self, numel: int) -> int:
+        """Exact size in bytes of the payload that encodes ``numel`` values."""
+
+    @abstractmethod
+    def encode(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """The ``uint8`` payload (``payload_bytes(x.numel())`` bytes, on ``x``'s device) for the flat
+        float tensor ``x``. ``generator`` (a CPU generator) is required for stochastic rounding."""
+
+    @abstractmethod
+    def decode(self, payloads: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+        """``(W, numel)`` values in ``dtype`` from ``(W, payload_bytes(numel))`` payloads."""
+
+
+@dataclass(frozen=True)
+class _Quantize(Compressor):
+    chunk_size: int = 1024
+    rounding: str = "nearest"
+    seed: int = 0
+    bits: ClassVar[int] = 8
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_int(owner, "chunk_size", self.chunk_size, 1)
+        _check_rounding(owner, self.rounding)
+        _check_int(owner, "seed", self.seed, 0)
+
+    @property
+    def levels(self) -> int:
+        """Largest code magnitude: 127 (int8) or 7 (int4)."""
+        return 2 ** (self.bits - 1) - 1
+
+    def _value_bytes(self, numel: int) -> int:
+        return numel if self.bits == 8 else (numel + 1) // 2
+
+    def payload_bytes(self, numel: int) -> int:
+        return self._value_bytes(numel) + 4 * (-(-numel // self.chunk_size))
+
+    def quantize(self, x: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """``(codes, scales)``: int8 codes in ``[-levels, levels]`` (``x.numel()`` of them) and one fp32
+        scale per chunk; ``x ≈ codes · scale`` chunk by chunk."""
+        n = x.numel()
+        chunks = _chunks(x.reshape(-1), self.chunk_size)
+        scales = (chunks.abs().amax(dim=1) / self.levels).to(torch.float32)
+        scale = scales.to(x.dtype).unsqueeze(1)
+        ratio = torch.where(scale > 0, chunks / scale, torch.zeros_like(chunks))
+        # A non-finite scale already makes the chunk decode non-finite; keep the cast well defined.
+        ratio = torch.nan_to_num(ratio, nan=0.0, posinf=0.0, neginf=0.0)
+        codes = _round(ratio, self.rounding, generator).clamp_(-self.levels, self.levels)
+        return codes.to(torch.int8).view(-1)[:n], scales
+
+    def encode(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        codes, scales = self.quantize(x, generator)
+        if self.bits == 8:
+            values = codes.view(torch.uint8)
+        else:  # 4 bits: code + 8 in [1, 15], two per byte (low nibble first)
+            nibbles = (codes + 8).to(torch.uint8)
+            if nibbles.numel() % 2:
+                nibbles = torch.cat([nibbles, nibbles.new_zeros(1)])
+            pairs = nibbles.view(-1, 2)
+            values = pairs[:, 0] | (pairs[:, 1] << 4)
+        return torch.cat([values, _bytes_of(scales)])
+
+    def decode(self, payloads: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+        world = payloads.shape[0]
+        value_bytes = self._value_bytes(numel)
+        num_chunks = -(-numel // self.chunk_size)
+        values = payloads[:, :value_bytes]
+        scales = _view(payloads[:, value_bytes: value_bytes + 4 * num_chunks], torch.float32)
+        if self.bits == 8:
+            codes = _view(values, torch.int8).to(dtype)
+        else:
+            codes = torch.stack([values & 0xF, values >> 4], dim=2).view(world, -1)[:, :numel]
+            codes = codes.to(dtype) - 8
+        pad = num_chunks * self.chunk_size - numel
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(world, pad)], dim=1)
+        out = codes.view(world, num_chunks, self.chunk_size) * scales.to(dtype).unsqueeze(2)
+        return out.view(world, -1)[:, :numel]
+
+
+@dataclass(frozen=True)
+class QuantizeInt8(_Quantize):
+    """Symmetric int8 quantization with one fp32 scale per ``chunk_size`` values: ``n + 4·ceil(n/C)``
+    bytes. ``rounding``: ``"nearest"`` or ``"stochastic"`` (seeded by ``seed``, the rank, the fragment
+    and the sync count, so that it resumes exactly).
+
+    >>> QuantizeInt8(chunk_size=256).payload_bytes(1000)
+    1016
+    """
+
+    bits: ClassVar[int] = 8
+
+
+@dataclass(frozen=True)
+class QuantizeInt4(_Quantize):
+    """Symmetric 4-bit quantization (codes ``-7..7``, two per byte) with one fp32 scale per
+    ``chunk_size`` values: ``ceil(n/2) + 4·ceil(n/C)`` bytes.
+
+    >>> QuantizeInt4(chunk_size=256).payload_bytes(1001)
+    517
+    """
+
+    bits: ClassVar[int] = 4
+
+
+@dataclass(frozen=True)
+class TopK(Compressor):
+    """Chunked top-k sparsification with 2-bit values (SparseLoCo, Sarfi et al. 2025, arXiv:2508.15706):
+    in every chunk of ``chunk_size`` values, the ``k`` largest magnitudes are sent as (index within the
+    chunk, 2-bit code on ``{-s, -s/3, s/3, s}``), ``s`` the chunk's largest magnitude, sent in fp32.
+
+    ``k``: values kept per chunk; when ``None``, ``max(1, round(density · chunk_size))``. The error
+    feedback (in the averager) is SparseLoCo's without decay (β = 1), and the outer momentum is kept. Every chunk
+    sends exactly ``k`` (the last chunk is zero-padded to ``chunk_size``, so it may send padding
+    positions, which decode to nothing). Bytes: ``ceil(nc·k/4) + 4·nc + b·nc·k`` with
+    ``nc = ceil(n/C)`` and ``b = 2`` (int16 indices) for ``chunk_size <= 32768``, else ``4``.
+
+    >>> TopK(k=8, chunk_size=512).payload_bytes(1024)
+    44
+    """
+
+    k: int | None = None
+    density: float = 0.01
+    chunk_size: int = 4096
+    rounding: str = "nearest"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("TopK", "chunk_size", self.chunk_size, 1, 2 ** 31 - 1)
+        if self.k is not None:
+            _check_int("TopK", "k", self.k, 1, self.chunk_size)
+        elif isinstance(self.density, bool) or not isinstance(self.density, (int, float)) \
+                or not 0 < self.density <= 1:
+            raise ValueError(f"TopK: density must be a number in (0, 1], got {self.density!r}")
+        _check_rounding("TopK", self.rounding)
+        _check_int("TopK", "seed", self.seed, 0)
+
+    @property
+    def k_per_chunk(self) -> int:
+        if self.k is not None:
+            return self.k
+        return min(self.chunk_size, max(1, round(self.density * self.chunk_size)))
+
+    @property
+    def index_dtype(self) -> torch.dtype:
+        return torch.int16 if self.chunk_size <= 2 ** 15 else torch.int32
+
+    def _sizes(self, numel: int) -> tuple[int, int, int]:
+        num_chunks = -(-numel // self.chunk_size)
+        kept = num_chunks * self.k_per_chunk
+        return num_chunks, kept, (kept + 3) // 4
+
+    def payload_bytes(self, numel: int) -> int:
+        num_chunks, kept, code_bytes = self._sizes(numel)
+        index_bytes = 2 if self.index_dtype == torch.int16 else 4
+        return code_bytes + 4 * num_chunks + index_bytes * kept
+
+    def encode(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        chunks = _chunks(x.reshape(-1), self.chunk_size)
+        index = chunks.abs().topk(self.k_per_chunk, dim=1).indices
+        kept = chunks.gather(1, index)
+        # The chunk's largest magnitude (the first kept value, or NaN/inf when the chunk has one).
+        scales = chunks.abs().amax(dim=1).to(torch.float32)
+        step = (scales.to(x.dtype) * (2.0 / 3.0)).unsqueeze(1)  # grid {-1.5, -0.5, 0.5, 1.5} · step
+        ratio = torch.where(step > 0, kept / step, torch.zeros_like(kept)) + 1.5
+        ratio = torch.nan_to_num(ratio, nan=0.0, posinf=0.0, neginf=0.0)
+        codes = _round(ratio, self.rounding, generator).clamp_(0, 3).to(torch.uint8).view(-1)
+        if codes.numel() % 4:
+            codes = torch.cat([codes, codes.new_zeros(4 - codes.numel() % 4)])
+        quads = codes.view(-1, 4)
+        packed = quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
+        return torch.cat([packed, _bytes_of(scales), _bytes_of(index.to(self.index_dtype))])
+
+    def decode(self, payloads: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+        world = payloads.shape[0]
+        num_chunks, kept, code_bytes = self._sizes(numel)
+        k = self.k_per_chunk
+        packed = payloads[:, :code_bytes]
+        codes = torch.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], dim=2).view(world, -1)[:, :kept]
+        scales = _view(payloads[:, code_bytes: code_bytes + 4 * num_chunks], torch.float32)
+        index = _view(payloads[:, code_bytes + 4 * num_chunks:], self.index_dtype)
+        step = (scales.to(dtype) * (2.0 / 3.0)).unsqueeze(2)
+        values = (codes.to(dtype).view(world, num_chunks, k) - 1.5) * step
+        out = torch.zeros(world, num_chunks, self.chunk_size, dtype=dtype, device=payloads.device)
+        out.scatter_(2, index.view(world, num_chunks, k).long(), values)
+        return out.view(world, -1)[:, :numel]

@@ -1,0 +1,49 @@
+"""Which fragment each averaged tensor belongs to, and when each fragment synchronizes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["fragment_offsets", "split_by_size"]
+
+
+def split_by_size(sizes: Sequence[int], num_fragments: int) -> list[int]:
+    """Fragment index of each tensor: ``num_fragments`` runs of consecutive tensors (parameter order),
+    none empty, whose total ``sizes`` are as even as whole tensors allow.
+
+    The cut before fragment ``k`` is placed at the tensor boundary nearest to ``k · total / F``, so every
+    fragment holds at most ``total / F`` plus the largest tensor.
+
+    >>> split_by_size([4, 4, 4, 4], 2)
+    [0, 0, 1, 1]
+    >>> split_by_size([10, 1, 1, 1, 1], 2)
+    [0, 1, 1, 1, 1]
+    """
+    count = len(sizes)
+    if not 1 <= num_fragments <= count:
+        raise ValueError(f"num_fragments must be in [1, {count}] (the number of averaged tensors), "
+                         f"got {num_fragments}")
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + int(size))
+    total = prefix[-1]
+    cuts = [0]
+    for k in range(1, num_fragments):
+        target = total * k / num_fragments
+        low, high = cuts[-1] + 1, count - (num_fragments - k)  # leave a tensor for every later fragment
+        cuts.append(min(range(low, high + 1), key=lambda j: (abs(prefix[j] - target), j)))
+    cuts.append(count)
+    out: list[int] = []
+    for fragment, (start, stop) in enumerate(zip(cuts, cuts[1:])):
+        out += [fragment] * (stop - start)
+    return out
+
+
+def fragment_offsets(sync_every: int, num_fragments: int) -> list[int]:
+    """Step offset (after warm-up, modulo ``sync_every``) at which each fragment synchronizes:
+    ``f · sync_every // num_fragments``, as in the issue and torchft's spacing.
+
+    >>> fragment_offsets(6, 3)
+    [0, 2, 4]
+    """
+    return [f * sync_every // num_fragments for f in range(num_fragments)]
