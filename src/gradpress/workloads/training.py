@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -27,6 +29,8 @@ from ..averaging import (ModelAverager, OuterOptimizerAverager, PeriodicModelAve
 from ..hooks import (PostLocalSGDState, PowerSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook,
                      post_localSGD_hook, powerSGD_hook)
 from ..powersgd import Plan, make_plan
+from ..streaming import QuantizeInt4, QuantizeInt8, StreamingDiLoCoAverager, TopK, split_by_size
+from . import checkpoints
 from .tasks import get_task
 
 __all__ = ["DemoConfig", "METHOD_KINDS", "Method", "ProgressFn", "bytes_schedule", "default_start_iter",
@@ -43,11 +47,22 @@ METHOD_KINDS: dict[str, str] = {
                 "every H steps (localsgd:H, default 8)",
     "diloco": "like localsgd, but every H steps the averaged change goes through an outer Nesterov "
               "optimizer (DiLoCo; outer lr 0.7, momentum 0.5)",
+    "streaming": "streaming DiLoCo: diloco with the model in 4 fragments synchronised in turn (one every H/4 "
+                 "steps, a quarter of the bytes each time), each sync overlapped with the next inner step",
+    "diloco-int8": "diloco with the outer gradient quantized to int8 (per-chunk scales, error feedback)",
+    "diloco-int4": "diloco with the outer gradient quantized to int4 (per-chunk scales, error feedback)",
+    "sparseloco": "diloco with a sparse outer gradient: top 1% of each chunk, 2-bit values, error feedback "
+                  "(SparseLoCo)",
 }
 _RANKED = ("powersgd", "multi")
-_PERIODIC = ("localsgd", "diloco")
+_PERIODIC = ("localsgd", "diloco", "streaming", "diloco-int8", "diloco-int4", "sparseloco")
+#: Fragments, overlap (inner steps) and local share of ``streaming``: (F, tau, alpha), F and tau capped by H.
+STREAMING_FRAGMENTS, STREAMING_DELAY, STREAMING_ALPHA = 4, 1, 0.5
 #: Averaging period of ``localsgd`` and ``diloco`` when none is given.
 DEFAULT_PERIOD = 8
+
+#: How an injected failure (``DemoConfig.fail_at_step``) fails.
+FAIL_KINDS = ("raise", "sigkill", "hang")
 
 #: ``on_progress(label, step, steps, loss)``: called on rank 0 at every logged step.
 ProgressFn = Callable[[str, int, int, float], None]
@@ -129,7 +144,10 @@ class DemoConfig:
     ``warm_up_beta``: ``PowerSGDState(warm_up_beta_factor=...)`` for the PowerSGD methods.
     ``outer_lr``, ``outer_momentum``: ``diloco``'s outer Nesterov SGD (momentum 0.5, not DiLoCo's 0.9,
     which is tuned for periods of hundreds of AdamW steps and diverges on this short-period demo).
-    ``fail_at_step``/``fail_rank``: make that rank raise at that step (to exercise failure handling).
+    ``fail_at_step``/``fail_rank``/``fail_kind``: make that rank fail at that step, to exercise failure
+    handling: ``"raise"`` an exception, ``"sigkill"`` itself (a lost worker), or ``"hang"`` (sleep inside
+    the step until killed: a stuck worker); only in a run that did not resume from a checkpoint, so a
+    restarted run gets past it. Checkpoints ignore these three fields.
     """
 
     task: str = "digits"
@@ -146,6 +164,11 @@ class DemoConfig:
     outer_momentum: float = 0.5
     fail_at_step: int | None = None
     fail_rank: int = 1
+    fail_kind: str = "raise"
+
+    def __post_init__(self) -> None:
+        if self.fail_kind not in FAIL_KINDS:
+            raise ValueError(f"fail_kind must be one of {', '.join(FAIL_KINDS)}, got {self.fail_kind!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form (JSON-serialisable, picklable)."""
@@ -180,6 +203,8 @@ def bytes_schedule(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
     on the others.
     """
     out = []
+    if method.kind in _STREAMED:
+        return _streamed_schedule(method, plan, config)
     for step in range(config.steps):
         if method.period is not None:
             averaging = step < config.start_iter or (step - config.start_iter) % method.period == 0
@@ -193,6 +218,54 @@ def bytes_schedule(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
         else:
             out.append(4 * plan.numel_sent_per_step(1, step - config.start_iter))
     return out
+
+
+_STREAMED = ("streaming", "diloco-int8", "diloco-int4", "sparseloco")
+
+
+def _streaming_averager(method: Method, config: DemoConfig, num_tensors: int) -> StreamingDiLoCoAverager:
+    """The :class:`StreamingDiLoCoAverager` of a ``streaming``/``diloco-int8``/``diloco-int4``/``sparseloco``
+    method (the latter three: one fragment, no overlap, compressed outer gradient)."""
+    period = method.period or 1
+    if method.kind == "streaming":
+        return StreamingDiLoCoAverager(
+            period, warmup_steps=config.start_iter, num_fragments=min(STREAMING_FRAGMENTS, period, num_tensors),
+            fragment_sync_delay=min(STREAMING_DELAY, period - 1), fragment_update_alpha=STREAMING_ALPHA,
+            outer_lr=config.outer_lr, outer_momentum=config.outer_momentum)
+    compression = {"diloco-int8": QuantizeInt8(), "diloco-int4": QuantizeInt4(), "sparseloco": TopK()}[method.kind]
+    return StreamingDiLoCoAverager(period, warmup_steps=config.start_iter, outer_lr=config.outer_lr,
+                                   outer_momentum=config.outer_momentum, compression=compression)
+
+
+def _streamed_schedule(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
+    """:func:`bytes_schedule` of the :data:`_STREAMED` methods: fp32 gradients until ``start_iter``, then
+    at each fragment's sync step its payload (a fragment's first sync: plain fp32 averaging)."""
+    averager, numel, steady = _streamed_payloads(method, plan, config)
+    out, synced = [], set()
+    for step in range(config.steps):
+        fragment = averager.fragment_sent_at(step)  # the averager's step numbering is the 0-based step
+        if step < config.start_iter:
+            out.append(4 * plan.numel)
+        elif fragment is None:
+            out.append(0)
+        elif fragment not in synced:
+            synced.add(fragment)
+            out.append(4 * numel[fragment])
+        else:
+            out.append(steady[fragment])
+    return out
+
+
+def _streamed_payloads(method: Method, plan: Plan, config: DemoConfig
+                       ) -> tuple[StreamingDiLoCoAverager, list[int], list[int]]:
+    """``(averager, numel of each fragment, bytes of each fragment's outer sync after its first)``."""
+    averager = _streaming_averager(method, config, len(plan.tensors))
+    sizes = [t.numel for t in plan.tensors]
+    layout = split_by_size(sizes, averager.num_fragments)
+    numel = [sum(n for n, f in zip(sizes, layout) if f == k) for k in range(averager.num_fragments)]
+    compression = averager.compression
+    steady = [4 * n if compression is None else compression.payload_bytes(n) for n in numel]
+    return averager, numel, steady
 
 
 def _hook(method: Method, config: DemoConfig) -> tuple[Any, Any]:
@@ -212,6 +285,33 @@ def _hook(method: Method, config: DemoConfig) -> tuple[Any, Any]:
     return state, powerSGD_hook
 
 
+def _fail(kind: str, rank: int, step: int) -> None:
+    """The failure ``DemoConfig.fail_kind`` injects on ``rank`` at ``step``."""
+    if kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        while True:  # stuck inside the step: the others block in their next collective
+            time.sleep(3600)
+    raise RuntimeError(f"injected failure on rank {rank} at step {step} (DemoConfig.fail_at_step)")
+
+
+def _resumable(config: DemoConfig) -> dict[str, Any]:
+    """What a checkpoint must agree on to be resumed: the whole configuration but the injected failure."""
+    return {k: v for k, v in config.to_dict().items() if not k.startswith("fail_")}
+
+
+def _check_identity(saved: dict[str, Any], identity: dict[str, Any], path: str) -> None:
+    for key, value in identity.items():
+        if saved.get(key) != value:
+            if isinstance(value, dict) and isinstance(saved.get(key), dict):
+                diffs = [f"{k}={saved[key].get(k)!r} (now {v!r})" for k, v in value.items() if saved[key].get(k) != v]
+                detail = ", ".join(diffs)
+            else:
+                detail = f"{saved.get(key)!r} (now {value!r})"
+            raise ValueError(f"checkpoint {path!r} belongs to another run: it was saved with {key} {detail}; "
+                             "use another --checkpoint-dir or the same settings")
+
+
 def _evaluate(task: Any, model: nn.Module, x: Tensor, y: Tensor, device: torch.device) -> tuple[float, float]:
     """(mean test loss, metric) over the whole test set, summed across workers."""
     model.eval()
@@ -227,7 +327,8 @@ def _evaluate(task: Any, model: nn.Module, x: Tensor, y: Tensor, device: torch.d
 
 
 def train(rank: int, world_size: int, method: Method, config: DemoConfig,
-          on_progress: ProgressFn | None = None, device: torch.device | str = "cpu") -> dict[str, Any]:
+          on_progress: ProgressFn | None = None, device: torch.device | str = "cpu", *,
+          checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int | None = None) -> dict[str, Any]:
     """Train ``config.task``'s model with DDP and ``method``; return metrics, curves and a checksum.
 
     Needs an initialised default process group. Worker ``rank`` trains on its shard of the training
@@ -236,9 +337,20 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     evaluations, slowest worker; each point of ``curve`` has this worker's training time so far
     (``time_s``, evaluations excluded: time-to-accuracy). Bytes are the payload one worker sends (:func:`bytes_schedule`);
     for PowerSGD they are cross-checked against ``PowerSGDState.bytes_stats()``.
+
+    ``checkpoint_dir``: every ``checkpoint_every`` steps and at the end, each rank saves atomically the
+    model, the optimizer (with the averager), the hook's state, its data position, the RNG and the
+    progress so far to ``checkpoint_dir/<method>/`` (:mod:`gradpress.workloads.checkpoints`); a run that
+    finds checkpoints there resumes from the newest step every rank completed and ends with the same
+    parameters as a run that never stopped. A checkpoint of another configuration raises ``ValueError``.
     """
     if method.kind not in METHOD_KINDS:
         raise ValueError(f"unknown method {method.kind!r}; valid methods: {', '.join(METHOD_KINDS)}")
+    if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
+                                         or checkpoint_every < 1):
+        raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
+    if checkpoint_every is not None and checkpoint_dir is None:
+        raise ValueError("checkpoint_every was given without checkpoint_dir")
     device = torch.device(device)
     task = get_task(config.task)
     data = task.load(config.seed)
@@ -259,6 +371,8 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     elif method.kind == "diloco":
         averager = OuterOptimizerAverager(method.period or 1, warmup_steps=config.start_iter,
                                           outer_lr=config.outer_lr, outer_momentum=config.outer_momentum)
+    elif method.kind in _STREAMED:
+        averager = _streaming_averager(method, config, len(plan.tensors))
     if averager is not None:
         optimizer = PostLocalSGDOptimizer(optimizer, averager)
     payload = bytes_schedule(method, plan, config)
@@ -270,19 +384,43 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     order = torch.randperm(len(y_local), generator=order_gen)
     cursor, running, running_n, sent = 0, 0.0, 0, 0
     curve: list[dict[str, Any]] = []
-    test_loss, metric = _evaluate(task, model, x_test, y_test, device)
-    curve.append({"step": 0, "train_loss": None, "test_loss": test_loss, "metric": metric, "bytes": 0, "time_s": 0.0})
     train_time = 0.0
+    first_step = 1
+    run_dir = None if checkpoint_dir is None else checkpoints.run_directory(checkpoint_dir, method.spec)
+    identity = {"method": method.spec, "world_size": world_size, "config": _resumable(config)}
+    resume_step = None if run_dir is None else checkpoints.newest_common_step(run_dir, rank, world_size)
+    if resume_step is not None:
+        assert run_dir is not None
+        saved = checkpoints.load(run_dir, resume_step, rank)
+        _check_identity(saved, identity, checkpoints.checkpoint_path(run_dir, resume_step, rank))
+        with torch.no_grad():  # after DDP's broadcast: local SGD's ranks hold different models
+            model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        if state is not None:
+            state.load_state_dict(saved["hook"])
+        order, cursor = saved["data"]["order"], saved["data"]["cursor"]
+        order_gen.set_state(saved["data"]["generator"])
+        torch.set_rng_state(saved["rng"]["torch"])
+        if device.type == "cuda" and saved["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(saved["rng"]["cuda"], device)
+        progress = saved["progress"]
+        running, running_n, sent = progress["running"], progress["running_n"], progress["sent"]
+        curve, train_time = progress["curve"], progress["train_time"]
+        first_step = resume_step + 1
+    else:
+        test_loss, metric = _evaluate(task, model, x_test, y_test, device)
+        curve.append({"step": 0, "train_loss": None, "test_loss": test_loss, "metric": metric, "bytes": 0,
+                      "time_s": 0.0})
     dist.barrier()
-    for step in range(1, config.steps + 1):
+    for step in range(first_step, config.steps + 1):
         start = time.perf_counter()
         if cursor + batch_size > len(order):
             order = torch.randperm(len(y_local), generator=order_gen)
             cursor = 0
         index = order[cursor: cursor + batch_size]
         cursor += batch_size
-        if config.fail_at_step == step and rank == config.fail_rank:
-            raise RuntimeError(f"injected failure on rank {rank} at step {step} (DemoConfig.fail_at_step)")
+        if config.fail_at_step == step and rank == config.fail_rank and resume_step is None:
+            _fail(config.fail_kind, rank, step)
         optimizer.zero_grad(set_to_none=True)
         loss = task.loss(ddp, x_local[index].to(device), y_local[index].to(device))
         loss.backward()
@@ -298,11 +436,25 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
             if on_progress is not None and rank == 0:
                 on_progress(method.label, step, config.steps, running / running_n)
             running, running_n = 0.0, 0
+        if run_dir is not None and (step == config.steps or step % (checkpoint_every or config.steps) == 0):
+            checkpoints.save(run_dir, step, rank, {
+                **identity, "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "hook": None if state is None else state.state_dict(),
+                "data": {"order": order, "cursor": cursor, "generator": order_gen.get_state()},
+                "rng": {"torch": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
+                "progress": {"running": running, "running_n": running_n, "sent": sent, "curve": curve,
+                             "train_time": train_time},
+            })
+            dist.barrier()  # every rank holds this step: the older files are no longer needed
+            checkpoints.prune(run_dir, rank, keep_from=step)
 
     syncs = config.steps
     if averager is not None:
         syncs = min(config.steps, config.start_iter) + averager.num_averages
-        if payload[-1] == 0:  # end on the average of the workers' models, the model one would keep
+        # End on the average of the workers' models, the model one would keep (streaming's fragments are
+        # never all in step at once).
+        if payload[-1] == 0 or method.kind == "streaming":
             start = time.perf_counter()
             sent += average_tensors_(tensors_to_average(model.parameters()))
             train_time += time.perf_counter() - start  # part of making the model: counted as training
@@ -316,7 +468,8 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     tail = schedule[config.start_iter:]
     steady: float = sum(tail) / len(tail) if method.kind == "multi" and tail else schedule[-1]
     if method.period is not None and world_size > 1:
-        steady = 4 * plan.numel / method.period
+        steady = (sum(_streamed_payloads(method, plan, config)[2]) if method.kind in _STREAMED
+                  else 4 * plan.numel) / method.period
     allreduce_step = 4 * plan.numel if world_size > 1 else 0
     result: dict[str, Any] = {
         "method": method.spec,
