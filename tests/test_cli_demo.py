@@ -7,8 +7,10 @@ import io
 import json
 import math
 import multiprocessing as mp
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,6 +104,38 @@ def test_demo_end_to_end_writes_three_files_consistent_with_the_plan(tmp_path: P
         assert times[0] == 0.0 and times == sorted(times) and 0 < times[-1] <= entry["wall_time_s"] + 1e-9
         ring = 2 * (2 - 1) / 2
         assert entry["modelled_time_s"] == pytest.approx(entry["wall_time_s"] + ring * entry["bytes_total"] / 12.5e6)
+
+
+def test_demo_streaming_and_compressed_diloco_methods_send_what_the_formulas_say(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 18's demo methods: bytes from the payload formulas (written out here), counted by the averager."""
+    out = tmp_path / "out"
+    code = main(["demo", "--workers", "2", "--steps", "20", "--start-iter", "4", "--methods",
+                 "streaming:4,diloco-int8:4,diloco-int4:4,sparseloco:4", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    methods = json.loads((out / "demo.json").read_text())["methods"]
+    shapes = [tuple(p.shape) for p in get_task("digits").model(0).parameters()]
+    numel = sum(math.prod(s) for s in shapes)
+    warm_up = 4 * 4 * numel
+    chunks = lambda size: -(-numel // size)  # noqa: E731
+    int8 = numel + 4 * chunks(1024)
+    int4 = (numel + 1) // 2 + 4 * chunks(1024)
+    k = round(0.01 * 4096)
+    topk = -(-chunks(4096) * k // 4) + 4 * chunks(4096) + 2 * chunks(4096) * k  # 2-bit codes, scales, int16 indices
+    # One fragment, H=4 after 4 synchronous steps: syncs at steps 5, 9, 13, 17; the first is a plain
+    # average (it sets the anchor), and the run ends on a final plain average (step 20 is no sync step).
+    for spec, payload in [("diloco-int8:4", int8), ("diloco-int4:4", int4), ("sparseloco:4", topk)]:
+        entry = methods[spec]
+        assert entry["bytes_per_step"] == pytest.approx(payload / 4), spec
+        assert entry["bytes_total"] == warm_up + 4 * numel + 3 * payload + 4 * numel, spec
+        assert entry["counted"] == {"averages": 4, "bytes_averaged": 4 * numel + 3 * payload, "ok": True}, spec
+        assert entry["ranks_agree"]
+    # Streaming: 4 fragments, one sent at every step after warm-up, each parameter once per 4 steps.
+    streaming = methods["streaming:4"]
+    assert streaming["bytes_per_step"] == numel  # 4 numel bytes per period of 4 steps
+    assert streaming["bytes_total"] == warm_up + 4 * 4 * numel + 4 * numel
+    assert streaming["counted"]["ok"] and streaming["ranks_agree"]
 
 
 def _check_figure(report: dict) -> None:
@@ -325,3 +359,45 @@ def test_version_does_not_import_torch() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [f"gradpress {gradpress.__version__}", "no torch"]
+
+
+def _no_process_left(pids: list[int]) -> bool:
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        return False
+    return True
+
+
+@pytest.mark.parametrize("kind, spec, issuer, words", [
+    ("sigkill", "fp16", "fp16_compress_hook, bucket 0", "worker rank 1 was killed by SIGKILL"),
+    ("hang", "allreduce", "allreduce_hook, bucket 0", "worker rank 1 was still running and reported no error: it "
+                                                      "is probably stuck"),
+])
+def test_a_dead_or_stuck_worker_is_named_and_the_others_say_which_collective_and_hook_failed(
+        kind: str, spec: str, issuer: str, words: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 19, item 4: rank 1 is killed (SIGKILL) or sleeps inside step 6; rank 0's collective fails
+    (the reset connection, or the 5 s collective timeout), its error names the collective and the hook,
+    the report names rank 1, and no worker process is left."""
+    started: list[int] = []
+    real_start = demo.mp.get_context("spawn").Process.start
+
+    def start(self: object) -> None:
+        real_start(self)
+        started.append(self.pid)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(demo.mp.get_context("spawn").Process, "start", start)
+    begin = time.monotonic()
+    with pytest.raises(WorkerFailure) as failure:
+        run_workers(DemoConfig(steps=40, start_iter=4, fail_at_step=6, fail_rank=1, fail_kind=kind), 2, timeout=120,
+                    methods=parse_methods(spec, []), collective_timeout=5)
+    report = str(failure.value)
+    assert words in report
+    assert f"worker rank 0 also failed during {spec}" in report
+    assert "CollectiveError: allreduce (sum) of 71,754" in report and f"in {issuer}" in report
+    if kind == "hang":
+        assert "did not take part within the process group's timeout" in report
+        assert time.monotonic() - begin < 60  # the collective timeout, not the run's
+    assert len(started) == 2 and _demo_children() == [] and _no_process_left(started)

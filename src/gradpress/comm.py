@@ -12,7 +12,31 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Communicator", "Handle", "LocalCommunicator", "ProcessGroupCommunicator", "make_communicator"]
+__all__ = ["CollectiveError", "Communicator", "Handle", "LocalCommunicator", "ProcessGroupCommunicator",
+           "collective_error", "make_communicator"]
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed (a peer died, hung past the process group's timeout, or the link broke); the
+    message says which collective, issued by which gradpress component, and the backend's own error.
+    A ``RuntimeError``, as the backend's errors are; the original is its ``__cause__``."""
+
+
+def collective_error(what: str, error: BaseException) -> CollectiveError:
+    """``error`` from a collective, described: ``"<what> failed: <error>"`` (``what`` names the
+    collective, its size and the component that issued it), with a hint when a peer timed out."""
+    text = str(error).strip()
+    hint = ""
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        hint = (" (a peer did not take part within the process group's timeout: it died, is stuck, or is "
+                "far behind)")
+    return CollectiveError(f"{what} failed{hint}: {type(error).__name__}: {text}")
+
+
+def describe_collective(op: str, buffer: Tensor, world_size: int, issuer: str) -> str:
+    """``"allreduce (sum) of 1,234 float32 values over 2 ranks in powerSGD_hook"``."""
+    dtype = str(buffer.dtype).replace("torch.", "")
+    return f"{op} of {buffer.numel():,} {dtype} values over {world_size} ranks in {issuer}"
 
 
 class Handle(Protocol):
@@ -59,15 +83,21 @@ class LocalCommunicator:
 
 
 class _Pending:
-    __slots__ = ("work", "buffer", "staging")
+    __slots__ = ("work", "buffer", "staging", "owner", "op")
 
-    def __init__(self, work: dist.Work, buffer: Tensor, staging: Tensor | None) -> None:
+    def __init__(self, work: dist.Work, buffer: Tensor, staging: Tensor | None,
+                 owner: ProcessGroupCommunicator, op: dist.ReduceOp) -> None:
         self.work = work
         self.buffer = buffer
         self.staging = staging
+        self.owner = owner  # described only if it fails: no string building on the hot path
+        self.op = op
 
     def wait(self) -> Tensor:
-        self.work.wait()
+        try:
+            self.work.wait()
+        except RuntimeError as error:
+            raise collective_error(self.owner._describe(self.op, self.buffer), error) from error
         if self.staging is not None:
             self.buffer.copy_(self.staging)
             self.staging = None
@@ -79,12 +109,14 @@ class ProcessGroupCommunicator:
 
     ``comm_device``: where buffers travel. ``None`` keeps them where they are; e.g. ``"cpu"`` moves
     CUDA buffers to the CPU for a gloo group and copies the result back when the collective is waited on.
+    ``issuer``: who sends (e.g. ``"powerSGD_hook"``), named with the collective when one fails
+    (:class:`CollectiveError`).
     """
 
-    __slots__ = ("process_group", "comm_device", "_world_size")
+    __slots__ = ("process_group", "comm_device", "issuer", "_world_size")
 
     def __init__(self, process_group: dist.ProcessGroup | None = None,
-                 comm_device: torch.device | str | None = None) -> None:
+                 comm_device: torch.device | str | None = None, issuer: str = "gradpress") -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ProcessGroupCommunicator needs torch.distributed to be initialized "
@@ -92,6 +124,7 @@ class ProcessGroupCommunicator:
             )
         self.process_group = process_group
         self.comm_device = None if comm_device is None else torch.device(comm_device)
+        self.issuer = issuer
         self._world_size = dist.get_world_size(process_group)
 
     @property
@@ -108,17 +141,24 @@ class ProcessGroupCommunicator:
         staging = None
         if self.comm_device is not None and buffer.device != self.comm_device:
             staging = buffer.to(self.comm_device)
-        work = dist.all_reduce(buffer if staging is None else staging,
-                               op=op, group=self.process_group, async_op=True)
+        try:
+            work = dist.all_reduce(buffer if staging is None else staging,
+                                   op=op, group=self.process_group, async_op=True)
+        except RuntimeError as error:
+            raise collective_error(self._describe(op, buffer), error) from error
         assert work is not None
-        return _Pending(work, buffer, staging)
+        return _Pending(work, buffer, staging, self, op)
+
+    def _describe(self, op: dist.ReduceOp, buffer: Tensor) -> str:
+        name = f"allreduce ({'sum' if op == dist.ReduceOp.SUM else 'max'})"
+        return describe_collective(name, buffer, self._world_size, self.issuer)
 
 
 def make_communicator(process_group: dist.ProcessGroup | None = None,
-                      comm_device: torch.device | str | None = None) -> Communicator:
+                      comm_device: torch.device | str | None = None, issuer: str = "gradpress") -> Communicator:
     """A :class:`ProcessGroupCommunicator` when ``torch.distributed`` is initialized, else local."""
     if dist.is_available() and dist.is_initialized():
-        return ProcessGroupCommunicator(process_group, comm_device)
+        return ProcessGroupCommunicator(process_group, comm_device, issuer)
     if process_group is not None:
         raise RuntimeError("a process_group was given but torch.distributed is not initialized")
     return LocalCommunicator()

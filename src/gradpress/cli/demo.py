@@ -41,6 +41,8 @@ __all__ = ["Interrupted", "WorkerFailure", "format_report", "free_port", "parse_
 
 _DEFAULTS = DemoConfig()
 DEFAULT_TIMEOUT = 600.0
+#: Seconds a worker's collective waits for its peers before raising (a dead or stuck peer).
+DEFAULT_COLLECTIVE_TIMEOUT = 60.0
 DEFAULT_METHODS = "allreduce,fp16,powersgd,multi,localsgd,diloco"
 DEFAULT_RANKS = (1, 2)
 
@@ -134,6 +136,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         help="PowerSGDState(warm_up_beta_factor=BETA) for the PowerSGD methods (in (0, 1])")
     parser.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                         help="give up (and stop the workers) after this long (default: %(default)s)")
+    parser.add_argument("--collective-timeout", type=positive_float, default=DEFAULT_COLLECTIVE_TIMEOUT,
+                        metavar="SECONDS", help="a worker's collective waits this long for a dead or stuck peer, "
+                        "then fails naming the collective (default: %(default)s; at most --timeout)")
     parser.set_defaults(func=run)
     return parser
 
@@ -184,6 +189,11 @@ def _worker(rank: int, world_size: int, port: int, config: dict[str, Any], metho
     except BaseException:  # noqa: BLE001 - everything goes to the parent, which decides
         messages.put(("error", rank, label, traceback.format_exc()))
         sys.exit(1)
+
+
+def _stuck_line(rank: int) -> str:
+    return (f"worker rank {rank} was still running and reported no error: it is probably stuck (the others' "
+            "collectives timed out waiting for it)")
 
 
 def _stop(procs: Sequence[Any]) -> None:
@@ -245,14 +255,16 @@ def _failure_report(errors: dict[int, tuple[str | None, str]], first: int | None
     """
     lines: list[str] = []
     silent = [r for r, code in enumerate(exit_codes) if code not in (None, 0) and r not in errors]
+    stuck = [r for r, code in enumerate(exit_codes) if code is None and r not in errors] if errors else []
+    lines += [_stuck_line(r) for r in stuck]
     for rank in silent:
         lines.append(f"worker rank {rank} {_describe_exit(exit_codes[rank])} without a traceback "
                      "(any output it printed is above)")
-    if first is not None and not silent:
+    if first is not None and not silent and not stuck:
         method, tb = errors[first]
         lines.append(f"worker rank {first} failed{f' during {method}' if method else ''}:")
         lines.append(tb.rstrip())
-    consequences = sorted(r for r in errors if silent or r != first)
+    consequences = sorted(r for r in errors if silent or stuck or r != first)
     for rank in consequences:
         method = errors[rank][0]
         lines.append(f"worker rank {rank} also failed{f' during {method}' if method else ''}, probably as a "
@@ -280,19 +292,21 @@ def _raise_on_sigterm() -> Any:
 
 
 def run_workers(config: DemoConfig, workers: int, *, timeout: float = DEFAULT_TIMEOUT,
-                methods: Sequence[Method],
-                on_progress: ProgressFn | None = None) -> dict[str, list[dict[str, Any]]]:
+                methods: Sequence[Method], on_progress: ProgressFn | None = None,
+                collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT) -> dict[str, list[dict[str, Any]]]:
     """Run every method on ``workers`` spawned processes; ``{method.spec: [result of rank 0, 1, ...]}``.
 
     Raises :class:`WorkerFailure` (after stopping every worker) if a worker raises, dies or the run
     takes longer than ``timeout`` seconds, and :class:`Interrupted` (with the finished methods' results)
-    on Ctrl-C. No worker process outlives this call.
+    on Ctrl-C. No worker process outlives this call. A collective waits ``collective_timeout`` seconds
+    (at most ``timeout``) for a dead or stuck peer; the report then names the worker that was stuck.
     """
     ctx = mp.get_context("spawn")
     messages = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, name=f"gradpress-demo-rank{rank}",
-                         args=(rank, workers, port, config.to_dict(), tuple(methods), messages, timeout),
+                         args=(rank, workers, port, config.to_dict(), tuple(methods), messages,
+                               min(timeout, collective_timeout)),
                          daemon=True) for rank in range(workers)]
     results: dict[str, dict[int, dict[str, Any]]] = {method.spec: {} for method in methods}
     errors: dict[int, tuple[str | None, str]] = {}
@@ -703,7 +717,8 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     interrupted = False
     try:
-        results = run_workers(config, args.workers, timeout=args.timeout, methods=methods, on_progress=Progress())
+        results = run_workers(config, args.workers, timeout=args.timeout, methods=methods, on_progress=Progress(),
+                              collective_timeout=args.collective_timeout)
     except WorkerFailure as exc:
         return _fail(str(exc), code=1)
     except Interrupted as exc:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..comm import collective_error, describe_collective
 from .bucket import CastBucket, check_hook, future_tensor
 
 __all__ = ["allreduce_hook", "allreduce_mean_future", "bf16_compress_hook", "bf16_compress_wrapper",
@@ -22,40 +23,52 @@ Hook = Callable[[Any, Any], torch.futures.Future]
 
 def allreduce_mean_future(buffer: Tensor, process_group: dist.ProcessGroup | None = None,
                           wire_dtype: torch.dtype | None = None,
-                          comm_device: torch.device | str | None = None) -> torch.futures.Future:
+                          comm_device: torch.device | str | None = None,
+                          issuer: str = "allreduce_mean_future") -> torch.futures.Future:
     """Start averaging ``buffer`` over the group; the future's value is ``buffer`` holding the mean.
 
     The buffer is divided by the world size *before* the sum (no fp16 overflow), optionally cast to
     ``wire_dtype`` and moved to ``comm_device`` for the trip. The completion callback only copies.
+    If the collective fails, the future's error is a :class:`gradpress.comm.CollectiveError` naming
+    it and ``issuer`` (e.g. ``"allreduce_hook, bucket 3"``).
     """
     world_size = dist.get_world_size(process_group)
     device = buffer.device if comm_device is None else torch.device(comm_device)
     wire = buffer.to(device=device, dtype=wire_dtype or buffer.dtype, copy=False)
     wire.div_(world_size)
-    fut = dist.all_reduce(wire, group=process_group, async_op=True).get_future()  # type: ignore[union-attr]
-    if wire is buffer:
-        return fut.then(lambda f: future_tensor(f.value()))
+    try:
+        fut = dist.all_reduce(wire, group=process_group, async_op=True).get_future()  # type: ignore[union-attr]
+    except RuntimeError as error:
+        raise collective_error(describe_collective("allreduce (sum)", wire, world_size, issuer), error) from error
 
-    def copy_back(f: torch.futures.Future) -> Tensor:
-        buffer.copy_(future_tensor(f.value()))
+    def done(f: torch.futures.Future) -> Tensor:
+        try:
+            result = future_tensor(f.value())
+        except RuntimeError as error:  # described here, where the bucket and the hook are known
+            raise collective_error(describe_collective("allreduce (sum)", wire, world_size, issuer), error) from error
+        if wire is buffer:
+            return result
+        buffer.copy_(result)
         return buffer
 
-    return fut.then(copy_back)
+    return fut.then(done)
 
 
 def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """Average the bucket over ``process_group`` (``None``: the default group). Same as DDP without a hook."""
-    return allreduce_mean_future(bucket.buffer(), process_group)
+    return allreduce_mean_future(bucket.buffer(), process_group, issuer=f"allreduce_hook, bucket {bucket.index()}")
 
 
 def fp16_compress_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """Average the bucket with half the bytes: cast to fp16, divide by the world size, sum, cast back."""
-    return allreduce_mean_future(bucket.buffer(), process_group, wire_dtype=torch.float16)
+    return allreduce_mean_future(bucket.buffer(), process_group, wire_dtype=torch.float16,
+                                 issuer=f"fp16_compress_hook, bucket {bucket.index()}")
 
 
 def bf16_compress_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """Like :func:`fp16_compress_hook` with bfloat16 (fp32's range, 8 bits of mantissa)."""
-    return allreduce_mean_future(bucket.buffer(), process_group, wire_dtype=torch.bfloat16)
+    return allreduce_mean_future(bucket.buffer(), process_group, wire_dtype=torch.bfloat16,
+                                 issuer=f"bf16_compress_hook, bucket {bucket.index()}")
 
 
 # DDP refuses to register a hook whose __name__ is "bf16_compress_hook" unless CUDA and NCCL are present

@@ -109,13 +109,15 @@ def post_localSGD_hook(state: PostLocalSGDState, bucket: dist.GradBucket) -> tor
     buffer = bucket.buffer()
     if state.iter < state.start_localSGD_iter:
         state.maybe_increase_iter(bucket)
-        return allreduce_mean_future(buffer, state.process_group)
+        return allreduce_mean_future(buffer, state.process_group,
+                                     issuer=f"post_localSGD_hook, bucket {bucket.index()}")
     state.maybe_increase_iter(bucket)
     if not state.post_local_gradient_allreduce:
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(buffer)
         return fut
-    return allreduce_mean_future(buffer, state._local_group())
+    return allreduce_mean_future(buffer, state._local_group(),
+                                 issuer=f"post_localSGD_hook (within the node), bucket {bucket.index()}")
 
 
 post_localsgd_hook = post_localSGD_hook
