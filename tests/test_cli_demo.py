@@ -20,6 +20,7 @@ from gradpress.cli import demo
 from gradpress.cli.demo import WorkerFailure, run_workers
 from gradpress.cli.main import main
 from gradpress.workloads import DemoConfig, default_start_iter, get_task, parse_methods
+from gradpress.workloads.training import SPARSELOCO
 
 
 def _demo_children() -> list:
@@ -121,7 +122,7 @@ def test_demo_streaming_and_compressed_diloco_methods_send_what_the_formulas_say
     chunks = lambda size: -(-numel // size)  # noqa: E731
     int8 = numel + 4 * chunks(1024)
     int4 = (numel + 1) // 2 + 4 * chunks(1024)
-    k = round(0.01 * 4096)
+    k = round(SPARSELOCO["density"] * 4096)
     topk = -(-chunks(4096) * k // 4) + 4 * chunks(4096) + 2 * chunks(4096) * k  # 2-bit codes, scales, int16 indices
     # One fragment, H=4 after 4 synchronous steps: syncs at steps 5, 9, 13, 17; the first is a plain
     # average (it sets the anchor), and the run ends on a final plain average (step 20 is no sync step).

@@ -223,7 +223,8 @@ def compressed_mass(rank, world, compression, delay):
                 new_anchor = _flat(members).clone()
                 applied = anchors[f] - new_anchor
                 residual = averager.state_dict()["fragments"][f]["residual"]
-                own = delta + residuals[f] - residual  # what this rank's payload carried
+                decay = getattr(compression, "error_decay", 1.0)  # e = δ + β·residual
+                own = delta + decay * residuals[f] - residual  # what this rank's payload carried
                 worst_mean_gap = max(worst_mean_gap, float((torch.stack(_gather(own)).mean(0) - applied).abs().max()))
                 lossy |= not torch.allclose(applied, torch.stack(_gather(delta)).mean(0))
                 agree &= all(torch.equal(new_anchor, a) for a in _gather(new_anchor))
@@ -249,6 +250,17 @@ def test_error_feedback_conserves_mass_and_bytes_are_exact(compression, delay):
         assert mean_gap < 1e-12   # Δ == mean over ranks of what each rank's payload carried
         assert mass_gap < 1e-12   # Σ Δ + mean residual == mean Σ δ (fp64)
         assert lossy and residual > 0 and agree and payload_ok
+
+
+def test_sparseloco_error_decay_feeds_back_beta_times_the_residual():
+    """TopK(error_decay=β): each payload carries δ + β·residual (the first check), so with β < 1 part of
+    the mass is dropped on purpose (SparseLoCo's decayed accumulator), and the books no longer balance."""
+    for mean_gap, mass_gap, lossy, agree, payload_ok, residual in run(
+            compressed_mass, WORLD, TopK(k=3, chunk_size=16, error_decay=0.5), 1):
+        assert mean_gap < 1e-12 and agree and payload_ok and lossy
+        assert mass_gap > 1e-6
+    with pytest.raises(ValueError, match="error_decay must be a number in"):
+        TopK(error_decay=0.0)
 
 
 # -- overlap -------------------------------------------------------------------------------------

@@ -350,8 +350,8 @@ class StreamingDiLoCoAverager(ModelAverager):
                 dtype, device = self._work_dtype(fr), fr.anchor[0].device
                 outer_grad = torch.cat([(a.to(dtype) - t.to(dtype)).reshape(-1).to(device)
                                         for a, t in zip(fr.anchor, members)])
-                if fr.residual is not None:
-                    outer_grad.add_(fr.residual)
+                if fr.residual is not None:  # e = δ + β·residual (β = 1 but for SparseLoCo's TopK(error_decay=))
+                    outer_grad.add_(fr.residual, alpha=getattr(self.compression, "error_decay", 1.0))
                 generator = None
                 if self.compression.rounding == "stochastic":
                     generator = torch.Generator().manual_seed(

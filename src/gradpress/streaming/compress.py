@@ -195,8 +195,10 @@ class TopK(Compressor):
     in every chunk of ``chunk_size`` values, the ``k`` largest magnitudes are sent as (index within the
     chunk, 2-bit code on ``{-s, -s/3, s/3, s}``), ``s`` the chunk's largest magnitude, sent in fp32.
 
-    ``k``: values kept per chunk; when ``None``, ``max(1, round(density · chunk_size))``. The error
-    feedback (in the averager) is SparseLoCo's without decay (β = 1), and the outer momentum is kept. Every chunk
+    ``k``: values kept per chunk; when ``None``, ``max(1, round(density · chunk_size))``.
+    ``error_decay``: SparseLoCo's β, the error feedback ``e ← β·e + δ`` (in the averager); ``1`` (the
+    default) keeps every bit of mass, below 1 the accumulator acts as SparseLoCo's local stand-in for
+    the outer momentum (use it with ``outer_momentum=0``). Every chunk
     sends exactly ``k`` (the last chunk is zero-padded to ``chunk_size``, so it may send padding
     positions, which decode to nothing). Bytes: ``ceil(nc·k/4) + 4·nc + b·nc·k`` with
     ``nc = ceil(n/C)`` and ``b = 2`` (int16 indices) for ``chunk_size <= 32768``, else ``4``.
@@ -210,9 +212,13 @@ class TopK(Compressor):
     chunk_size: int = 4096
     rounding: str = "nearest"
     seed: int = 0
+    error_decay: float = 1.0
 
     def __post_init__(self) -> None:
         _check_int("TopK", "chunk_size", self.chunk_size, 1, 2 ** 31 - 1)
+        if isinstance(self.error_decay, bool) or not isinstance(self.error_decay, (int, float)) \
+                or not 0 < self.error_decay <= 1:
+            raise ValueError(f"TopK: error_decay must be a number in (0, 1], got {self.error_decay!r}")
         if self.k is not None:
             _check_int("TopK", "k", self.k, 1, self.chunk_size)
         elif isinstance(self.density, bool) or not isinstance(self.density, (int, float)) \
