@@ -39,7 +39,8 @@ def orthogonalize_(matrices: Tensor, epsilon: float = 0.0) -> Tensor:
         rank-deficient matrices: Householder QR completes the basis instead of dividing by zero, so a
         vanishing gradient can never poison warm-start memory with NaN (PyTorch's Gram-Schmidt does
         unless ``orthogonalization_epsilon`` is set);
-      * ``epsilon`` is kept for PyTorch compatibility: the rank-1 path divides by ``norm + epsilon``.
+      * ``epsilon`` is kept for PyTorch compatibility: the rank-1 path divides by ``norm + epsilon``;
+      * the result does not depend on where ``matrices`` sits in memory (it is computed on a copy).
 
     Rank 1 (the common case) is a normalization; larger ranks use batched ``torch.linalg.qr``.
     """
@@ -48,7 +49,9 @@ def orthogonalize_(matrices: Tensor, epsilon: float = 0.0) -> Tensor:
             f"orthogonalize_ expects a batch of tall matrices (B, n, r) with r <= n, got shape "
             f"{tuple(matrices.shape)}"
         )
-    work = matrices.float() if matrices.dtype in _LOW_PRECISION else matrices
+    # Always on a fresh copy: LAPACK and BLAS round differently at different alignments, and where a
+    # factor sits in the wire buffer depends on the bucket's layout (see gradpress.powersgd.memory).
+    work = matrices.float() if matrices.dtype in _LOW_PRECISION else matrices.clone()
     if work.shape[2] == 1:
         norms = torch.linalg.vector_norm(work, dim=1, keepdim=True)
         degenerate = norms == 0
@@ -58,6 +61,5 @@ def orthogonalize_(matrices: Tensor, epsilon: float = 0.0) -> Tensor:
     else:
         q, _ = torch.linalg.qr(work, mode="reduced")
         work.copy_(q)
-    if work is not matrices:
-        matrices.copy_(work)
+    matrices.copy_(work)
     return matrices

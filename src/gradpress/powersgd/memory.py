@@ -18,7 +18,14 @@ from torch import Tensor
 from .config import EngineConfig
 from .plan import GroupPlan, Plan, make_plan
 
-__all__ = ["ParamMemory", "Segment", "SegmentStore", "seeded_normal", "work_dtype_for"]
+__all__ = ["ALIGNMENT_BYTES", "ParamMemory", "Segment", "SegmentStore", "seeded_normal", "work_dtype_for"]
+
+#: Every matrix's error memory starts at a multiple of this many bytes (PyTorch's CPU allocations are
+#: aligned the same way). BLAS rounds differently when an operand starts at another alignment (MKL's
+#: sgemm, measured: offsets of 1-3 floats change the last bits of M Q), so without it a matrix's numbers
+#: would depend on where it sits in its bucket, and DDP's first bucket layout after a restart differs
+#: from the rebuilt one an uninterrupted run uses: resuming would not equal never stopping, bit for bit.
+ALIGNMENT_BYTES = 64
 
 _MASK64 = (1 << 64) - 1
 _P_DRAW = 1 << 40  # draw numbers of P factors, disjoint from those of Q
@@ -83,7 +90,9 @@ class Segment:
     Buffers (all of ``dtype``, on ``device``):
       * ``work``: the compressed matrices, grouped. With error feedback it *is* the error memory: a step
         adds the gradient into it (giving M = g + e), runs the power iteration on it, and subtracts the
-        approximation (leaving e' = M - PQ^T). Without error feedback it is scratch.
+        approximation (leaving e' = M - PQ^T). Without error feedback it is scratch. Each matrix starts
+        at a multiple of :data:`ALIGNMENT_BYTES` (zero padding between matrices, never read), so its
+        numbers do not depend on its place in the bucket.
       * ``wire``: what is sent, ``[P | uncompressed | Q]`` (see :class:`~gradpress.powersgd.plan.Plan`);
         ``phase1`` (``[P | uncompressed]``) and ``q`` are views of it.
       * ``fresh``: ``None``, or the seeded replacement factors ``[P | Q]`` (``[Q]`` without P) that
@@ -106,7 +115,13 @@ class Segment:
         self.keys = tuple(keys)
         self.device = device
         self.dtype = dtype
-        self.work = torch.zeros(plan.work_numel, device=device, dtype=dtype)
+        per_line = max(1, ALIGNMENT_BYTES // torch.empty((), dtype=dtype).element_size())
+        strides = [-(-(group.n * group.m) // per_line) * per_line for group in plan.groups]
+        self.work = torch.zeros(sum(g.batch * stride for g, stride in zip(plan.groups, strides)) + per_line,
+                                device=device, dtype=dtype)
+        # The allocation is aligned on CPU and CUDA; the spare line keeps the layout valid if it is not.
+        skip = ((-self.work.data_ptr()) % ALIGNMENT_BYTES) // self.work.element_size()
+        work_offset = skip
         sent = plan.p_numel + plan.uncompressed_numel
         self.wire = torch.zeros(sent + plan.q_numel, device=device, dtype=dtype)
         self.phase1 = self.wire[:sent]
@@ -116,9 +131,10 @@ class Segment:
         self.work_views: list[Tensor] = []
         self.p_views: list[Tensor] = []
         self.q_views: list[Tensor] = []
-        for group in plan.groups:
+        for group, stride in zip(plan.groups, strides):
             b, n, m, r = group.batch, group.n, group.m, group.rank
-            work = self.work[group.work_offset: group.work_offset + b * n * m].view(b, n, m)
+            work = self.work[work_offset: work_offset + b * stride].view(b, stride)[:, : n * m].view(b, n, m)
+            work_offset += b * stride
             p = self.phase1[group.p_offset: group.p_offset + b * n * r].view(b, n, r)
             q = self.q[group.q_offset: group.q_offset + b * m * r].view(b, r, m)
             self.group_views.append((group, work, p, q))

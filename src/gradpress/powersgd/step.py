@@ -67,9 +67,8 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     # 6. Decompress into the gradients (one write per tensor, straight into the bucket's views); the
     # residual M - PQ^T stays in the error memory. The residual is taken against what was written, so
     # with fp16/bf16 gradients the rounding of the approximation is fed back too.
-    same_dtype = all(m.dtype == segment.dtype for m in matrices)
     for matrix, p, qt in zip(matrices, segment.p_views, segment.q_views):
-        _outer_sum(p, qt, matrix, same_dtype)
+        _outer_sum(p, qt, matrix)
     if config.use_error_feedback:
         torch._foreach_sub_(segment.work_views, matrices)
     _discard_non_finite(segment, config)
@@ -106,7 +105,6 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
     epsilon = config.orthogonalization_epsilon
     matrices, unsent = _load(segment, grads, config)
     _draw_missing(segment, config, 0)
-    same_dtype = all(m.dtype == segment.dtype for m in matrices)
     wire_dtype = config.wire_dtype(grads[0].dtype, segment.dtype) if grads else segment.dtype
 
     for it in range(iterations):
@@ -133,14 +131,14 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
         if it == 0:
             # The output is this piece; the residual is M minus what was written (one pass).
             for matrix, p, qt in zip(matrices, segment.p_views, segment.q_views):
-                _outer_sum(p, qt, matrix, same_dtype)
+                _outer_sum(p, qt, matrix)
             if config.use_error_feedback or not last:
                 torch._foreach_sub_(segment.work_views, matrices)
         else:
             for matrix, work, p, qt in zip(matrices, segment.work_views, segment.p_views, segment.q_views):
-                _outer_sum(p, qt, matrix, same_dtype, accumulate=True)
+                _outer_sum(p, qt, matrix, accumulate=True)
                 if config.use_error_feedback or not last:
-                    _outer_sum(p, qt, work, True, accumulate=True, alpha=-1.0)
+                    _outer_sum(p, qt, work, accumulate=True, alpha=-1.0)
     _discard_non_finite(segment, config, with_p=True)
 
 
@@ -231,25 +229,32 @@ def _draw_missing(segment: Segment, config: EngineConfig, draw: int) -> None:
 
 
 def _matmul(a: Tensor, b: Tensor, out: Tensor) -> None:
-    """``out = a @ b`` for a group ``(B, ., .)``.
+    """``out = a @ b`` for a group ``(B, ., .)``: one factor (a view into the wire) times the work matrices.
 
     On CPU, one ``mm`` per matrix when the group holds one matrix or the product is rank-1 (a
     matrix-vector product, which MKL's batched path handles poorly); otherwise, and on GPUs, one ``bmm``.
+    The factor is read from, and the product written through, a fresh (so aligned) copy: where a factor
+    sits in the wire depends on the bucket's layout, and BLAS rounds differently at other alignments
+    (the work matrices are aligned by :class:`Segment`). The copies are the factors' size, not M's.
     """
+    if a.numel() <= b.numel():
+        a = a.clone()
+    else:
+        b = b.clone()
     if out.device.type == "cpu" and (a.shape[0] == 1 or min(out.shape[1], out.shape[2]) == 1):
         for x, y, o in zip(a.unbind(0), b.unbind(0), out.unbind(0)):
-            torch.mm(x, y, out=o)
+            o.copy_(torch.mm(x, y))
     else:
-        torch.bmm(a, b, out=out)
+        out.copy_(torch.bmm(a, b))
 
 
-def _outer_sum(p: Tensor, qt: Tensor, out: Tensor, same_dtype: bool, accumulate: bool = False,
+def _outer_sum(p: Tensor, qt: Tensor, out: Tensor, accumulate: bool = False,
                alpha: float = 1.0) -> None:
     """``out = p @ qt`` (or ``out += alpha * p @ qt`` with ``accumulate``), ``p`` (n, r), ``qt`` (r, m).
 
     On CPU, for large matrices and r <= 4, that GEMM (inner dimension r) is 2-3x slower than r fused
     multiply-adds over the output (measured with MKL; see BENCHMARKS.md), so those take the elementwise
-    path.
+    path (elementwise: the same numbers wherever the operands sit in memory).
     """
     rank = p.shape[1]
     numel = out.numel()
@@ -260,15 +265,12 @@ def _outer_sum(p: Tensor, qt: Tensor, out: Tensor, same_dtype: bool, accumulate:
             first = 1
         for k in range(first, rank):
             out.addcmul_(p[:, k:k + 1], qt[k:k + 1], value=alpha)
-    elif same_dtype:
+    else:  # a fresh product from fresh factors: BLAS's rounding then does not depend on their addresses
+        product = p.clone() @ qt.clone()
         if accumulate:
-            out.addmm_(p, qt, alpha=alpha)
+            out.add_(product, alpha=alpha)
         else:
-            torch.mm(p, qt, out=out)
-    elif accumulate:
-        out.add_(p @ qt, alpha=alpha)
-    else:
-        out.copy_(p @ qt)
+            out.copy_(product)
 
 
 def _reading_waits(device: torch.device) -> bool:
