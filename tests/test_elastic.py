@@ -103,7 +103,9 @@ def test_a_corrupt_checkpoint_is_named_not_silently_skipped(tmp_path: Path) -> N
     path = checkpoints.checkpoint_path(checkpoints.run_directory(directory, spec), 8, 1)
     with open(path, "r+b") as f:
         f.truncate(100)
-    with pytest.raises(AssertionError, match=r"step-00000008\.rank-1\.pt.*truncated or corrupt"):
+    # Every rank raises (rank 0's file is fine): none is left waiting in a collective for rank 1.
+    with pytest.raises(AssertionError, match=r"(?s)rank\(s\) \[0, 1\].*rank 1: checkpoint file .*"
+                                             r"step-00000008\.rank-1\.pt.*truncated or corrupt"):
         run(_train, 2, spec, directory, 8, 4)
 
 

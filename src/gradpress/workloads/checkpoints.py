@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
 from .. import checkpoint
 
-__all__ = ["checkpoint_path", "load", "newest_common_step", "prune", "run_directory", "save", "steps_saved"]
+__all__ = ["checkpoint_path", "load", "load_everywhere", "newest_common_step", "prune", "run_directory", "save", "steps_saved"]
 
 _FILE = re.compile(r"^step-(\d+)\.rank-(\d+)\.pt$")
 
@@ -79,3 +80,27 @@ def save(directory: str, step: int, rank: int, state: dict[str, Any]) -> None:
 def load(directory: str, step: int, rank: int) -> dict[str, Any]:
     """Read ``rank``'s file for ``step`` (``ValueError`` naming the file when it is corrupt)."""
     return checkpoint.load(checkpoint_path(directory, step, rank), map_location="cpu")
+
+
+def load_everywhere(directory: str, step: int, rank: int, world_size: int,
+                    check: Callable[[dict[str, Any], str], None] | None = None) -> dict[str, Any]:
+    """:func:`load` ``rank``'s file for ``step`` and run ``check(state, path)`` on it; a collective:
+    if any rank's file is corrupt or fails the check, *every* rank raises ``ValueError`` with that
+    rank's message (rather than the others blocking in their next collective until the timeout)."""
+    path = checkpoint_path(directory, step, rank)
+    state: dict[str, Any] = {}
+    error = None
+    try:
+        state = load(directory, step, rank)
+        if check is not None:
+            check(state, path)
+    except (ValueError, FileNotFoundError) as exc:
+        error = str(exc)
+    errors: list[Any] = [error]
+    if world_size > 1:
+        errors = [None] * world_size
+        dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise ValueError("; ".join(f"rank {r}: {e}" for r, e in failed))
+    return state

@@ -399,8 +399,8 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     resume_step = None if run_dir is None else checkpoints.newest_common_step(run_dir, rank, world_size)
     if resume_step is not None:
         assert run_dir is not None
-        saved = checkpoints.load(run_dir, resume_step, rank)
-        _check_identity(saved, identity, checkpoints.checkpoint_path(run_dir, resume_step, rank))
+        saved = checkpoints.load_everywhere(run_dir, resume_step, rank, world_size,
+                                            check=lambda state, path: _check_identity(state, identity, path))
         with torch.no_grad():  # after DDP's broadcast: local SGD's ranks hold different models
             model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
