@@ -61,6 +61,7 @@ class Aggregator(ABC):
 
     def aggregate(self, gradients: Sequence[Tensor | None]) -> list[Tensor | None]:
         """The averages as new tensors; the inputs are left unchanged (the reference's signature)."""
+        _dense(gradients, type(self).__name__)  # refuse what is not a gradient before copying it
         out = [None if g is None else g.detach().clone() for g in gradients]
         self.aggregate_(out)
         return out
@@ -81,6 +82,11 @@ def _dense(gradients: Sequence[Tensor | None], what: str) -> list[tuple[int, Ten
     for index, grad in enumerate(gradients):
         if grad is None:
             continue
+        if not isinstance(grad, Tensor):
+            raise TypeError(f"{what}: gradient #{index} must be a torch.Tensor or None, got {type(grad).__name__}")
+        if not grad.is_floating_point():
+            raise TypeError(f"{what}: gradient #{index} has dtype {grad.dtype}; only real floating-point "
+                            "gradients (float16, bfloat16, float32, float64) can be aggregated")
         if grad.is_sparse:
             raise ValueError(f"{what}: gradient #{index} is sparse; only dense gradients can be aggregated")
         out.append((index, grad))

@@ -135,9 +135,17 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
             if config.use_error_feedback or not last:
                 torch._foreach_sub_(segment.work_views, matrices)
         else:
+            keep_residual = config.use_error_feedback or not last
             for matrix, work, p, qt in zip(matrices, segment.work_views, segment.p_views, segment.q_views):
+                if keep_residual and matrix.dtype != work.dtype:
+                    # An fp16/bf16 gradient rounds the piece it receives: subtract what was written, as
+                    # the first iteration does, so that the mass is conserved to the memory's precision.
+                    before = matrix.to(work.dtype)
+                    _outer_sum(p, qt, matrix, accumulate=True)
+                    work.sub_(matrix.to(work.dtype) - before)
+                    continue
                 _outer_sum(p, qt, matrix, accumulate=True)
-                if config.use_error_feedback or not last:
+                if keep_residual:
                     _outer_sum(p, qt, work, accumulate=True, alpha=-1.0)
     _discard_non_finite(segment, config, with_p=True)
 
