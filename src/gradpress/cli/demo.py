@@ -100,8 +100,9 @@ def _format_rate(bytes_per_s: float) -> str:
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``demo`` subcommand to ``subparsers`` (an ``add_subparsers()`` result)."""
-    methods_help = "; ".join(f"{k}: {v}" for k, v in METHOD_KINDS.items())
-    tasks_help = "; ".join(f"{t.name}: {t.description}" for t in TASKS.values())
+    # argparse %-formats help strings: a literal "%" in a description must be doubled.
+    methods_help = "; ".join(f"{k}: {v}" for k, v in METHOD_KINDS.items()).replace("%", "%%")
+    tasks_help = "; ".join(f"{t.name}: {t.description}" for t in TASKS.values()).replace("%", "%%")
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "demo", help="train a model on real data with several methods and compare accuracy, bytes and time",
         description="Train one model on real data that ships with scikit-learn or Python (nothing is "
