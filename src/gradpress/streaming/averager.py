@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..averaging import ModelAverager, Params, average_tensors_, tensors_to_average
+from ..averaging import ModelAverager, Params, _check_int, average_tensors_, tensors_to_average
 from ..checkpoint import check_placement, placement
 from .compress import Compressor
 from .fragments import fragment_offsets, split_by_size
@@ -19,14 +19,6 @@ __all__ = ["StreamingDiLoCoAverager"]
 
 Compression = Union[None, str, Compressor]
 FragmentSpec = Union[nn.Module, Iterable[Tensor]]
-
-
-def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum \
-            or (maximum is not None and value > maximum):
-        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
-        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
-    return value
 
 
 def _check_number(name: str, value: Any, ok: bool, allowed: str) -> float:
