@@ -109,7 +109,8 @@ def parse_methods(text: str | Sequence[str], ranks: Sequence[int]) -> list[Metho
         kind, _, rank_text = name.partition(":")
         if kind not in METHOD_KINDS:
             raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(METHOD_KINDS)} "
-                             "(powersgd and multi also as powersgd:R, localsgd and diloco as localsgd:H)")
+                             "(powersgd and multi also as powersgd:R; "
+                             f"{', '.join(_PERIODIC)} as localsgd:H)")
         if kind in _PERIODIC:
             if rank_text and (not rank_text.isdigit() or int(rank_text) < 1):
                 raise ValueError(f"method {name!r}: the period after ':' must be an integer >= 1")
@@ -206,9 +207,9 @@ def bytes_schedule(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
     synchronous steps and on each averaging step (every ``period`` steps from ``start_iter``), nothing
     on the others.
     """
-    out = []
     if method.kind in _STREAMED:
         return _streamed_schedule(method, plan, config)
+    out = []
     for step in range(config.steps):
         if method.period is not None:
             averaging = step < config.start_iter or (step - config.start_iter) % method.period == 0
