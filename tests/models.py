@@ -40,3 +40,14 @@ def batch(rank: int, step: int, size: int = 16, dtype: torch.dtype = torch.float
 
 def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x).float(), y)
+
+
+def train_regression(net: nn.Module, opt: torch.optim.Optimizer, rank: int, start: int, stop: int) -> None:
+    """Steps ``start .. stop-1`` of an MSE regression on 4-feature inputs, batches seeded by (step, rank):
+    the training loop of the averager tests (local SGD, DiLoCo, streaming DiLoCo)."""
+    for step in range(start, stop):
+        gen = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+        opt.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()

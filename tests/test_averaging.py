@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run
+from models import train_regression
 from gradpress import (Config, HierarchicalModelAverager, OuterOptimizerAverager, PeriodicModelAverager,
                        PostLocalSGDOptimizer, PostLocalSGDState, average_parameters, post_localSGD_hook)
 
@@ -255,24 +256,16 @@ def train_local_sgd(rank, world, steps, split, averager_kind):
             averager = PeriodicModelAverager(period=3, warmup_steps=2)
         return net, PostLocalSGDOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.5), averager)
 
-    def train(net, opt, start, stop):
-        for step in range(start, stop):
-            gen = torch.Generator().manual_seed(10 * step + rank)
-            x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
-            opt.zero_grad()
-            nn.functional.mse_loss(net(x), y).backward()
-            opt.step()
-
     net, opt = make()
-    train(net, opt, 0, steps)
+    train_regression(net, opt, rank, 0, steps)
     want = [p.detach().clone() for p in net.parameters()]
     net, opt = make()
-    train(net, opt, 0, split)
+    train_regression(net, opt, rank, 0, split)
     saved = {"net": net.state_dict(), "opt": opt.state_dict()}
     net, opt = make()
     net.load_state_dict(saved["net"])
     opt.load_state_dict(saved["opt"])
-    train(net, opt, split, steps)
+    train_regression(net, opt, rank, split, steps)
     return all(torch.equal(a, b) for a, b in zip(want, net.parameters())), saved["opt"]["step"]
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from gradpress.launch import restart_store_prefix
-from tests.distributed import run
+from distributed import run
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ["allreduce", "powersgd:2", "multi:2", "localsgd:4", "diloco:4"]

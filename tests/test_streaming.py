@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed import run
+from models import train_regression
 from gradpress import (OuterOptimizerAverager, PostLocalSGDOptimizer, QuantizeInt4, QuantizeInt8,
                        StreamingDiLoCoAverager, TopK)
 from gradpress.streaming import fragment_offsets, split_by_size
@@ -50,15 +51,6 @@ def _net(rank):
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3), nn.Tanh(), nn.Linear(3, 1))
 
 
-def _train(net, opt, rank, start, stop):
-    for step in range(start, stop):
-        gen = torch.Generator().manual_seed(10 * step + rank)
-        x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
-        opt.zero_grad()
-        nn.functional.mse_loss(net(x), y).backward()
-        opt.step()
-
-
 def same_as_outer_optimizer(rank, world):
     results = []
     for lr, momentum, nesterov in [(0.7, 0.9, True), (0.5, 0.5, False), (1.0, 0.0, True)]:
@@ -71,7 +63,7 @@ def same_as_outer_optimizer(rank, world):
         identical = True
         for step in range(14):
             for net, opt in zip(nets, opts):
-                _train(net, opt, rank, step, step + 1)
+                train_regression(net, opt, rank, step, step + 1)
             identical &= all(torch.equal(a, b) for a, b in zip(nets[0].parameters(), nets[1].parameters()))
         results.append((identical, averagers[0].bytes_sent == averagers[1].bytes_sent,
                         averagers[0].num_averages == averagers[1].num_averages == 4))
@@ -298,7 +290,7 @@ def overlap(rank, world, compression):
     for name in names:
         setattr(dist, name, recording(originals[name]))
     try:
-        _train(net, opt, rank, 0, 19)
+        train_regression(net, opt, rank, 0, 19)
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
@@ -441,11 +433,11 @@ def resume(rank, world, name, split):
 
     steps = 24
     net, opt = make()
-    _train(net, opt, rank, 0, steps)
+    train_regression(net, opt, rank, 0, steps)
     want = [p.detach().clone() for p in net.parameters()]
     want_counts = (opt.averager.bytes_sent, opt.averager.num_averages)
     net, opt = make()
-    _train(net, opt, rank, 0, split)
+    train_regression(net, opt, rank, 0, split)
     in_flight = opt.averager.in_flight
     buffer = io.BytesIO()
     torch.save({"net": net.state_dict(), "opt": opt.state_dict()}, buffer)
@@ -454,7 +446,7 @@ def resume(rank, world, name, split):
     net, opt = make()
     net.load_state_dict(saved["net"])
     opt.load_state_dict(saved["opt"])
-    _train(net, opt, rank, split, steps)
+    train_regression(net, opt, rank, split, steps)
     same = all(torch.equal(a, b) for a, b in zip(want, net.parameters()))
     counts = (opt.averager.bytes_sent, opt.averager.num_averages) == want_counts
     refused = None
