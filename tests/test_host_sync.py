@@ -1,4 +1,4 @@
-"""No host sync on the engine's hot path (issue 15.4), and what happens to non-finite factors.
+"""No host sync on the engine's hot path (issue 15.4), also when a step is not finite (issue 19.3).
 
 On a GPU, reading a tensor's value to the host (``bool(t)``, ``t.item()``, ``t.nonzero()``, boolean-mask
 indexing, ``t.tolist()``) waits for the stream: a stall of the autograd thread, once per bucket per
@@ -185,92 +185,49 @@ def test_engine_runs_on_a_device_without_values(name):
     segment = _segment(config, device="meta")
     for compressed_step in range(3):
         _run(segment, _gradients(compressed_step, False, device="meta"), config, compressed_step)
-    assert segment.fresh is not None and segment.fresh.device.type == "meta"
+    # The device-side commit ran (there is no value to read on "meta"): the new memory was built beside
+    # the old one.
+    assert segment.spare is not None and segment.spare.device.type == "meta"
 
 
-def test_on_the_cpu_a_step_reads_one_flag_and_draws_nothing_while_finite():
+def test_on_the_cpu_a_step_reads_one_flag_and_commits_by_swapping_buffers():
     config = EngineConfig(rank=2, min_compression_rate=0, num_iters_per_step=2)
     segment = _segment(config)
     _run(segment, _gradients(0, False), config, 0)
+    memory, candidate = segment.work.data_ptr(), segment.spare.data_ptr()
     counter = _CountSyncingOps()
     with counter:
         _run(segment, _gradients(1, False), config, 1)
-    assert counter.count == 1  # the segment's all-finite flag: free on the CPU, and it skips a full pass
-    assert segment.fresh is None  # the replacement factors cost no memory until they are needed
+    assert counter.count == 1  # the step's all-finite flag: free on the CPU, and it saves a full pass
+    assert (segment.work.data_ptr(), segment.spare.data_ptr()) == (candidate, memory)  # no copy, no select
 
 
-# --- non-finite factors: zero error memory, fresh seeded factors ------------------------------------
-
-def _expected_fresh(segment, position, config, with_p):
-    reference = _segment(config, segment.dtype)
-    reference.draw_q([position], config.random_seed, 0, with_p=with_p)
-    return reference.q_views[position], reference.p_views[position]
-
+# --- a non-finite step: every buffer as before it -------------------------------------------------------
 
 @pytest.mark.parametrize("path", ["cpu", "accelerator"])
 @pytest.mark.parametrize("name", ["classic", "classic-fp16-wire", "one-iteration", "three-iterations"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_non_finite_factors_reset_that_matrix_only_to_the_seeded_draw(name, path, dtype):
+def test_a_non_finite_step_leaves_memory_and_factors_bitwise_as_before(name, path, dtype):
     config = EngineConfig(rank=2, min_compression_rate=0, random_seed=11, **CONFIGS[name])
     with_p = config.num_iters_per_step is not None
-    segments = {}
-    outputs = {}
-    for run_name, bad in (("clean", False), ("bad", True)):
-        segment = _segment(config, dtype)
-        with as_on_an_accelerator() if path == "accelerator" else contextlib.nullcontext():
-            for compressed_step in range(3):
-                grads = _gradients(compressed_step, bad and compressed_step == 1, dtype)
-                _run(segment, grads, config, compressed_step)
-                if compressed_step == 1:
-                    outputs[run_name] = grads
-                    segments[run_name] = (segment.work.clone(), segment.wire.clone())
-            outputs[run_name + "-after"] = grads
-    position = segment.compressed_order.index(BAD)
+    p_numel = _segment(config, dtype).plan.p_numel
+    segment = _segment(config, dtype)
+    with as_on_an_accelerator() if path == "accelerator" else contextlib.nullcontext():
+        _run(segment, _gradients(0, False, dtype), config, 0)
+        before = (segment.work.clone(), segment.wire.clone())
+        grads = _gradients(1, True, dtype)
+        _run(segment, grads, config, 1)
     # The step reports the overflow (an AMP GradScaler skips it) ...
-    assert not torch.isfinite(outputs["bad"][BAD]).all()
-    # ... and leaves finite memory: that matrix's error zeroed, its factors the seeded draw 0.
-    work, wire = segments["bad"]
-    clean_work, clean_wire = segments["clean"]
-    shadow = _segment(config, dtype)  # reads the saved buffers through the segment's layout
-    shadow.work.copy_(work)
-    shadow.wire.copy_(wire)
-    assert _memory_is_finite(shadow, with_p)
-    expected_q, expected_p = _expected_fresh(shadow, position, config, with_p)
-    assert not shadow.work_views[position].any()
-    assert torch.equal(shadow.q_views[position], expected_q)
-    if with_p:
-        assert torch.equal(shadow.p_views[position], expected_p)
-    # Every other matrix is exactly as in the run without the non-finite gradient.
-    clean = _segment(config, dtype)
-    clean.work.copy_(clean_work)
-    clean.wire.copy_(clean_wire)
-    for other in range(len(shadow.q_views)):
-        if other != position:
-            assert torch.equal(shadow.q_views[other], clean.q_views[other])
-            assert torch.equal(shadow.work_views[other], clean.work_views[other])
-            if with_p:
-                assert torch.equal(shadow.p_views[other], clean.p_views[other])
-    for index, (got, want) in enumerate(zip(outputs["bad"], outputs["clean"])):
-        if index != BAD:
-            assert torch.equal(got, want)
+    assert not torch.isfinite(grads[BAD]).all()
+    # ... and leaves the error memory and the warm-start factors exactly as they were.
+    assert torch.equal(segment.work, before[0])
+    assert torch.equal(segment.q, before[1][-segment.plan.q_numel:])
+    if with_p:  # P is memory in the alternating scheme (in the classic one, scratch)
+        assert torch.equal(segment.phase1[:p_numel], before[1][:p_numel])
     # The next step is finite again.
-    assert all(torch.isfinite(g).all() for g in outputs["bad-after"])
-
-
-def test_fresh_factors_are_the_seeded_draw_and_not_checkpointed():
-    config = EngineConfig(rank=2, min_compression_rate=0, random_seed=4, num_iters_per_step=1)
-    segment = _segment(config)
-    fresh = segment.fresh_factors(config.random_seed, with_p=True)
-    reference = _segment(config)
-    reference.draw_q(range(len(reference.q_views)), config.random_seed, 0, with_p=True)
-    for (fresh_p, fresh_q), (_, _, p, q) in zip(fresh, reference.group_views):
-        assert torch.equal(fresh_q, q) and torch.equal(fresh_p, p)
-    assert segment.fresh_factors(config.random_seed, with_p=True) is fresh  # built once
-    assert segment.fresh.numel() == segment.plan.p_numel + segment.plan.q_numel
-    assert segment.fresh_factors(config.random_seed, with_p=False)[0][0] is None
-    assert segment.fresh.numel() == segment.plan.q_numel
-    for entry in segment.export(config).values():
-        assert set(entry.to_dict()) == {"shape", "error", "q", "p"}
+    grads = _gradients(2, False, dtype)
+    _run(segment, grads, config, 2)
+    assert all(torch.isfinite(g).all() for g in grads)
 
 
 # --- on every rank -----------------------------------------------------------------------------------
@@ -285,34 +242,29 @@ def _non_finite_on_rank_0(rank, world, num_iters, accelerator_path):
             grads = _gradients(step + 10 * rank, bad=step == 1 and rank == 0)
             powersgd.aggregate_(grads)
             (segment,) = powersgd._store.segments.values()
-            out.append((segment.work.clone(), segment.wire.clone(), [g.clone() for g in grads]))
-    return out, segment.compressed_order.index(BAD)
+            out.append((segment.work.clone(), segment.wire.clone(), [g.clone() for g in grads],
+                        bool(powersgd.finite)))
+    return out
 
 
 @pytest.mark.parametrize("accelerator_path", [False, True], ids=["cpu", "accelerator"])
 @pytest.mark.parametrize("num_iters", [None, 2])
-def test_a_non_finite_gradient_on_one_rank_resets_the_same_matrix_on_all_ranks(num_iters, accelerator_path):
+def test_a_non_finite_gradient_on_one_rank_leaves_every_rank_as_before(num_iters, accelerator_path):
     results = run(_non_finite_on_rank_0, WORLD, num_iters, accelerator_path)
-    config = EngineConfig(rank=2, min_compression_rate=0, random_seed=9, num_iters_per_step=num_iters)
-    with_p = num_iters is not None
-    for steps, position in results:
-        work, wire, grads = steps[1]
-        assert not torch.isfinite(grads[BAD]).all()  # every rank sees the overflow in its output
-        shadow = _segment(config)
-        shadow.work.copy_(work)
-        shadow.wire.copy_(wire)
-        assert _memory_is_finite(shadow, with_p)
-        assert not shadow.work_views[position].any()
-        expected_q, expected_p = _expected_fresh(shadow, position, config, with_p)
-        assert torch.equal(shadow.q_views[position], expected_q)
-        if with_p:
-            assert torch.equal(shadow.p_views[position], expected_p)
-        assert all(torch.isfinite(g).all() for g in steps[2][2])  # and the next step is finite again
-    # The factors are means (P orthogonalized, Q, uncompressed): identical on every rank, reset or not
-    # (in the classic scheme P is no memory: it stays NaN until the next step overwrites it).
+    plan = _segment(EngineConfig(rank=2, min_compression_rate=0)).plan
+    q_numel, p_numel = plan.q_numel, plan.p_numel
+    for steps in results:
+        work, wire, grads, finite = steps[1]
+        assert not finite and not torch.isfinite(grads[BAD]).all()  # every rank sees the overflow
+        assert torch.equal(work, steps[0][0])  # the error memory is as before the step
+        assert torch.equal(wire[-q_numel:], steps[0][1][-q_numel:])  # and so is Q
+        if num_iters is not None:  # and P, where it is memory
+            assert torch.equal(wire[:p_numel], steps[0][1][:p_numel])
+        assert steps[2][3] and all(torch.isfinite(g).all() for g in steps[2][2])  # the next step is finite
+    # The factors are means: identical on every rank, skipped or not (in the classic scheme P is no
+    # memory: it stays NaN until the next step overwrites it).
     for step in range(3):
-        torch.testing.assert_close(results[0][0][step][1], results[1][0][step][1], rtol=0, atol=0, equal_nan=True)
-
+        torch.testing.assert_close(results[0][step][1], results[1][step][1], rtol=0, atol=0, equal_nan=True)
 
 
 def _hook_steps(rank, world, hook_name, num_iters):

@@ -39,7 +39,7 @@ from .pipeline import OrderedPipeline, Task
 from .powersgd.config import EngineConfig
 from .powersgd.memory import ParamMemory, SegmentStore, work_dtype_for
 from .powersgd.plan import Plan, make_plan
-from .powersgd.step import compress_step
+from .powersgd.step import StepCommit, compress_step
 
 __all__ = ["AllReduce", "Aggregator", "Config", "PowerSGD", "optimizer_step"]
 
@@ -53,7 +53,15 @@ class Aggregator(ABC):
 
     All workers must call :meth:`aggregate` / :meth:`aggregate_` together, with the same tensors (same
     shapes, same ones ``None``), as with any collective.
+
+    ``finite``: after an aggregation, a 0-d bool tensor on the gradients' device, the same on every
+    worker: whether everything averaged was finite (``False`` when any worker had an inf/NaN gradient;
+    the averages are then non-finite too). ``None`` before the first aggregation or when there was
+    nothing to aggregate. Reading it is a host sync on a GPU; :func:`optimizer_step` reads it once per
+    step to skip non-finite steps.
     """
+
+    finite: Tensor | None = None
 
     @abstractmethod
     def aggregate_(self, gradients: Sequence[Tensor | None]) -> None:
@@ -67,14 +75,19 @@ class Aggregator(ABC):
         return out
 
 
-def _average_task(tensors: Sequence[Tensor], comm: Communicator) -> Task:
-    """Average ``tensors`` (one device and dtype) over the workers, in place, in one collective."""
-    if comm.world_size == 1 or not tensors:
+def _average_task(tensors: Sequence[Tensor], comm: Communicator, commit: StepCommit) -> Task:
+    """Average ``tensors`` (one device and dtype) over the workers, in place, in one collective; add
+    whether the averages are finite to ``commit``."""
+    if not tensors:
+        return
+    if comm.world_size == 1:
+        commit.add(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     flat.div_(comm.world_size)
     yield comm.allreduce_sum(flat)
     torch._foreach_copy_([t.view(-1) for t in tensors], list(flat.split([t.numel() for t in tensors])))
+    commit.add(torch.isfinite(flat).all())
 
 
 def _dense(gradients: Sequence[Tensor | None], what: str) -> list[tuple[int, Tensor]]:
@@ -132,10 +145,12 @@ class AllReduce(Aggregator):
     def aggregate_(self, gradients: Sequence[Tensor | None]) -> None:
         comm = make_communicator(self.process_group, self.comm_device)
         pipeline = OrderedPipeline()
+        commit = StepCommit()
         for group in _by_device_dtype(_dense(gradients, "AllReduce")).values():
             with _Contiguous([g for _, g in group]) as tensors:
-                pipeline.submit(_average_task(tensors, comm), lambda: None, lambda exc: None)
+                pipeline.submit(_average_task(tensors, comm, commit), lambda: None, lambda exc: None)
                 pipeline.drain()
+        self.finite = commit.apply()
 
 
 @dataclass(frozen=True)
@@ -211,6 +226,15 @@ class PowerSGD(Aggregator):
             optimizer_step(optimizer, powersgd)
         print(powersgd.compression_rate, powersgd.floats_per_step)
         torch.save(powersgd.state_dict(), f"powersgd.{rank}.pt")   # error memory is per worker
+
+    Non-finite steps (AMP): when anything averaged in a call of :meth:`aggregate_` is inf/NaN (an
+    overflow on any worker), the error memory and factors of every worker stay bitwise as they were
+    before the call, the averages are non-finite and :attr:`finite` is ``False`` on every worker.
+    :func:`optimizer_step` then skips the optimizer step; with a ``GradScaler``, call
+    ``aggregate_([p.grad ...])`` and then ``scaler.step(optimizer)``, which sees the inf and skips.
+    ``step_counter`` still advances (no host sync decides it; as in ``PowerSGDState``): a run that
+    leaves the step out and adds 1 to ``step_counter`` instead continues with the same numbers.
+    Memory: the new error memory is built beside the old one (one more error memory).
 
     Args:
         params: the parameters whose gradients will be aggregated (order fixes the gradients' order).
@@ -305,6 +329,7 @@ class PowerSGD(Aggregator):
         compressed_step = self.step_counter - self.config.start_compressing_after_num_steps
         self._sync_lr()
         pipeline = OrderedPipeline()
+        commit = StepCommit()
         contexts = []
         try:
             for (device, dtype), group in _by_device_dtype(items).items():
@@ -313,19 +338,23 @@ class PowerSGD(Aggregator):
                 tensors = context.tensors
                 numel = sum(t.numel() for t in tensors)
                 if compressed_step < 0:
-                    task, sent = _average_task(tensors, comm), numel
+                    task, sent = _average_task(tensors, comm, commit), numel
                     wire = dtype
                 else:
                     wire = self._engine.wire_dtype(dtype, work_dtype_for(dtype))
                     keys = tuple(i for i, _ in group)
                     segment = self._store.get((device, dtype), keys, [t.shape for t in tensors], device,
                                               work_dtype_for(dtype))
-                    task, sent = compress_step(segment, tensors, comm, self._engine, compressed_step)
+                    task, sent = compress_step(segment, tensors, comm, self._engine, compressed_step, commit)
                 pipeline.submit(task, lambda: None, lambda exc: None)
                 self.total_numel += numel
                 self.total_floats_sent += sent
                 self.total_bytes_sent += sent * wire.itemsize
             pipeline.drain()
+            self.finite = commit.apply()
+        except BaseException:
+            commit.discard()
+            raise
         finally:
             for context in contexts:
                 context.__exit__()
@@ -393,7 +422,7 @@ class PowerSGD(Aggregator):
         self._store.replace({int(key): ParamMemory.from_dict(m) for key, m in state_dict["memory"].items()})
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, aggregator: Aggregator) -> None:
+def optimizer_step(optimizer: torch.optim.Optimizer, aggregator: Aggregator) -> bool:
     """Average the gradients with ``aggregator``, take the optimizer step, then zero the gradients.
 
     Works with any ``torch.optim`` optimizer. The gradients hold the average during
@@ -401,6 +430,11 @@ def optimizer_step(optimizer: torch.optim.Optimizer, aggregator: Aggregator) -> 
     aggregator's error memory), so the next ``backward()`` starts from zero whether or not the loop
     calls ``zero_grad()``. Parameters without gradient are skipped. For gradient clipping or
     inspection of the averaged gradients, call ``aggregator.aggregate_([p.grad ...])`` yourself.
+
+    Returns whether the optimizer stepped: ``False`` when the averages are not finite
+    (:attr:`Aggregator.finite`; an inf/NaN gradient on any worker), on every worker alike; the
+    parameters, the optimizer's state and the aggregator's memory are then as before the call. Deciding
+    reads one flag per step on the host (a stream sync on a GPU, as ``GradScaler.step`` does).
     """
     in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
     if isinstance(aggregator, PowerSGD):
@@ -414,9 +448,13 @@ def optimizer_step(optimizer: torch.optim.Optimizer, aggregator: Aggregator) -> 
         params = in_optimizer
     grads = [p.grad for p in params]
     aggregator.aggregate_(grads)
-    optimizer.step()
+    finite = aggregator.finite
+    stepped = finite is None or bool(finite)
+    if stepped:
+        optimizer.step()
     with torch.no_grad():
         for grad in grads:
             if grad is not None:
                 grad.zero_()
+    return stepped
 

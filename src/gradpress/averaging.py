@@ -28,6 +28,7 @@ What differs from PyTorch (each has a test):
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
@@ -41,6 +42,8 @@ from .checkpoint import check_placement, placement
 
 __all__ = ["HierarchicalModelAverager", "ModelAverager", "OuterOptimizerAverager", "PeriodicModelAverager",
            "PostLocalSGDOptimizer", "average_parameters", "broadcast_parameters"]
+
+logger = logging.getLogger(__name__)
 
 Params = Union[nn.Module, Iterable[Tensor], Iterable[Mapping[str, Any]], Iterable[tuple[str, Tensor]]]
 
@@ -272,6 +275,13 @@ class OuterOptimizerAverager(PeriodicModelAverager):
     periodic averaging. ``compression``: ``None``, ``"fp16"``, ``"bf16"`` (cast Δ for the allreduce), or
     a :class:`gradpress.Config` to send Δ through PowerSGD (with its own error feedback).
 
+    A non-finite averaged Δ (a rank's parameters overflowed to inf/NaN since the last synchronization;
+    the mean carries it to every rank) is never applied: the outer step is skipped, ``x`` and the outer
+    momentum stay as they were, the PowerSGD memory too (compressed variant), and every rank goes back
+    to ``x``, so all ranks stay identical and finite. ``num_skipped`` counts such synchronizations (a
+    warning is logged); they do not count in ``num_averages``. Deciding reads one flag on the host per
+    synchronization. The first synchronization sets ``x`` by plain averaging: it has nothing to go back to.
+
     >>> averager = OuterOptimizerAverager(period=50, outer_lr=0.7, outer_momentum=0.9)     # doctest: +SKIP
     >>> optimizer = PostLocalSGDOptimizer(torch.optim.AdamW(model.parameters()), averager)  # doctest: +SKIP
     """
@@ -296,6 +306,7 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         self._outer: torch.optim.SGD | None = None
         self._powersgd: Any = None
         self._pending_state: dict[str, Any] | None = None
+        self.num_skipped = 0
 
     def _average(self, tensors: list[Tensor]) -> None:
         with torch.no_grad():
@@ -316,6 +327,18 @@ class OuterOptimizerAverager(PeriodicModelAverager):
             else:
                 self.bytes_sent += average_tensors_(deltas, self.process_group)
             assert self._outer is not None
+            # The averaged deltas are the same on every rank, so every rank takes the same branch.
+            finite = _all_finite(deltas)
+            if self._powersgd is not None and self._powersgd.finite is not None:
+                finite = finite and bool(self._powersgd.finite)  # then its memory is as before, too
+            if not finite:
+                for anchor, t in zip(self._anchor, tensors):
+                    t.detach().copy_(anchor)
+                self.num_skipped += 1
+                logger.warning("OuterOptimizerAverager: the averaged change at step %s is not finite; the outer "
+                               "step is skipped and every rank goes back to the last synchronized parameters",
+                               self.step)
+                return
             for anchor, delta in zip(self._anchor, deltas):
                 anchor.grad = delta.to(anchor.dtype)
         self._outer.step()
@@ -338,6 +361,7 @@ class OuterOptimizerAverager(PeriodicModelAverager):
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
+        state["num_skipped"] = self.num_skipped
         if self._anchor is not None:
             assert self._outer is not None
             state["anchor"] = [a.detach().clone() for a in self._anchor]
@@ -354,6 +378,7 @@ class OuterOptimizerAverager(PeriodicModelAverager):
             check_placement(state["powersgd"].get("placement"), placement(self.process_group),
                             "OuterOptimizerAverager", allow_other_rank)
         super().load_state_dict(state)
+        self.num_skipped = int(state.get("num_skipped", 0))
         if "anchor" not in state:
             self._anchor = None
             return
@@ -366,6 +391,14 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         self._outer.load_state_dict(state["outer"])
         if self._powersgd is not None and "powersgd" in state:
             self._powersgd.load_state_dict(state["powersgd"], allow_other_rank=True)  # checked on load
+
+
+def _all_finite(tensors: list[Tensor]) -> bool:
+    """Whether every value of ``tensors`` is finite: one host read per device."""
+    flags: dict[torch.device, list[Tensor]] = {}
+    for t in tensors:
+        flags.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(group).all()) for group in flags.values())
 
 
 class PostLocalSGDOptimizer(torch.optim.Optimizer):

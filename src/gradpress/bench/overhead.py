@@ -161,15 +161,17 @@ def _nbytes(t: Tensor) -> int:
 
 
 def ours_state_bytes(state: Any) -> dict[str, int]:
-    """``fresh``: the seeded replacement factors a segment keeps once built (always on GPUs; on the CPU
-    only after a non-finite step, so 0 here): no checkpointed state, but memory held."""
-    out = {"work": 0, "phase1": 0, "q": 0, "fresh": 0}
+    """``spare``: where a step builds the new error memory beside the old one until the iteration is
+    known to be finite (issue 19.3; one more error memory once error feedback ran); ``saved_factors``:
+    the warm-start factors of the iteration in flight, put back if it is not finite."""
+    out = {"work": 0, "spare": 0, "phase1": 0, "q": 0, "saved_factors": 0}
     for seg in state._store.segments.values():
         out["work"] += _nbytes(seg.work)
+        out["spare"] += _nbytes(seg.spare) if seg.spare is not None else 0
         out["phase1"] += _nbytes(seg.phase1)
         out["q"] += _nbytes(seg.q)
-        out["fresh"] += _nbytes(seg.fresh) if seg.fresh is not None else 0
-    out["total"] = out["work"] + out["phase1"] + out["q"] + out["fresh"]
+        out["saved_factors"] += _nbytes(seg.saved_factors) if seg.saved_factors is not None else 0
+    out["total"] = sum(out.values())
     return out
 
 

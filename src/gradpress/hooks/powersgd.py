@@ -12,7 +12,10 @@ Differences from PyTorch that users can rely on (each has a test):
   * ``batched_powerSGD_hook`` works (PyTorch's resizes the bucket buffer and fails);
   * state is kept per parameter, so a checkpoint resumes correctly although DDP rebuilds its buckets
     after the first iteration; ``state_dict()`` holds plain tensors;
-  * error memory, P and Q are fp32 for fp16/bf16 gradients, and non-finite values never enter them.
+  * error memory, P and Q are fp32 for fp16/bf16 gradients, and non-finite values never enter them: an
+    iteration whose averaged result is not finite (an inf/NaN gradient on any rank) leaves the memory of
+    every rank bitwise as it was and hands DDP non-finite gradients, so a ``GradScaler`` skips it on
+    every rank (see :class:`PowerSGDState`).
 """
 
 import logging
@@ -29,7 +32,7 @@ from ..pipeline import OrderedPipeline, Task
 from ..powersgd.config import EngineConfig
 from ..powersgd.memory import ParamMemory, Segment, SegmentStore, work_dtype_for
 from ..powersgd.plan import make_plan
-from ..powersgd.step import compress_step
+from ..powersgd.step import StepCommit, compress_step
 from .default import allreduce_mean_future
 
 __all__ = ["PowerSGDState", "batched_powerSGD_hook", "batched_powersgd_hook", "powerSGD_hook",
@@ -87,6 +90,15 @@ class PowerSGDState:
             the stored residual is ``beta * residual`` (error memory damped while the warm-start factors
             are still untrained); then full feedback. ``None``: off.
 
+    Non-finite iterations (AMP): when anything the hook averaged in an iteration is inf/NaN (on any
+    rank: the sum carries it to all), the error memory and warm-start factors of every bucket, on every
+    rank, stay bitwise as they were before that iteration, and the gradients handed to DDP are
+    non-finite, so ``GradScaler.step`` skips it on every rank. The decision is taken on the device (no
+    host sync; on the CPU one flag per iteration is read). ``iter`` still advances, as it does for
+    :meth:`update_state`: a run that leaves such an iteration out and calls ``update_state()`` in its
+    place continues with the same numbers. Memory: the new error memory is built beside the old one
+    until the iteration's last bucket (one more error memory, see ``Segment.spare``).
+
     Example::
 
         state = PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=10)
@@ -100,7 +112,7 @@ class PowerSGDState:
                  "total_numel_after_compression", "next_stats_report", "_config", "_store",
                  "_keys", "_key_shapes", "_pipeline", "_comm", "_padded", "_saved_padded", "lr_scheduler",
                  "total_bytes_before_compression", "total_bytes_after_compression", "_last_lr", "_lr_iter",
-                 "__weakref__")
+                 "_commit", "__weakref__")
 
     def __init__(
         self,
@@ -180,6 +192,8 @@ class PowerSGDState:
         # the pipeline, so the autograd thread never waits on the link mid-backward (measured on a real
         # backward pass, issue 15: 7-11% faster steps than advancing on every submit; docs/design.md#ordering).
         self._pipeline = OrderedPipeline(advance_on_submit=False)
+        # The buckets of the iteration in flight: their new memory is kept only if all are finite.
+        self._commit = StepCommit()
         self._comm: Communicator | None = None
         self.lr_scheduler = lr_scheduler
         self.total_bytes_before_compression = 0
@@ -373,6 +387,7 @@ class PowerSGDState:
                 raise ValueError(f"checkpoint parameter #{key} has shape {saved_shapes[key]}, this model's "
                                  f"has {shape}: the checkpoint belongs to a different model")
         self._key_shapes = saved_shapes if len(saved_shapes) >= len(self._key_shapes) else self._key_shapes
+        self._commit.discard()
         self._store.replace({int(key): ParamMemory.from_dict(entry) for key, entry in state_dict["memory"].items()})
         self._padded.clear()
         self._saved_padded = dict(state_dict.get("padded", {}))
@@ -432,14 +447,20 @@ class PowerSGDState:
                 finish()
             fut.set_result(result)
 
-        self._pipeline.submit(task, done, fut.set_exception)
+        try:
+            self._pipeline.submit(task, done, fut.set_exception)
+            if bucket.is_last():
+                self._pipeline.drain()
+                self._commit.apply()
+        except BaseException:
+            self._commit.discard()
+            raise
         self.total_numel_before_compression += before
         self.total_numel_after_compression += after
         wire = self._config.wire_dtype(grad_dtype, work_dtype_for(grad_dtype))
         self.total_bytes_before_compression += before * grad_dtype.itemsize
         self.total_bytes_after_compression += after * wire.itemsize
         if bucket.is_last():
-            self._pipeline.drain()
             self._report_stats()
             self.maybe_increase_iter(bucket)
         return fut
@@ -495,7 +516,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     segment = state._segment_for(bucket.index(), keys, grads)
     state._sync_lr()
     task, sent = compress_step(segment, grads, state._communicator(), state._config,
-                               state.iter - state.start_powerSGD_iter)
+                               state.iter - state.start_powerSGD_iter, state._commit)
     return state._run(task, bucket, bucket.buffer(), segment.plan.numel, sent, grad_dtype=grads[0].dtype)
 
 
@@ -526,7 +547,7 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torc
     flat[numel:].zero_()
     state._sync_lr()
     task, sent = compress_step(segment, [square], state._communicator(), state._config,
-                               state.iter - state.start_powerSGD_iter)
+                               state.iter - state.start_powerSGD_iter, state._commit)
     return state._run(task, bucket, buffer, numel, sent,
                       finish=lambda: buffer.copy_(flat[:numel]), grad_dtype=buffer.dtype)
 

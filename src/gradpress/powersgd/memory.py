@@ -88,16 +88,22 @@ class Segment:
     """Flat working buffers of one segment (bucket), built from a plan.
 
     Buffers (all of ``dtype``, on ``device``):
-      * ``work``: the compressed matrices, grouped. With error feedback it *is* the error memory: a step
-        adds the gradient into it (giving M = g + e), runs the power iteration on it, and subtracts the
-        approximation (leaving e' = M - PQ^T). Without error feedback it is scratch. Each matrix starts
-        at a multiple of :data:`ALIGNMENT_BYTES` (zero padding between matrices, never read), so its
-        numbers do not depend on its place in the bucket.
+      * ``work``: the compressed matrices, grouped. With error feedback it *is* the error memory, and a
+        step leaves it untouched until the step is committed (:meth:`commit`). Without error feedback it
+        is scratch: the step computes M = g in it. Each matrix starts at a multiple of
+        :data:`ALIGNMENT_BYTES` (zero padding between matrices, never read), so its numbers do not
+        depend on its place in the bucket.
+      * ``spare``: with error feedback, where a step computes M = g + e and then the candidate memory
+        e' = M - PQ^T, laid out as ``work``. Committing a finite step swaps the two (or, where reading
+        the step's flag would wait for the device, selects e' into ``work`` on the device). ``None``
+        until the first step with error feedback. Memory: one more error memory per segment, the price
+        of keeping the previous memory intact until every segment of the step is known to be finite
+        (design rule 5, issue 19.3).
       * ``wire``: what is sent, ``[P | uncompressed | Q]`` (see :class:`~gradpress.powersgd.plan.Plan`);
         ``phase1`` (``[P | uncompressed]``) and ``q`` are views of it.
-      * ``fresh``: ``None``, or the seeded replacement factors ``[P | Q]`` (``[Q]`` without P) that
-        :meth:`fresh_factors` builds on first use. A cache derivable from the seed, not state: it is in no
-        checkpoint, and costs one more Q (and P) per segment once built.
+      * ``saved_factors``: the warm-start factors as they were before the step in flight (``[Q]``, or
+        ``[P | Q]`` in the alternating scheme, where P is memory too), put back if the step is not
+        finite. ``None`` until first needed. Memory: one more Q (and P).
 
     Q is stored transposed, as ``(r, m)`` per matrix (``(B, r, m)`` per group): the power iteration then
     computes Q^T = P^T M with both operands in their natural layout, and P = M Q reads Q column-major.
@@ -106,7 +112,8 @@ class Segment:
     """
 
     __slots__ = ("plan", "keys", "dtype", "device", "work", "wire", "phase1", "q", "group_views",
-                 "work_views", "p_views", "q_views", "unsent_q", "fresh", "fresh_key", "fresh_views")
+                 "work_views", "p_views", "q_views", "unsent_q", "spare", "spare_views", "spare_group_views",
+                 "saved_factors", "staged")
 
     def __init__(self, plan: Plan, keys: Sequence[int], device: torch.device, dtype: torch.dtype) -> None:
         if len(keys) != len(plan.tensors):
@@ -115,37 +122,45 @@ class Segment:
         self.keys = tuple(keys)
         self.device = device
         self.dtype = dtype
-        per_line = max(1, ALIGNMENT_BYTES // torch.empty((), dtype=dtype).element_size())
-        strides = [-(-(group.n * group.m) // per_line) * per_line for group in plan.groups]
-        self.work = torch.zeros(sum(g.batch * stride for g, stride in zip(plan.groups, strides)) + per_line,
-                                device=device, dtype=dtype)
-        # The allocation is aligned on CPU and CUDA; the spare line keeps the layout valid if it is not.
-        skip = ((-self.work.data_ptr()) % ALIGNMENT_BYTES) // self.work.element_size()
-        work_offset = skip
         sent = plan.p_numel + plan.uncompressed_numel
         self.wire = torch.zeros(sent + plan.q_numel, device=device, dtype=dtype)
         self.phase1 = self.wire[:sent]
         self.q = self.wire[sent:]
-        self.group_views: list[tuple[GroupPlan, Tensor, Tensor, Tensor]] = []
-        # Per compressed tensor, in group order: its (n, m) slice of work, (n, r) of P, (r, m) of Q^T.
-        self.work_views: list[Tensor] = []
-        self.p_views: list[Tensor] = []
-        self.q_views: list[Tensor] = []
-        for group, stride in zip(plan.groups, strides):
-            b, n, m, r = group.batch, group.n, group.m, group.rank
-            work = self.work[work_offset: work_offset + b * stride].view(b, stride)[:, : n * m].view(b, n, m)
-            work_offset += b * stride
-            p = self.phase1[group.p_offset: group.p_offset + b * n * r].view(b, n, r)
-            q = self.q[group.q_offset: group.q_offset + b * m * r].view(b, r, m)
-            self.group_views.append((group, work, p, q))
-            self.work_views.extend(work.unbind(0))
-            self.p_views.extend(p.unbind(0))
-            self.q_views.extend(q.unbind(0))
+        # Per shape group: (group, its (B, n, m) view of work, (B, n, r) of P, (B, r, m) of Q^T). Per
+        # compressed tensor, in group order: its (n, m) slice of work, (n, r) of P, (r, m) of Q^T.
+        self.work, self.group_views, self.work_views = self._matrix_buffer()
+        self.p_views: list[Tensor] = [p for _, _, group_p, _ in self.group_views for p in group_p.unbind(0)]
+        self.q_views: list[Tensor] = [q for _, _, _, group_q in self.group_views for q in group_q.unbind(0)]
         # Positions (in group order) whose factors must be drawn before the next step.
         self.unsent_q: list[int] = list(range(len(self.q_views)))
-        self.fresh: Tensor | None = None
-        self.fresh_key: tuple[int, bool] | None = None
-        self.fresh_views: list[tuple[Tensor | None, Tensor]] = []
+        self.spare: Tensor | None = None
+        self.spare_views: list[Tensor] = []
+        self.spare_group_views: list[tuple[GroupPlan, Tensor, Tensor, Tensor]] = []
+        self.saved_factors: Tensor | None = None
+        # What the step in flight will commit: (a candidate memory in ``spare``, factors saved (with P)).
+        self.staged: tuple[bool, bool | None] | None = None
+
+    def _matrix_buffer(self) -> tuple[Tensor, list[tuple[GroupPlan, Tensor, Tensor, Tensor]], list[Tensor]]:
+        """A zeroed buffer for the compressed matrices, each aligned; its group views ``(group, (B, n, m),
+        P, Q^T)`` and its per-matrix views."""
+        plan = self.plan
+        per_line = max(1, ALIGNMENT_BYTES // torch.empty((), dtype=self.dtype).element_size())
+        strides = [-(-(group.n * group.m) // per_line) * per_line for group in plan.groups]
+        flat = torch.zeros(sum(g.batch * stride for g, stride in zip(plan.groups, strides)) + per_line,
+                           device=self.device, dtype=self.dtype)
+        # The allocation is aligned on CPU and CUDA; the extra line keeps the layout valid if it is not.
+        offset = ((-flat.data_ptr()) % ALIGNMENT_BYTES) // flat.element_size()
+        group_views = []
+        matrix_views: list[Tensor] = []
+        for group, stride in zip(plan.groups, strides):
+            b, n, m, r = group.batch, group.n, group.m, group.rank
+            matrices = flat[offset: offset + b * stride].view(b, stride)[:, : n * m].view(b, n, m)
+            offset += b * stride
+            p = self.phase1[group.p_offset: group.p_offset + b * n * r].view(b, n, r)
+            q = self.q[group.q_offset: group.q_offset + b * m * r].view(b, r, m)
+            group_views.append((group, matrices, p, q))
+            matrix_views.extend(matrices.unbind(0))
+        return flat, group_views, matrix_views
 
     @property
     def compressed_order(self) -> list[int]:
@@ -157,36 +172,66 @@ class Segment:
         the same on every rank."""
         self._fill_seeded(self.q_views, self.p_views if with_p else None, positions, seed, draw)
 
-    def fresh_factors(self, seed: int, with_p: bool) -> list[tuple[Tensor | None, Tensor]]:
-        """Per shape group, the factors ``draw_q(all positions, seed, 0, with_p)`` would write, as
-        ``(P (B, n, r) or None, Q^T (B, r, m))`` views of ``self.fresh``, on this segment's device.
+    def scratch(self, error_feedback: bool) -> tuple[list[tuple[GroupPlan, Tensor, Tensor, Tensor]], list[Tensor]]:
+        """Where a step computes M and its residual: ``spare`` with error feedback (so ``work``, the
+        memory, stays as it was until :meth:`commit`), else ``work`` itself. As ``group_views`` and
+        ``work_views`` are for ``work``."""
+        if not error_feedback:
+            return self.group_views, self.work_views
+        if self.spare is None:
+            self.spare, self.spare_group_views, self.spare_views = self._matrix_buffer()
+        return self.spare_group_views, self.spare_views
 
-        Drawn on the CPU and moved once (design rule 4), on the first call for a ``(seed, with_p)`` and
-        kept: replacing non-finite factors by these is then a device-side select, with no host sync and
-        no draw per step. Memory: one more Q, and with ``with_p`` one more P, per segment.
+    def stage(self, error_feedback: bool, factors: bool | None) -> None:
+        """Begin a step: remember what :meth:`commit` will keep or drop, and save the factors it may
+        have to put back. ``factors``: ``None`` (no factor is memory: no warm start), ``False`` (Q),
+        ``True`` (P and Q, the alternating scheme). Called after the step drew the factors it lacked
+        (first use): a step rolled back keeps those, the draw the next step would make anyway."""
+        if factors is not None:
+            p_numel = self.plan.p_numel if factors else 0
+            if self.saved_factors is None or self.saved_factors.numel() != p_numel + self.plan.q_numel:
+                self.saved_factors = torch.empty(p_numel + self.plan.q_numel, device=self.device, dtype=self.dtype)
+            for saved, current in self._factor_pairs(factors):
+                saved.copy_(current)
+        self.staged = (error_feedback, factors)
+
+    def commit(self, finite: Tensor, known: bool | None) -> None:
+        """End the staged step: keep its new memory and factors if ``finite`` (a 0-d bool tensor on this
+        device, the same on every rank), else leave them bitwise as they were before the step.
+
+        ``known``: ``finite``'s value when the caller has read it (where reading is free), else ``None``:
+        then the choice is made on the device with ``torch.where``, with no host sync (one pass over the
+        error memory and the factors). Known finite: the buffers are swapped, no pass at all.
         """
-        if self.fresh_key != (seed, with_p):
-            p_numel = self.plan.p_numel if with_p else 0
-            buffer = torch.empty(p_numel + self.plan.q_numel, dtype=self.dtype)
-            drawn = self._group_factor_views(buffer[:p_numel] if with_p else None, buffer[p_numel:])
-            q_views = [q for _, group_q in drawn for q in group_q.unbind(0)]
-            p_views = [p for group_p, _ in drawn if group_p is not None for p in group_p.unbind(0)]
-            self._fill_seeded(q_views, p_views if with_p else None, range(len(q_views)), seed, 0)
-            self.fresh = buffer.to(self.device)
-            self.fresh_views = self._group_factor_views(self.fresh[:p_numel] if with_p else None,
-                                                        self.fresh[p_numel:])
-            self.fresh_key = (seed, with_p)
-        return self.fresh_views
+        if self.staged is None:
+            return
+        memory, factors = self.staged
+        self.staged = None
+        if known is True:
+            if memory:
+                assert self.spare is not None
+                self.work, self.spare = self.spare, self.work
+                self.work_views, self.spare_views = self.spare_views, self.work_views
+                self.group_views, self.spare_group_views = self.spare_group_views, self.group_views
+            return
+        if memory and known is None:
+            for (_, old, _, _), (_, new, _, _) in zip(self.group_views, self.spare_group_views):
+                torch.where(finite, new, old, out=old)
+        if factors is not None:
+            for saved, current in self._factor_pairs(factors):
+                if known is None:
+                    torch.where(finite, current, saved, out=current)
+                else:
+                    current.copy_(saved)
 
-    def _group_factor_views(self, p_flat: Tensor | None, q_flat: Tensor) -> list[tuple[Tensor | None, Tensor]]:
-        """Per shape group, its ``(B, n, r)`` view of ``p_flat`` (laid out as P in ``wire``; ``None``
-        without ``p_flat``) and its ``(B, r, m)`` view of ``q_flat`` (laid out as ``q``)."""
-        views: list[tuple[Tensor | None, Tensor]] = []
-        for group in self.plan.groups:
-            b, n, m, r = group.batch, group.n, group.m, group.rank
-            p = None if p_flat is None else p_flat[group.p_offset: group.p_offset + b * n * r].view(b, n, r)
-            views.append((p, q_flat[group.q_offset: group.q_offset + b * m * r].view(b, r, m)))
-        return views
+    def _factor_pairs(self, with_p: bool) -> list[tuple[Tensor, Tensor]]:
+        """``(saved, current)`` views: Q, and with ``with_p`` first P, in ``saved_factors`` and ``wire``."""
+        assert self.saved_factors is not None
+        p_numel = self.plan.p_numel if with_p else 0
+        pairs = [(self.saved_factors[p_numel:], self.q)]
+        if with_p:
+            pairs.insert(0, (self.saved_factors[:p_numel], self.phase1[:p_numel]))
+        return pairs
 
     def _fill_seeded(self, q_views: Sequence[Tensor], p_views: Sequence[Tensor] | None, positions: Sequence[int],
                      seed: int, draw: int) -> None:

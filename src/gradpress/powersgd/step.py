@@ -17,35 +17,93 @@ from ..pipeline import Task
 from .config import EngineConfig
 from .memory import Segment
 
-__all__ = ["alternating_step", "compress_step", "power_step"]
+__all__ = ["StepCommit", "alternating_step", "compress_step", "power_step"]
+
+
+class StepCommit:
+    """The segments of one step, committed together once all of them have finished (issue 19.3).
+
+    A step is *finite* when every value its segments averaged (factors and uncompressed tensors, after
+    the collectives, hence identical on every rank) is finite. A step that is not finite leaves the error
+    memory and the warm-start factors of every segment, on every rank, bitwise as they were before it,
+    while its outputs stay non-finite, so an AMP ``GradScaler`` skips it on every rank. The callers'
+    step counters still advance (see :func:`compress_step`).
+
+    One commit spans what one optimizer step consumes: all buckets of a DDP backward pass, all
+    (device, dtype) groups of an aggregator call. Used alone (``commit=None``), a step commits itself.
+    """
+
+    __slots__ = ("_staged", "_flags")
+
+    def __init__(self) -> None:
+        self._staged: list[Segment] = []
+        self._flags: list[Tensor] = []
+
+    def add(self, finite: Tensor, segment: Segment | None = None) -> None:
+        """Count ``finite`` (a 0-d bool tensor, the same on every rank) in; ``segment``: staged, to commit."""
+        self._flags.append(finite)
+        if segment is not None:
+            self._staged.append(segment)
+
+    def discard(self) -> None:
+        """Forget a step that failed midway: its segments keep their memory as before it."""
+        for segment in self._staged:
+            segment.staged = None
+        self._staged, self._flags = [], []
+
+    def apply(self) -> Tensor | None:
+        """Commit every staged segment; return the step's all-finite flag (``None``: nothing was added).
+
+        Where reading a value is free (every segment on the CPU) the flag is read once, for the whole
+        step, and a finite step commits by swapping buffers. Elsewhere the choice is a device-side
+        ``torch.where``, with no host sync (design rule 6).
+        """
+        if not self._flags:
+            return None
+        staged, flags = self._staged, self._flags
+        self._staged, self._flags = [], []
+        device = flags[0].device
+        finite = flags[0] if len(flags) == 1 else torch.stack([f.to(device) for f in flags]).all()
+        known = None if any(_reading_waits(f.device) for f in flags) else bool(finite)
+        for segment in staged:  # (segments on several devices: the flag is copied to each)
+            segment.commit(finite.to(segment.device), known)
+        return finite
 
 
 def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
-               step: int) -> Task:
+               step: int, *, commit: StepCommit | None = None, add_memory: bool = True,
+               damping: float | None = None) -> Task:
     """Replace ``grads`` (the segment's tensors, in plan order) by their PowerSGD-compressed mean.
 
     A generator task (see :mod:`gradpress.pipeline`): it yields after starting each collective and must
     be resumed only once that collective is complete. Every rank must run it with the same plan.
 
     Steps, for the compressed matrices M_i (grouped by shape, one ``bmm`` per group):
-      1. M = g + e (error feedback) — accumulated in place in the error memory ``segment.work``;
+      1. M = g + e (error feedback) — in the segment's scratch (:meth:`Segment.scratch`), the error
+         memory ``e`` itself untouched;
       2. P = M Q, with Q the warm-start factor (or a fresh seeded draw);
       3. allreduce ``[P / W | uncompressed / W]`` (one collective; dividing first keeps fp16 finite);
       4. P = orthogonalize(P) in fp32;  Q = M^T P;
       5. allreduce ``Q / W`` — now Q is the mean over workers;
-      6. g <- P Q^T (identical on every rank), e <- M - P Q^T.
+      6. g <- P Q^T (identical on every rank), e' <- M - P Q^T, committed as the new error memory (and
+         Q as the warm start) by ``commit`` only if the step is finite (:class:`StepCommit`).
 
     Mutates ``grads`` in place, the segment's buffers, and nothing else. ``step`` numbers fresh Q draws
-    when warm start is off. Non-finite gradients give non-finite outputs (so an AMP GradScaler still
-    skips the step) but never survive in the error memory or the warm-start Q.
+    when warm start is off. ``add_memory=False``: M = g, and e' = e + (M - PQ^T) (feedback deferred);
+    ``damping``: the residual M - PQ^T is multiplied by it first (warm-up). Non-finite gradients give non-finite outputs (so
+    an AMP GradScaler skips the step) and leave the memory as it was.
     """
     plan = segment.plan
+    own = commit is None
+    commit = StepCommit() if own else commit
     unsent_buffer = segment.phase1[plan.p_numel:]
+    group_views, scratch = segment.scratch(config.use_error_feedback)
     # 1. M = g + e.
-    matrices, unsent = _load(segment, grads, config)
-    # 2. P = M Q.
+    matrices, unsent = _load(segment, grads, scratch, config.use_error_feedback and add_memory)
     _draw_missing(segment, config, 0 if config.warm_start else step + 1)
-    for _, work, p, qt in segment.group_views:
+    segment.stage(config.use_error_feedback, False if config.warm_start else None)
+    # 2. P = M Q.
+    for _, work, p, qt in group_views:
         _matmul(work, qt.transpose(1, 2), p)
     # 3. One collective for all P's and all uncompressed tensors.
     if unsent:
@@ -55,27 +113,28 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
 
     if unsent:
         torch._foreach_copy_(unsent, list(unsent_buffer.split([t.numel() for t in unsent])))
-    if not segment.group_views:
-        return
-    # 4. Orthogonalize P, then Q = M^T P.
-    for _, work, p, qt in segment.group_views:
-        orthogonalize_(p, config.orthogonalization_epsilon)
-        _matmul(p.transpose(1, 2), work, qt)
-    # 5. Mean of Q.
-    yield from _send(segment.q, comm, wire_dtype)
+    if group_views:
+        # 4. Orthogonalize P, then Q = M^T P.
+        for _, work, p, qt in group_views:
+            orthogonalize_(p, config.orthogonalization_epsilon)
+            _matmul(p.transpose(1, 2), work, qt)
+        # 5. Mean of Q.
+        yield from _send(segment.q, comm, wire_dtype)
 
-    # 6. Decompress into the gradients (one write per tensor, straight into the bucket's views); the
-    # residual M - PQ^T stays in the error memory. The residual is taken against what was written, so
-    # with fp16/bf16 gradients the rounding of the approximation is fed back too.
-    for matrix, p, qt in zip(matrices, segment.p_views, segment.q_views):
-        _outer_sum(p, qt, matrix)
-    if config.use_error_feedback:
-        torch._foreach_sub_(segment.work_views, matrices)
-    _discard_non_finite(segment, config)
+        # 6. Decompress into the gradients (one write per tensor, straight into the bucket's views); the
+        # residual M - PQ^T is the candidate memory. It is taken against what was written, so with
+        # fp16/bf16 gradients the rounding of the approximation is fed back too.
+        for matrix, p, qt in zip(matrices, segment.p_views, segment.q_views):
+            _outer_sum(p, qt, matrix)
+        if config.use_error_feedback:
+            torch._foreach_sub_(scratch, matrices)
+            _adjust_candidate(segment, add_memory, damping)
+    _finish(segment, commit, own)
 
 
 def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
-                     first_iteration: int) -> Task:
+                     first_iteration: int, *, commit: StepCommit | None = None, add_memory: bool = True,
+                     damping: float | None = None) -> Task:
     """Multi-iteration PowerSGD: ``config.num_iters_per_step`` one-sided iterations, one collective each.
 
     As in the PowerSGD authors' reference aggregator (github.com/epfml/powersgd): iteration ``i``
@@ -90,7 +149,8 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
     approximation has rank up to ``k r`` while each collective carries one rank-r factor: one
     iteration per step sends half of what classic PowerSGD sends, two send the same and are close to
     it in quality (their error is ``(I - P̂P̂^T) M (I - Q̂Q̂^T)``, never larger than the classic
-    ``(I - P̂P̂^T) M``). The residual left after the last iteration is the new error memory.
+    ``(I - P̂P̂^T) M``). The residual left after the last iteration is the new error memory, and P and
+    Q the new warm start, committed as in :func:`power_step` (``commit``, ``add_memory``, ``damping``).
 
     The pieces are the same on every rank (their factors are means), so ``g + e = output + e'`` holds
     on each rank: error feedback conserves mass. The uncompressed tensors travel with the first
@@ -99,17 +159,21 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
     plan = segment.plan
     iterations = config.num_iters_per_step
     assert iterations is not None
+    own = commit is None
+    commit = StepCommit() if own else commit
     p_end = plan.p_numel
     q_start = plan.p_numel + plan.uncompressed_numel
     unsent_buffer = segment.wire[p_end:q_start]
     epsilon = config.orthogonalization_epsilon
-    matrices, unsent = _load(segment, grads, config)
+    group_views, scratch = segment.scratch(config.use_error_feedback)
+    matrices, unsent = _load(segment, grads, scratch, config.use_error_feedback and add_memory)
     _draw_missing(segment, config, 0)
+    segment.stage(config.use_error_feedback, True)
     wire_dtype = config.wire_dtype(grads[0].dtype, segment.dtype) if grads else segment.dtype
 
     for it in range(iterations):
         right = (first_iteration + it) % 2 == 0  # multiply from the right: P = R Q̂
-        for _, work, p, qt in segment.group_views:
+        for _, work, p, qt in group_views:
             if right:
                 orthogonalize_(qt.transpose(1, 2), epsilon)
                 _matmul(work, qt.transpose(1, 2), p)
@@ -125,18 +189,18 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
             yield from _send(buffer, comm, wire_dtype)
         if it == 0 and unsent:
             torch._foreach_copy_(unsent, list(unsent_buffer.split([t.numel() for t in unsent])))
-        if not segment.group_views:
-            return
+        if not group_views:
+            break
         last = it == iterations - 1
         if it == 0:
             # The output is this piece; the residual is M minus what was written (one pass).
             for matrix, p, qt in zip(matrices, segment.p_views, segment.q_views):
                 _outer_sum(p, qt, matrix)
             if config.use_error_feedback or not last:
-                torch._foreach_sub_(segment.work_views, matrices)
+                torch._foreach_sub_(scratch, matrices)
         else:
             keep_residual = config.use_error_feedback or not last
-            for matrix, work, p, qt in zip(matrices, segment.work_views, segment.p_views, segment.q_views):
+            for matrix, work, p, qt in zip(matrices, scratch, segment.p_views, segment.q_views):
                 if keep_residual and matrix.dtype != work.dtype:
                     # An fp16/bf16 gradient rounds the piece it receives: subtract what was written, as
                     # the first iteration does, so that the mass is conserved to the memory's precision.
@@ -147,41 +211,57 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
                 _outer_sum(p, qt, matrix, accumulate=True)
                 if keep_residual:
                     _outer_sum(p, qt, work, accumulate=True, alpha=-1.0)
-    _discard_non_finite(segment, config, with_p=True)
+    if group_views and config.use_error_feedback:
+        _adjust_candidate(segment, add_memory, damping)
+    _finish(segment, commit, own)
 
 
 def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
-                  compressed_step: int) -> tuple[Task, int]:
+                  compressed_step: int, commit: StepCommit | None = None) -> tuple[Task, int]:
     """The engine's entry point: the task for step number ``compressed_step`` (0 for the first
-    compressed step) of the configured scheme, and the number of elements it will send."""
+    compressed step) of the configured scheme, and the number of elements it will send.
+
+    ``commit``: the :class:`StepCommit` of the optimizer step this task is part of (the caller applies
+    it once every task of the step has finished); ``None``: the task commits its own segment.
+
+    A step that is not finite still counts: the caller's counter (hence ``compressed_step``, which picks
+    the side the alternating scheme sends first, the fresh draw without warm start, and the warm-up and
+    ``feedback_every_n_iters`` windows) advances on every rank alike, which needs no host sync. A run
+    that leaves such a step out matches one that ran it exactly when it advances its counter in its
+    place (``PowerSGDState.update_state()``).
+    """
     k = config.num_iters_per_step
+    add_memory = (compressed_step + 1) % config.feedback_every_n_iters == 0
+    damping = None
+    if config.warm_up_beta_factor is not None and compressed_step < config.warm_up_steps:
+        damping = config.warm_up_beta_factor
+    options = {"commit": commit, "add_memory": add_memory, "damping": damping}
     if k is None:
-        task, sent = power_step(segment, grads, comm, config, compressed_step), segment.plan.numel_sent
+        task = power_step(segment, grads, comm, config, compressed_step, **options)
+        sent = segment.plan.numel_sent
     else:
         first = compressed_step * k
-        task = alternating_step(segment, grads, comm, config, first)
+        task = alternating_step(segment, grads, comm, config, first, **options)
         sent = segment.plan.numel_sent_per_step(k, first)
-    if config.use_error_feedback and config.warm_up_beta_factor is not None \
-            and compressed_step < config.warm_up_steps:
-        task = _damped(task, segment, config.warm_up_beta_factor)
-    if config.use_error_feedback and (compressed_step + 1) % config.feedback_every_n_iters != 0:
-        task = _without_feedback(task, segment)
     return task, sent
 
 
-def _damped(task: Task, segment: Segment, beta: float) -> Task:
-    """Run ``task``, then keep only ``beta`` times the residual it stored (warm-up damping)."""
-    yield from task
-    segment.work.mul_(beta)
+def _adjust_candidate(segment: Segment, add_memory: bool, damping: float | None) -> None:
+    """Turn the residual in ``spare`` into the candidate memory: ``damping`` times it (warm-up), plus
+    the current memory when the step did not feed it back (``add_memory=False``)."""
+    for (_, memory, _, _), (_, candidate, _, _) in zip(segment.group_views, segment.spare_group_views):
+        if damping is not None:
+            candidate.mul_(damping)
+        if not add_memory:
+            candidate.add_(memory)
 
 
-def _without_feedback(task: Task, segment: Segment) -> Task:
-    """Run ``task`` on the gradient alone (M = g) and add its residual to the error memory, which is
-    set aside meanwhile: the error is accumulated but not fed back this step."""
-    saved = segment.work.clone()
-    segment.work.zero_()
-    yield from task
-    segment.work.add_(saved)
+def _finish(segment: Segment, commit: StepCommit, own: bool) -> None:
+    """Add the segment's all-finite flag (over everything it averaged: identical on every rank) to the
+    step; apply the step if it is this segment's alone."""
+    commit.add(torch.isfinite(segment.wire).all(), segment)
+    if own:
+        commit.apply()
 
 
 def _send(buffer: Tensor, comm: Communicator, wire_dtype: torch.dtype) -> Task:
@@ -213,16 +293,23 @@ def _send(buffer: Tensor, comm: Communicator, wire_dtype: torch.dtype) -> Task:
         buffer.mul_(scale)
 
 
-def _load(segment: Segment, grads: Sequence[Tensor], config: EngineConfig) -> tuple[list[Tensor], list[Tensor]]:
+def _load(segment: Segment, grads: Sequence[Tensor], scratch: Sequence[Tensor],
+          add_memory: bool) -> tuple[list[Tensor], list[Tensor]]:
     """The gradients as the segment's compressed matrices (group order) and uncompressed vectors, with
-    M = g + e (or M = g without error feedback) accumulated into the work buffer."""
+    M = g + e (``add_memory``) or M = g written into ``scratch``, the error memory left as it is."""
     plan = segment.plan
     matrices = [grads[i].view(plan.tensors[i].matrix) for i in segment.compressed_order]
     unsent = [grads[i].view(-1) for i in plan.uncompressed]
-    if matrices and config.use_error_feedback:
-        torch._foreach_add_(segment.work_views, matrices)
+    if matrices and add_memory and segment.device.type == "cpu":
+        # One pass (a copy then an add take two: on the CPU as costly as a kernel per matrix is not).
+        for memory, matrix, out in zip(segment.work_views, matrices, scratch):
+            torch.add(memory, matrix, out=out)
+    elif matrices and add_memory:  # a fused copy, then one add per shape group
+        torch._foreach_copy_(list(scratch), matrices)
+        for (_, memory, _, _), (_, out, _, _) in zip(segment.group_views, segment.spare_group_views):
+            out.add_(memory)
     elif matrices:
-        torch._foreach_copy_(segment.work_views, matrices)
+        torch._foreach_copy_(list(scratch), matrices)
     return matrices, unsent
 
 
@@ -285,36 +372,3 @@ def _reading_waits(device: torch.device) -> bool:
     """Whether reading a tensor's value on the host waits for ``device``: everywhere but on the CPU,
     whose ops have finished when they return (so a read there costs nothing and syncs nothing)."""
     return device.type != "cpu"
-
-
-def _discard_non_finite(segment: Segment, config: EngineConfig, with_p: bool = False) -> None:
-    """Drop the memory of matrices whose factors came back non-finite (design rule 5).
-
-    A matrix whose Q (with ``with_p``, the alternating scheme, also P) holds a non-finite value gets its
-    error memory zeroed and its factors replaced by ``segment.draw_q([its position], config.random_seed,
-    0, with_p)``'s values. The factors are allreduced means, so every rank decides the same.
-
-    Device-side, with no host sync: per shape group, one ``(B,)`` finite flag, then ``torch.where``
-    against the seeded factors drawn once per segment (:meth:`Segment.fresh_factors`: one more Q, and P
-    with ``with_p``, of device memory) and a masked fill of the error memory. That fill is a pass over
-    all of the error memory: cheap next to a stream sync on a GPU (memory bandwidth), but on the CPU
-    as costly as the rest of the hook (``gradpress bench``, ResNet-18, r=1, one thread: ours +30 ms per
-    step, +52 ms with it). So on the CPU, where reading a flag waits for nothing (:func:`_reading_waits`),
-    one flag for the segment is read first and the all-finite fast path stops at it; the replacement
-    factors are then built only once something was non-finite.
-    """
-    if not _reading_waits(segment.device):
-        checked = segment.wire if with_p else segment.q
-        if bool(torch.isfinite(checked).all()):
-            return
-    fresh = segment.fresh_factors(config.random_seed, with_p)
-    for (_, work, p, qt), (fresh_p, fresh_qt) in zip(segment.group_views, fresh):
-        finite = torch.isfinite(qt).all(dim=(1, 2))
-        if with_p:
-            finite &= torch.isfinite(p).all(dim=(1, 2))
-        finite = finite.view(-1, 1, 1)
-        if config.use_error_feedback:  # without, ``work`` is scratch: the next step overwrites it
-            work.masked_fill_(~finite, 0)
-        torch.where(finite, qt, fresh_qt, out=qt)
-        if fresh_p is not None:
-            torch.where(finite, p, fresh_p, out=p)
