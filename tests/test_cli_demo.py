@@ -372,10 +372,16 @@ def _no_process_left(pids: list[int]) -> bool:
     return True
 
 
+KILLED = "worker rank 1 was killed by SIGKILL"
+
+
 @pytest.mark.parametrize("kind, spec, issuer, words", [
-    ("sigkill", "fp16", "fp16_compress_hook, bucket 0", "worker rank 1 was killed by SIGKILL"),
-    ("hang", "allreduce", "allreduce_hook, bucket 0", "worker rank 1 was still running and reported no error: it "
-                                                      "is probably stuck"),
+    ("sigkill", "fp16", "71,754 float16 values over 2 ranks in fp16_compress_hook, bucket 0", KILLED),
+    ("hang", "allreduce", "71,754 float32 values over 2 ranks in allreduce_hook, bucket 0",
+     "worker rank 1 was still running and reported no error: it is probably stuck"),
+    ("sigkill", "powersgd:1", "float32 values over 2 ranks in powerSGD_hook", KILLED),
+    ("sigkill", "localsgd:2", "71,754 float32 values over 2 ranks in PeriodicModelAverager.average_parameters, step 6",
+     KILLED),
 ])
 def test_a_dead_or_stuck_worker_is_named_and_the_others_say_which_collective_and_hook_failed(
         kind: str, spec: str, issuer: str, words: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -396,8 +402,9 @@ def test_a_dead_or_stuck_worker_is_named_and_the_others_say_which_collective_and
                     methods=parse_methods(spec, []), collective_timeout=5)
     report = str(failure.value)
     assert words in report
-    assert f"worker rank 0 also failed during {spec}" in report
-    assert "CollectiveError: allreduce (sum) of 71,754" in report and f"in {issuer}" in report
+    label = {"powersgd:1": "powersgd r=1", "localsgd:2": "localsgd H=2"}.get(spec, spec)
+    assert f"worker rank 0 also failed during {label}" in report
+    assert "CollectiveError: allreduce (sum) of " in report and f"{issuer} failed" in report
     if kind == "hang":
         assert "did not take part within the process group's timeout" in report
         assert time.monotonic() - begin < 60  # the collective timeout, not the run's

@@ -143,7 +143,7 @@ class AllReduce(Aggregator):
         self.comm_device = comm_device
 
     def aggregate_(self, gradients: Sequence[Tensor | None]) -> None:
-        comm = make_communicator(self.process_group, self.comm_device)
+        comm = make_communicator(self.process_group, self.comm_device, issuer="gradpress.AllReduce.aggregate_")
         pipeline = OrderedPipeline()
         commit = StepCommit()
         for group in _by_device_dtype(_dense(gradients, "AllReduce")).values():
@@ -325,7 +325,7 @@ class PowerSGD(Aggregator):
             if grad.shape != self.params[index].shape:
                 raise ValueError(f"gradient #{index} has shape {tuple(grad.shape)}, its parameter "
                                  f"{tuple(self.params[index].shape)}")
-        comm = make_communicator(self.process_group, self.comm_device)
+        comm = make_communicator(self.process_group, self.comm_device, issuer="gradpress.PowerSGD.aggregate_")
         compressed_step = self.step_counter - self.config.start_compressing_after_num_steps
         self._sync_lr()
         pipeline = OrderedPipeline()

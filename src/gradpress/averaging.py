@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .checkpoint import check_placement, placement
+from .comm import collective_error, describe_collective
 
 __all__ = ["HierarchicalModelAverager", "ModelAverager", "OuterOptimizerAverager", "PeriodicModelAverager",
            "PostLocalSGDOptimizer", "average_parameters", "broadcast_parameters"]
@@ -100,10 +101,11 @@ def _flat_groups(tensors: list[Tensor], wire_dtype: torch.dtype | None = None) -
 
 
 def average_tensors_(tensors: list[Tensor], process_group: dist.ProcessGroup | None = None,
-                     wire_dtype: torch.dtype | None = None) -> int:
+                     wire_dtype: torch.dtype | None = None, issuer: str = "average_tensors_") -> int:
     """Replace each tensor by its mean over ``process_group``, in place; return the bytes sent.
 
     One allreduce per (device, dtype) group, in that dtype (or ``wire_dtype``), of ``tensor / size``.
+    A failed collective raises :class:`gradpress.comm.CollectiveError` naming it and ``issuer``.
     """
     size = dist.get_world_size(process_group)
     if size == 1 or not tensors:
@@ -111,9 +113,18 @@ def average_tensors_(tensors: list[Tensor], process_group: dist.ProcessGroup | N
     sent = 0
     for _, flat in _flat_groups(tensors, wire_dtype):
         flat.div_(size)
-        dist.all_reduce(flat, group=process_group)
+        all_reduce(flat, process_group, issuer)
         sent += flat.numel() * flat.element_size()
     return sent
+
+
+def all_reduce(flat: Tensor, process_group: dist.ProcessGroup | None, issuer: str) -> None:
+    """``dist.all_reduce`` (sum), with a failure described as a :class:`gradpress.comm.CollectiveError`."""
+    try:
+        dist.all_reduce(flat, group=process_group)
+    except RuntimeError as error:
+        what = describe_collective("allreduce (sum)", flat, dist.get_world_size(process_group), issuer)
+        raise collective_error(what, error) from error
 
 
 def broadcast_parameters(params: nn.Module | Iterable[Tensor], process_group: dist.ProcessGroup | None = None,
@@ -161,6 +172,10 @@ class ModelAverager(ABC):
     def average_parameters(self, params: Params) -> None:
         """Average ``params`` if this step is an averaging step; advance the step counter."""
 
+    def _issuer(self) -> str:
+        """Names this averager's collectives in a :class:`gradpress.comm.CollectiveError`."""
+        return f"{type(self).__name__}.average_parameters, step {self.step}"
+
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "bytes_sent": self.bytes_sent, "num_averages": self.num_averages}
 
@@ -195,7 +210,7 @@ class PeriodicModelAverager(ModelAverager):
         self.step += 1
 
     def _average(self, tensors: list[Tensor]) -> None:
-        self.bytes_sent += average_tensors_(tensors, self.process_group)
+        self.bytes_sent += average_tensors_(tensors, self.process_group, issuer=self._issuer())
         self.num_averages += 1
 
 
@@ -259,7 +274,7 @@ class HierarchicalModelAverager(ModelAverager):
         found = self.group_for_step(self.step)
         if found is not None:
             tensors = tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module))
-            self.bytes_sent += average_tensors_(tensors, found[1])
+            self.bytes_sent += average_tensors_(tensors, found[1], issuer=self._issuer())
             self.num_averages += 1
         self.step += 1
 
@@ -320,12 +335,12 @@ class OuterOptimizerAverager(PeriodicModelAverager):
             deltas = [a - t.detach() for a, t in zip(self._anchor, tensors)]
             if isinstance(self.compression, str):
                 wire = torch.float16 if self.compression == "fp16" else torch.bfloat16
-                self.bytes_sent += average_tensors_(deltas, self.process_group, wire_dtype=wire)
+                self.bytes_sent += average_tensors_(deltas, self.process_group, wire_dtype=wire, issuer=self._issuer())
             elif self.compression is not None:
                 self._powersgd.aggregate_(deltas)
                 self.bytes_sent = self._powersgd.total_bytes_sent
             else:
-                self.bytes_sent += average_tensors_(deltas, self.process_group)
+                self.bytes_sent += average_tensors_(deltas, self.process_group, issuer=self._issuer())
             assert self._outer is not None
             # The averaged deltas are the same on every rank, so every rank takes the same branch.
             finite = _all_finite(deltas)

@@ -406,7 +406,7 @@ class PowerSGDState:
     # --- internals used by the hooks ------------------------------------------------------------------
     def _communicator(self) -> Communicator:
         if self._comm is None:
-            self._comm = make_communicator(self.process_group, self.comm_device)
+            self._comm = make_communicator(self.process_group, self.comm_device, issuer="powerSGD_hook")
         return self._comm
 
     def _keys_for(self, params: Sequence[Tensor]) -> tuple[int, ...]:

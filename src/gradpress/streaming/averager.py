@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from ..averaging import ModelAverager, Params, _check_int, average_tensors_, tensors_to_average
 from ..checkpoint import check_placement, placement
+from ..comm import collective_error
 from .compress import Compressor
 from .fragments import fragment_offsets, split_by_size
 
@@ -72,19 +73,23 @@ class _InFlight:
     """An outer gradient sent and not yet applied: the collectives' handles (``works``, empty once
     waited on), their output ``buffers``, and the residual this rank keeps if the result is finite."""
 
-    __slots__ = ("fragment", "due", "works", "buffers", "residual")
+    __slots__ = ("fragment", "due", "works", "buffers", "residual", "what")
 
     def __init__(self, fragment: int, due: int, works: list[Any], buffers: list[Tensor],
-                 residual: Tensor | None) -> None:
+                 residual: Tensor | None, what: str = "") -> None:
         self.fragment = fragment
         self.due = due
         self.works = works
         self.buffers = buffers
         self.residual = residual
+        self.what = what  # the collectives, for a CollectiveError
 
     def wait(self) -> None:
         for work in self.works:
-            work.wait()
+            try:
+                work.wait()
+            except RuntimeError as error:
+                raise collective_error(self.what, error) from error
         self.works = []
 
 
@@ -317,7 +322,7 @@ class StreamingDiLoCoAverager(ModelAverager):
         members = self._members(fr, tensors)
         if fr.anchor is None:  # first sync: plain average, sets the anchor
             with torch.no_grad():
-                sent = average_tensors_(members, self.process_group)
+                sent = average_tensors_(members, self.process_group, issuer=self._issuer())
                 fr.anchor = [t.clone() for t in members]
             self._make_outer(fr)
             self._count(fr, sent)
@@ -359,7 +364,11 @@ class StreamingDiLoCoAverager(ModelAverager):
                 sent = payload.numel()
         fr.syncs += 1
         self._count(fr, sent)
-        self._in_flight.append(_InFlight(fr.index, self.step + self.fragment_sync_delay, works, buffers, residual))
+        op = "allreduce (sum)" if not isinstance(self.compression, Compressor) else "all-gather"
+        what = (f"{op} of fragment {fr.index}'s outer gradient ({sent:,} bytes per rank) over {world} ranks in "
+                f"{self._issuer()}")
+        self._in_flight.append(_InFlight(fr.index, self.step + self.fragment_sync_delay, works, buffers, residual,
+                                         what))
 
     def _count(self, fr: _Fragment, sent: int) -> None:
         fr.bytes_sent += sent
