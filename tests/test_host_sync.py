@@ -185,21 +185,24 @@ def test_engine_runs_on_a_device_without_values(name):
     segment = _segment(config, device="meta")
     for compressed_step in range(3):
         _run(segment, _gradients(compressed_step, False, device="meta"), config, compressed_step)
-    # The device-side commit ran (there is no value to read on "meta"): the new memory was built beside
-    # the old one.
-    assert segment.spare is not None and segment.spare.device.type == "meta"
+    # The device-side commit ran (there is no value to read on "meta"): its candidate memory was built
+    # in the workspace, on that device.
+    assert segment.workspace.nbytes > 0
+    assert all(flat.device.type == "meta" for flat in segment.workspace._buffers.values())
 
 
-def test_on_the_cpu_a_step_reads_one_flag_and_commits_by_swapping_buffers():
+def test_on_the_cpu_a_step_reads_one_flag_and_writes_the_memory_in_place():
     config = EngineConfig(rank=2, min_compression_rate=0, num_iters_per_step=2)
     segment = _segment(config)
     _run(segment, _gradients(0, False), config, 0)
-    memory, candidate = segment.work.data_ptr(), segment.spare.data_ptr()
+    memory = segment.work.data_ptr()
+    before = [w.clone() for w in segment.work_views]
     counter = _CountSyncingOps()
     with counter:
         _run(segment, _gradients(1, False), config, 1)
     assert counter.count == 1  # the step's all-finite flag: free on the CPU, and it saves a full pass
-    assert (segment.work.data_ptr(), segment.spare.data_ptr()) == (candidate, memory)  # no copy, no select
+    assert segment.work.data_ptr() == memory  # the same buffer, updated in place: no second memory
+    assert not all(torch.equal(a, b) for a, b in zip(before, segment.work_views))
 
 
 # --- a non-finite step: every buffer as before it -------------------------------------------------------

@@ -408,21 +408,30 @@ def test_engine_non_finite_step_restores_every_segment_bitwise(name, path, dtype
         assert torch.equal(a[2], b[2]) or not with_p
 
 
-def test_engine_reads_one_flag_per_step_on_the_cpu_and_keeps_a_spare_only_with_error_feedback():
+def test_engine_reads_one_flag_per_step_on_the_cpu_and_keeps_no_second_memory():
     from test_host_sync import _CountSyncingOps
+    from gradpress.powersgd.memory import ALIGNMENT_BYTES, Workspace
 
     config = gradpress.powersgd.EngineConfig(rank=2, min_compression_rate=0)
     segments = _engine_segments(config)
+    workspace = Workspace()
+    for segment in segments:  # as the segments of one state share it
+        segment.workspace = workspace
     _engine_step(segments, _engine_grads(0, False, torch.float32), config, 0)
     counter = _CountSyncingOps()
     with counter:
         _engine_step(segments, _engine_grads(1, False, torch.float32), config, 1)
     assert counter.count == 1  # one flag for the whole step (two segments), read where reading is free
-    assert all(s.spare.numel() == s.work.numel() for s in segments)
-    plain = gradpress.powersgd.EngineConfig(rank=2, min_compression_rate=0, use_error_feedback=False)
-    segments = _engine_segments(plain)
-    _engine_step(segments, _engine_grads(0, False, torch.float32), plain, 0)
-    assert all(s.spare is None for s in segments)
+    # Held: the error memory once, the factors (and their saved copy), and one workspace of the largest
+    # shape group (plus alignment), not a second error memory.
+    largest_group = max(g.batch * g.n * g.m for s in segments for g in s.plan.groups) * 4
+    assert workspace.nbytes <= largest_group + 2 * ALIGNMENT_BYTES * max(g.batch for s in segments for g in s.plan.groups)
+    assert workspace.nbytes < sum(s.work.numel() for s in segments) * 4
+    for segment in segments:
+        held = [getattr(segment, name) for name in segment.__slots__]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in held if isinstance(t, torch.Tensor)}  # (views share their buffer's storage)
+        assert sum(storages.values()) == 4 * (segment.work.numel() + segment.wire.numel() + segment.plan.q_numel)
 
 
 class _Tiny(nn.Module):

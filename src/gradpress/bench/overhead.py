@@ -161,16 +161,15 @@ def _nbytes(t: Tensor) -> int:
 
 
 def ours_state_bytes(state: Any) -> dict[str, int]:
-    """``spare``: where a step builds the new error memory beside the old one until the iteration is
-    known to be finite (issue 19.3; one more error memory once error feedback ran); ``saved_factors``:
-    the warm-start factors of the iteration in flight, put back if it is not finite."""
-    out = {"work": 0, "spare": 0, "phase1": 0, "q": 0, "saved_factors": 0}
+    """``saved_factors``: the warm-start factors of the iteration in flight, put back if it is not finite
+    (issue 19.3); ``workspace``: the one scratch buffer the segments share (M of one shape group)."""
+    out = {"work": 0, "phase1": 0, "q": 0, "saved_factors": 0}
     for seg in state._store.segments.values():
         out["work"] += _nbytes(seg.work)
-        out["spare"] += _nbytes(seg.spare) if seg.spare is not None else 0
         out["phase1"] += _nbytes(seg.phase1)
         out["q"] += _nbytes(seg.q)
         out["saved_factors"] += _nbytes(seg.saved_factors) if seg.saved_factors is not None else 0
+    out["workspace"] = state._store.workspace.nbytes
     out["total"] = sum(out.values())
     return out
 

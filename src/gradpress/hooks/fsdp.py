@@ -109,6 +109,10 @@ def register_fsdp_comm_hook(module: nn.Module, state: Any, hook: Hook) -> None:
     for name, unit, param_group in units:
         _check_replicate_group(group, param_group, name)
     counter = _BackwardCounter([param_group for _, _, param_group in units])
+    if isinstance(state, PowerSGDState):
+        # FSDP reads each unit's result as soon as its hook returns: each unit commits its own memory
+        # (a non-finite unit keeps its memory; the others are not held back until the last unit).
+        state._finish_each_bucket = True
     for index, (_, unit, param_group) in enumerate(units):
         unit.set_all_reduce_hook(_UnitHook(state, hook, index, param_group, counter, replicas))
 

@@ -96,8 +96,10 @@ class PowerSGDState:
     non-finite, so ``GradScaler.step`` skips it on every rank. The decision is taken on the device (no
     host sync; on the CPU one flag per iteration is read). ``iter`` still advances, as it does for
     :meth:`update_state`: a run that leaves such an iteration out and calls ``update_state()`` in its
-    place continues with the same numbers. Memory: the new error memory is built beside the old one
-    until the iteration's last bucket (one more error memory, see ``Segment.spare``).
+    place continues with the same numbers. How: every bucket's output and new memory are written at the
+    iteration's last bucket, once all are known to be finite (``gradpress.powersgd.StepCommit``); no
+    second copy of the memory is kept. Under FSDP (:func:`gradpress.register_fsdp_comm_hook`) and with
+    the interleaved ZeRO step, which need each bucket's result at once, each bucket commits alone.
 
     Example::
 
@@ -112,7 +114,7 @@ class PowerSGDState:
                  "total_numel_after_compression", "next_stats_report", "_config", "_store",
                  "_keys", "_key_shapes", "_pipeline", "_comm", "_padded", "_saved_padded", "lr_scheduler",
                  "total_bytes_before_compression", "total_bytes_after_compression", "_last_lr", "_lr_iter",
-                 "_commit", "__weakref__")
+                 "_commit", "_pending", "_finish_each_bucket", "__weakref__")
 
     def __init__(
         self,
@@ -192,8 +194,12 @@ class PowerSGDState:
         # the pipeline, so the autograd thread never waits on the link mid-backward (measured on a real
         # backward pass, issue 15: 7-11% faster steps than advancing on every submit; docs/design.md#ordering).
         self._pipeline = OrderedPipeline(advance_on_submit=False)
-        # The buckets of the iteration in flight: their new memory is kept only if all are finite.
+        # The buckets of the iteration in flight: their outputs and new memory are written at the last
+        # bucket, the memory only if all are finite; ``_pending`` completes their futures after that.
         self._commit = StepCommit()
+        self._pending: list[Any] = []
+        # Set by wrappers that need each bucket's result when its task ends (FSDP, interleaved ZeRO).
+        self._finish_each_bucket = False
         self._comm: Communicator | None = None
         self.lr_scheduler = lr_scheduler
         self.total_bytes_before_compression = 0
@@ -404,6 +410,10 @@ class PowerSGDState:
                            "state.process_group if another group is wanted.")
 
     # --- internals used by the hooks ------------------------------------------------------------------
+    def _step_commit(self) -> StepCommit | None:
+        """The commit a bucket's task joins: the iteration's, or none (the task commits alone)."""
+        return None if self._finish_each_bucket else self._commit
+
     def _communicator(self) -> Communicator:
         if self._comm is None:
             self._comm = make_communicator(self.process_group, self.comm_device, issuer="powerSGD_hook")
@@ -442,18 +452,30 @@ class PowerSGDState:
         """Queue ``task`` in the ordered pipeline; complete the returned future with ``result``."""
         fut: torch.futures.Future = torch.futures.Future()
 
-        def done() -> None:
+        def complete() -> None:
             if finish is not None:
                 finish()
             fut.set_result(result)
 
+        def fail(error: BaseException) -> None:
+            fut.set_exception(error)
+            for _, pending in self._pending:
+                pending.set_exception(error)
+            self._pending = []
+
+        # The outputs are written at the commit: each bucket's future completes after it.
+        done = complete if self._finish_each_bucket else (lambda: self._pending.append((complete, fut)))
         try:
-            self._pipeline.submit(task, done, fut.set_exception)
+            self._pipeline.submit(task, done, fail)
             if bucket.is_last():
                 self._pipeline.drain()
                 self._commit.apply()
+                pending, self._pending = self._pending, []
+                for complete_bucket, _ in pending:
+                    complete_bucket()
         except BaseException:
             self._commit.discard()
+            self._pending = []
             raise
         self.total_numel_before_compression += before
         self.total_numel_after_compression += after
@@ -516,7 +538,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     segment = state._segment_for(bucket.index(), keys, grads)
     state._sync_lr()
     task, sent = compress_step(segment, grads, state._communicator(), state._config,
-                               state.iter - state.start_powerSGD_iter, state._commit)
+                               state.iter - state.start_powerSGD_iter, state._step_commit())
     return state._run(task, bucket, bucket.buffer(), segment.plan.numel, sent, grad_dtype=grads[0].dtype)
 
 
@@ -547,7 +569,7 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torc
     flat[numel:].zero_()
     state._sync_lr()
     task, sent = compress_step(segment, [square], state._communicator(), state._config,
-                               state.iter - state.start_powerSGD_iter, state._commit)
+                               state.iter - state.start_powerSGD_iter, state._step_commit())
     return state._run(task, bucket, buffer, numel, sent,
                       finish=lambda: buffer.copy_(flat[:numel]), grad_dtype=buffer.dtype)
 
@@ -559,7 +581,7 @@ def _padded_segment(state: PowerSGDState, index: int, numel: int, buffer: Tensor
     dtype = work_dtype_for(buffer.dtype)
     plan = make_plan([(side, side)], state._config.rank, min_compression_rate=0)
     # Negative keys: the batched hook's memory is per bucket, not per parameter.
-    segment = Segment(plan, [-1 - index], buffer.device, dtype)
+    segment = Segment(plan, [-1 - index], buffer.device, dtype, state._store.workspace)
     saved = state._saved_padded.pop(index, None)
     if saved is not None:
         if saved["numel"] == numel:

@@ -181,6 +181,12 @@ class ZeroStepHook:
 
     # -- the hook ----------------------------------------------------------------------------------
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        if self.interleaved and hasattr(state, "_finish_each_bucket"):
+            # A PowerSGDState completes its buckets' futures together at the last bucket (so that a
+            # non-finite iteration can leave all memory as it was); stepping each shard as its bucket
+            # completes needs each future at once. The step runs inside backward, whatever a GradScaler
+            # would decide, so nothing is lost.
+            state._finish_each_bucket = True
         fut = self.hook(state, bucket)
         if not (callable(getattr(fut, "wait", None)) and callable(getattr(fut, "then", None))):
             raise TypeError(f"{self._name}: the wrapped hook must return a torch.futures.Future, "

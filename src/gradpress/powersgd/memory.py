@@ -18,7 +18,7 @@ from torch import Tensor
 from .config import EngineConfig
 from .plan import GroupPlan, Plan, make_plan
 
-__all__ = ["ALIGNMENT_BYTES", "ParamMemory", "Segment", "SegmentStore", "seeded_normal", "work_dtype_for"]
+__all__ = ["ALIGNMENT_BYTES", "ParamMemory", "Segment", "SegmentStore", "Workspace", "seeded_normal", "work_dtype_for"]
 
 #: Every matrix's error memory starts at a multiple of this many bytes (PyTorch's CPU allocations are
 #: aligned the same way). BLAS rounds differently when an operand starts at another alignment (MKL's
@@ -84,26 +84,68 @@ class ParamMemory:
         return cls(tuple(entry["shape"]), entry["error"], entry["q"], entry.get("p"))  # type: ignore[arg-type]
 
 
+def _aligned_stride(numel: int, dtype: torch.dtype) -> tuple[int, int]:
+    """``(stride, per_line)``: ``numel`` rounded up to whole :data:`ALIGNMENT_BYTES` lines of ``dtype``."""
+    per_line = max(1, ALIGNMENT_BYTES // torch.empty((), dtype=dtype).element_size())
+    return -(-numel // per_line) * per_line, per_line
+
+
+def _aligned_offset(flat: Tensor) -> int:
+    """Elements to skip in ``flat`` to reach an :data:`ALIGNMENT_BYTES` boundary (0 for PyTorch's own
+    CPU and CUDA allocations; the extra line callers allocate keeps the layout valid otherwise)."""
+    return ((-flat.data_ptr()) % ALIGNMENT_BYTES) // flat.element_size()
+
+
+class Workspace:
+    """One reusable scratch buffer per (device, dtype), for matrices that a step builds and consumes
+    between two of its collectives: M = g + e of one shape group (or one matrix), a candidate memory.
+
+    Nothing in it lives across a collective, so every segment of a state shares one: the state holds
+    one more buffer of the largest shape group it compresses (at most one bucket), not one per segment.
+    Each matrix of a :meth:`matrices` view starts on an :data:`ALIGNMENT_BYTES` line, as in
+    ``Segment.work``, so a product's rounding never depends on where a gradient sits in its bucket.
+    """
+
+    __slots__ = ("_buffers",)
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+    def matrices(self, batch: int, n: int, m: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """A ``(batch, n, m)`` view of the buffer (contents undefined), valid until the next call."""
+        stride, per_line = _aligned_stride(n * m, dtype)
+        need = batch * stride + per_line
+        key = (torch.device(device), dtype)
+        flat = self._buffers.get(key)
+        if flat is None or flat.numel() < need:
+            self._buffers.pop(key, None)  # free the smaller one first
+            flat = torch.empty(need, device=device, dtype=dtype)
+            self._buffers[key] = flat
+        offset = _aligned_offset(flat)
+        return flat[offset: offset + batch * stride].view(batch, stride)[:, : n * m].view(batch, n, m)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(flat.numel() * flat.element_size() for flat in self._buffers.values())
+
+
 class Segment:
     """Flat working buffers of one segment (bucket), built from a plan.
 
     Buffers (all of ``dtype``, on ``device``):
-      * ``work``: the compressed matrices, grouped. With error feedback it *is* the error memory, and a
-        step leaves it untouched until the step is committed (:meth:`commit`). Without error feedback it
-        is scratch: the step computes M = g in it. Each matrix starts at a multiple of
-        :data:`ALIGNMENT_BYTES` (zero padding between matrices, never read), so its numbers do not
-        depend on its place in the bucket.
-      * ``spare``: with error feedback, where a step computes M = g + e and then the candidate memory
-        e' = M - PQ^T, laid out as ``work``. Committing a finite step swaps the two (or, where reading
-        the step's flag would wait for the device, selects e' into ``work`` on the device). ``None``
-        until the first step with error feedback. Memory: one more error memory per segment, the price
-        of keeping the previous memory intact until every segment of the step is known to be finite
-        (design rule 5, issue 19.3).
+      * ``work``: the error memory of the compressed matrices, grouped (unused without error feedback).
+        A step reads it and writes it only when the step is committed (:class:`~gradpress.powersgd.step.StepCommit`):
+        M = g + e is built in the shared :class:`Workspace` for each product, and e' = M - P Q^T is
+        written at the commit, only if the step is finite. So a step whose averages are not finite
+        leaves ``work`` bitwise as it was, with no second copy of the memory (issue 19.3). Each matrix
+        starts at a multiple of :data:`ALIGNMENT_BYTES` (zero padding between matrices, never read), so
+        its numbers do not depend on its place in the bucket.
       * ``wire``: what is sent, ``[P | uncompressed | Q]`` (see :class:`~gradpress.powersgd.plan.Plan`);
         ``phase1`` (``[P | uncompressed]``) and ``q`` are views of it.
       * ``saved_factors``: the warm-start factors as they were before the step in flight (``[Q]``, or
         ``[P | Q]`` in the alternating scheme, where P is memory too), put back if the step is not
         finite. ``None`` until first needed. Memory: one more Q (and P).
+      * ``workspace``: a :class:`Workspace`, shared by the segments of one state.
 
     Q is stored transposed, as ``(r, m)`` per matrix (``(B, r, m)`` per group): the power iteration then
     computes Q^T = P^T M with both operands in their natural layout, and P = M Q reads Q column-major.
@@ -112,55 +154,62 @@ class Segment:
     """
 
     __slots__ = ("plan", "keys", "dtype", "device", "work", "wire", "phase1", "q", "group_views",
-                 "work_views", "p_views", "q_views", "unsent_q", "spare", "spare_views", "spare_group_views",
-                 "saved_factors", "staged")
+                 "work_views", "p_views", "q_views", "unsent_q", "saved_factors", "staged", "workspace")
 
-    def __init__(self, plan: Plan, keys: Sequence[int], device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, plan: Plan, keys: Sequence[int], device: torch.device, dtype: torch.dtype,
+                 workspace: Workspace | None = None) -> None:
         if len(keys) != len(plan.tensors):
             raise ValueError(f"{len(keys)} parameter keys for a plan of {len(plan.tensors)} tensors")
         self.plan = plan
         self.keys = tuple(keys)
         self.device = device
         self.dtype = dtype
+        self.workspace = workspace if workspace is not None else Workspace()
         sent = plan.p_numel + plan.uncompressed_numel
         self.wire = torch.zeros(sent + plan.q_numel, device=device, dtype=dtype)
         self.phase1 = self.wire[:sent]
         self.q = self.wire[sent:]
+        strides = [_aligned_stride(group.n * group.m, dtype)[0] for group in plan.groups]
+        per_line = _aligned_stride(1, dtype)[1]
+        self.work = torch.zeros(sum(g.batch * stride for g, stride in zip(plan.groups, strides)) + per_line,
+                                device=device, dtype=dtype)
+        offset = _aligned_offset(self.work)
         # Per shape group: (group, its (B, n, m) view of work, (B, n, r) of P, (B, r, m) of Q^T). Per
         # compressed tensor, in group order: its (n, m) slice of work, (n, r) of P, (r, m) of Q^T.
-        self.work, self.group_views, self.work_views = self._matrix_buffer()
-        self.p_views: list[Tensor] = [p for _, _, group_p, _ in self.group_views for p in group_p.unbind(0)]
-        self.q_views: list[Tensor] = [q for _, _, _, group_q in self.group_views for q in group_q.unbind(0)]
+        self.group_views: list[tuple[GroupPlan, Tensor, Tensor, Tensor]] = []
+        self.work_views: list[Tensor] = []
+        for group, stride in zip(plan.groups, strides):
+            b, n, m = group.batch, group.n, group.m
+            work = self.work[offset: offset + b * stride].view(b, stride)[:, : n * m].view(b, n, m)
+            offset += b * stride
+            p, q = self._factor_group_views(self.wire, group)
+            self.group_views.append((group, work, p, q))
+            self.work_views.extend(work.unbind(0))
+        self.p_views, self.q_views = self.factor_views(self.wire)
         # Positions (in group order) whose factors must be drawn before the next step.
         self.unsent_q: list[int] = list(range(len(self.q_views)))
-        self.spare: Tensor | None = None
-        self.spare_views: list[Tensor] = []
-        self.spare_group_views: list[tuple[GroupPlan, Tensor, Tensor, Tensor]] = []
         self.saved_factors: Tensor | None = None
-        # What the step in flight will commit: (a candidate memory in ``spare``, factors saved (with P)).
-        self.staged: tuple[bool, bool | None] | None = None
+        # The factors the step in flight saved: None (nothing), False (Q), True (P and Q).
+        self.staged: bool | None = None
 
-    def _matrix_buffer(self) -> tuple[Tensor, list[tuple[GroupPlan, Tensor, Tensor, Tensor]], list[Tensor]]:
-        """A zeroed buffer for the compressed matrices, each aligned; its group views ``(group, (B, n, m),
-        P, Q^T)`` and its per-matrix views."""
-        plan = self.plan
-        per_line = max(1, ALIGNMENT_BYTES // torch.empty((), dtype=self.dtype).element_size())
-        strides = [-(-(group.n * group.m) // per_line) * per_line for group in plan.groups]
-        flat = torch.zeros(sum(g.batch * stride for g, stride in zip(plan.groups, strides)) + per_line,
-                           device=self.device, dtype=self.dtype)
-        # The allocation is aligned on CPU and CUDA; the extra line keeps the layout valid if it is not.
-        offset = ((-flat.data_ptr()) % ALIGNMENT_BYTES) // flat.element_size()
-        group_views = []
-        matrix_views: list[Tensor] = []
-        for group, stride in zip(plan.groups, strides):
-            b, n, m, r = group.batch, group.n, group.m, group.rank
-            matrices = flat[offset: offset + b * stride].view(b, stride)[:, : n * m].view(b, n, m)
-            offset += b * stride
-            p = self.phase1[group.p_offset: group.p_offset + b * n * r].view(b, n, r)
-            q = self.q[group.q_offset: group.q_offset + b * m * r].view(b, r, m)
-            group_views.append((group, matrices, p, q))
-            matrix_views.extend(matrices.unbind(0))
-        return flat, group_views, matrix_views
+    def _factor_group_views(self, wire: Tensor, group: GroupPlan) -> tuple[Tensor, Tensor]:
+        """``group``'s ``(B, n, r)`` P and ``(B, r, m)`` Q^T in ``wire`` (or a buffer laid out as it)."""
+        b, n, m, r = group.batch, group.n, group.m, group.rank
+        sent = self.plan.p_numel + self.plan.uncompressed_numel
+        p = wire[group.p_offset: group.p_offset + b * n * r].view(b, n, r)
+        q = wire[sent + group.q_offset: sent + group.q_offset + b * m * r].view(b, r, m)
+        return p, q
+
+    def factor_views(self, wire: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """Per compressed tensor, in group order, its ``(n, r)`` P and ``(r, m)`` Q^T in ``wire`` (or in a
+        copy of it: the factors of an earlier iteration, kept by the alternating scheme)."""
+        ps: list[Tensor] = []
+        qs: list[Tensor] = []
+        for group in self.plan.groups:
+            p, q = self._factor_group_views(wire, group)
+            ps.extend(p.unbind(0))
+            qs.extend(q.unbind(0))
+        return ps, qs
 
     @property
     def compressed_order(self) -> list[int]:
@@ -172,57 +221,31 @@ class Segment:
         the same on every rank."""
         self._fill_seeded(self.q_views, self.p_views if with_p else None, positions, seed, draw)
 
-    def scratch(self, error_feedback: bool) -> tuple[list[tuple[GroupPlan, Tensor, Tensor, Tensor]], list[Tensor]]:
-        """Where a step computes M and its residual: ``spare`` with error feedback (so ``work``, the
-        memory, stays as it was until :meth:`commit`), else ``work`` itself. As ``group_views`` and
-        ``work_views`` are for ``work``."""
-        if not error_feedback:
-            return self.group_views, self.work_views
-        if self.spare is None:
-            self.spare, self.spare_group_views, self.spare_views = self._matrix_buffer()
-        return self.spare_group_views, self.spare_views
-
-    def stage(self, error_feedback: bool, factors: bool | None) -> None:
-        """Begin a step: remember what :meth:`commit` will keep or drop, and save the factors it may
-        have to put back. ``factors``: ``None`` (no factor is memory: no warm start), ``False`` (Q),
-        ``True`` (P and Q, the alternating scheme). Called after the step drew the factors it lacked
-        (first use): a step rolled back keeps those, the draw the next step would make anyway."""
+    def stage(self, factors: bool | None) -> None:
+        """Begin a step: save the factors that :meth:`restore_factors` may have to put back.
+        ``factors``: ``None`` (no factor is memory: no warm start), ``False`` (Q), ``True`` (P and Q, the
+        alternating scheme). Called after the step drew the factors it lacked (first use): a step that is
+        rolled back keeps those, the draw the next step would make anyway."""
         if factors is not None:
             p_numel = self.plan.p_numel if factors else 0
             if self.saved_factors is None or self.saved_factors.numel() != p_numel + self.plan.q_numel:
                 self.saved_factors = torch.empty(p_numel + self.plan.q_numel, device=self.device, dtype=self.dtype)
             for saved, current in self._factor_pairs(factors):
                 saved.copy_(current)
-        self.staged = (error_feedback, factors)
+        self.staged = factors
 
-    def commit(self, finite: Tensor, known: bool | None) -> None:
-        """End the staged step: keep its new memory and factors if ``finite`` (a 0-d bool tensor on this
-        device, the same on every rank), else leave them bitwise as they were before the step.
-
-        ``known``: ``finite``'s value when the caller has read it (where reading is free), else ``None``:
-        then the choice is made on the device with ``torch.where``, with no host sync (one pass over the
-        error memory and the factors). Known finite: the buffers are swapped, no pass at all.
-        """
-        if self.staged is None:
+    def restore_factors(self, finite: Tensor, known: bool | None) -> None:
+        """End the staged step's factors: kept if ``finite`` (a 0-d bool tensor on this device, the same on
+        every rank), else put back bitwise. ``known``: ``finite``'s value where the caller read it (where
+        reading is free), else ``None``: then the choice is a device-side ``torch.where``, no host sync."""
+        factors, self.staged = self.staged, None
+        if factors is None or known is True:
             return
-        memory, factors = self.staged
-        self.staged = None
-        if known is True:
-            if memory:
-                assert self.spare is not None
-                self.work, self.spare = self.spare, self.work
-                self.work_views, self.spare_views = self.spare_views, self.work_views
-                self.group_views, self.spare_group_views = self.spare_group_views, self.group_views
-            return
-        if memory and known is None:
-            for (_, old, _, _), (_, new, _, _) in zip(self.group_views, self.spare_group_views):
-                torch.where(finite, new, old, out=old)
-        if factors is not None:
-            for saved, current in self._factor_pairs(factors):
-                if known is None:
-                    torch.where(finite, current, saved, out=current)
-                else:
-                    current.copy_(saved)
+        for saved, current in self._factor_pairs(factors):
+            if known is None:
+                torch.where(finite, current, saved, out=current)
+            else:
+                current.copy_(saved)
 
     def _factor_pairs(self, with_p: bool) -> list[tuple[Tensor, Tensor]]:
         """``(saved, current)`` views: Q, and with ``with_p`` first P, in ``saved_factors`` and ``wire``."""
@@ -301,12 +324,13 @@ class SegmentStore:
     parameters' memory from there: memory follows parameters, never positions.
     """
 
-    __slots__ = ("config", "segments", "pool")
+    __slots__ = ("config", "segments", "pool", "workspace")
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.segments: dict[object, Segment] = {}
         self.pool: dict[int, ParamMemory] = {}
+        self.workspace = Workspace()  # shared by the segments (see Workspace)
 
     def get(self, slot: object, keys: tuple[int, ...], shapes: Sequence[Sequence[int]],
             device: torch.device, dtype: torch.dtype) -> Segment:
@@ -318,7 +342,7 @@ class SegmentStore:
         for other in [s for s, seg in self.segments.items() if s == slot or wanted & set(seg.keys)]:
             self.pool.update(self.segments.pop(other).export(self.config))
         plan = make_plan(shapes, self.config.rank, self.config.min_compression_rate)
-        segment = Segment(plan, keys, device, dtype)
+        segment = Segment(plan, keys, device, dtype, self.workspace)
         segment.load(self.pool, self.config)
         for key in keys:
             self.pool.pop(key, None)

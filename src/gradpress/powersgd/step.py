@@ -6,7 +6,7 @@ Optimization", NeurIPS 2019, Algorithm 1 (one power iteration, warm start) with 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -23,50 +23,54 @@ __all__ = ["StepCommit", "alternating_step", "compress_step", "power_step"]
 class StepCommit:
     """The segments of one step, committed together once all of them have finished (issue 19.3).
 
-    A step is *finite* when every value its segments averaged (factors and uncompressed tensors, after
-    the collectives, hence identical on every rank) is finite. A step that is not finite leaves the error
-    memory and the warm-start factors of every segment, on every rank, bitwise as they were before it,
-    while its outputs stay non-finite, so an AMP ``GradScaler`` skips it on every rank. The callers'
-    step counters still advance (see :func:`compress_step`).
+    Until its commit a step writes nothing that a later step reads: the error memory stays as it is
+    (M = g + e is rebuilt in the segment's :class:`~gradpress.powersgd.memory.Workspace` for each
+    product), the warm-start factors it overwrites are saved first, and the gradients of the compressed
+    matrices still hold g. The commit then writes, per segment, the output P Q^T into the gradients
+    and, if the step is *finite*, the new error memory e' = M - P Q^T; if it is not, the error memory
+    and the warm-start factors of every segment, on every rank, stay bitwise as they were before the
+    step, while the outputs are non-finite, so an AMP ``GradScaler`` skips the step on every rank.
 
-    One commit spans what one optimizer step consumes: all buckets of a DDP backward pass, all
-    (device, dtype) groups of an aggregator call. Used alone (``commit=None``), a step commits itself.
+    A step is finite when every value its segments averaged (factors and uncompressed tensors, after
+    the collectives, hence identical on every rank) is finite. One commit spans what one optimizer step
+    consumes: all buckets of a DDP backward pass, all (device, dtype) groups of an aggregator call.
+    Used alone (``commit=None``), a step commits itself when it ends. The callers' step counters still
+    advance on a step that is not finite (see :func:`compress_step`).
     """
 
-    __slots__ = ("_staged", "_flags")
+    __slots__ = ("_finishes", "_flags")
 
     def __init__(self) -> None:
-        self._staged: list[Segment] = []
+        self._finishes: list[Callable[[Tensor, bool | None], None]] = []
         self._flags: list[Tensor] = []
 
-    def add(self, finite: Tensor, segment: Segment | None = None) -> None:
-        """Count ``finite`` (a 0-d bool tensor, the same on every rank) in; ``segment``: staged, to commit."""
+    def add(self, finite: Tensor, finish: Callable[[Tensor, bool | None], None] | None = None) -> None:
+        """Count ``finite`` (a 0-d bool tensor, the same on every rank) in; ``finish(finite, known)``: what
+        the commit runs (``finite`` on the flag's device, ``known`` as in :meth:`apply`)."""
         self._flags.append(finite)
-        if segment is not None:
-            self._staged.append(segment)
+        if finish is not None:
+            self._finishes.append(finish)
 
     def discard(self) -> None:
-        """Forget a step that failed midway: its segments keep their memory as before it."""
-        for segment in self._staged:
-            segment.staged = None
-        self._staged, self._flags = [], []
+        """Forget a step that failed midway: its segments keep their memory and factors as before it."""
+        self._finishes, self._flags = [], []
 
     def apply(self) -> Tensor | None:
-        """Commit every staged segment; return the step's all-finite flag (``None``: nothing was added).
+        """Commit every segment added; return the step's all-finite flag (``None``: nothing was added).
 
-        Where reading a value is free (every segment on the CPU) the flag is read once, for the whole
-        step, and a finite step commits by swapping buffers. Elsewhere the choice is a device-side
-        ``torch.where``, with no host sync (design rule 6).
+        Where reading a value is free (every flag on the CPU) the flag is read once, for the whole step,
+        and each segment takes the finite or the non-finite path. Elsewhere the choice is made on the
+        device with ``torch.where``, with no host sync (design rule 6).
         """
         if not self._flags:
             return None
-        staged, flags = self._staged, self._flags
-        self._staged, self._flags = [], []
+        finishes, flags = self._finishes, self._flags
+        self._finishes, self._flags = [], []
         device = flags[0].device
         finite = flags[0] if len(flags) == 1 else torch.stack([f.to(device) for f in flags]).all()
         known = None if any(_reading_waits(f.device) for f in flags) else bool(finite)
-        for segment in staged:  # (segments on several devices: the flag is copied to each)
-            segment.commit(finite.to(segment.device), known)
+        for finish in finishes:
+            finish(finite, known)
         return finite
 
 
@@ -79,32 +83,35 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     be resumed only once that collective is complete. Every rank must run it with the same plan.
 
     Steps, for the compressed matrices M_i (grouped by shape, one ``bmm`` per group):
-      1. M = g + e (error feedback) — in the segment's scratch (:meth:`Segment.scratch`), the error
-         memory ``e`` itself untouched;
+      1. M = g + e (error feedback), built in the workspace for each product: the error memory ``e``
+         and the gradient ``g`` stay as they are until the commit;
       2. P = M Q, with Q the warm-start factor (or a fresh seeded draw);
       3. allreduce ``[P / W | uncompressed / W]`` (one collective; dividing first keeps fp16 finite);
-      4. P = orthogonalize(P) in fp32;  Q = M^T P;
+      4. P = orthogonalize(P) in fp32;  Q = M^T P (M built again);
       5. allreduce ``Q / W`` — now Q is the mean over workers;
-      6. g <- P Q^T (identical on every rank), e' <- M - P Q^T, committed as the new error memory (and
-         Q as the warm start) by ``commit`` only if the step is finite (:class:`StepCommit`).
+      6. at the commit (:class:`StepCommit`, by ``commit``, or at the end of this task without one):
+         g <- P Q^T (identical on every rank) and, only if the step is finite, e <- M - P Q^T.
 
-    Mutates ``grads`` in place, the segment's buffers, and nothing else. ``step`` numbers fresh Q draws
-    when warm start is off. ``add_memory=False``: M = g, and e' = e + (M - PQ^T) (feedback deferred);
-    ``damping``: the residual M - PQ^T is multiplied by it first (warm-up). Non-finite gradients give non-finite outputs (so
-    an AMP GradScaler skips the step) and leave the memory as it was.
+    Mutates ``grads`` (the uncompressed tensors at step 3, the compressed ones at the commit), the
+    segment's buffers, and nothing else. ``step`` numbers fresh Q draws when warm start is off.
+    ``add_memory=False``: M = g, and e' = e + (M - PQ^T) (feedback deferred); ``damping``: the residual
+    M - PQ^T is multiplied by it first (warm-up). Non-finite gradients give non-finite outputs (so an AMP
+    GradScaler skips the step) and leave the memory and the factors as they were.
+
+    Building M twice costs two elementwise passes over the gradients more than building it once and
+    keeping it, and saves keeping a second copy of the error memory until the commit (a buffer of the
+    gradients' size; the workspace is the size of one shape group).
     """
     plan = segment.plan
     own = commit is None
     commit = StepCommit() if own else commit
     unsent_buffer = segment.phase1[plan.p_numel:]
-    group_views, scratch = segment.scratch(config.use_error_feedback)
-    # 1. M = g + e.
-    matrices, unsent = _load(segment, grads, scratch, config.use_error_feedback and add_memory)
+    matrices, unsent = _views(segment, grads)
+    with_memory = config.use_error_feedback and add_memory
     _draw_missing(segment, config, 0 if config.warm_start else step + 1)
-    segment.stage(config.use_error_feedback, False if config.warm_start else None)
-    # 2. P = M Q.
-    for _, work, p, qt in group_views:
-        _matmul(work, qt.transpose(1, 2), p)
+    segment.stage(False if config.warm_start else None)
+    # 1-2. P = M Q.
+    _products(segment, matrices, with_memory, [], right=True)
     # 3. One collective for all P's and all uncompressed tensors.
     if unsent:
         torch._foreach_copy_(list(unsent_buffer.split([t.numel() for t in unsent])), unsent)
@@ -113,23 +120,17 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
 
     if unsent:
         torch._foreach_copy_(unsent, list(unsent_buffer.split([t.numel() for t in unsent])))
-    if group_views:
+    pieces: list[tuple[list[Tensor], list[Tensor]]] = []
+    if segment.group_views:
         # 4. Orthogonalize P, then Q = M^T P.
-        for _, work, p, qt in group_views:
+        for _, _, p, _ in segment.group_views:
             orthogonalize_(p, config.orthogonalization_epsilon)
-            _matmul(p.transpose(1, 2), work, qt)
+        _products(segment, matrices, with_memory, [], right=False)
         # 5. Mean of Q.
         yield from _send(segment.q, comm, wire_dtype)
-
-        # 6. Decompress into the gradients (one write per tensor, straight into the bucket's views); the
-        # residual M - PQ^T is the candidate memory. It is taken against what was written, so with
-        # fp16/bf16 gradients the rounding of the approximation is fed back too.
-        for matrix, p, qt in zip(matrices, segment.p_views, segment.q_views):
-            _outer_sum(p, qt, matrix)
-        if config.use_error_feedback:
-            torch._foreach_sub_(scratch, matrices)
-            _adjust_candidate(segment, add_memory, damping)
-    _finish(segment, commit, own)
+        pieces.append((segment.p_views, segment.q_views))
+    # 6. At the commit.
+    _finish(segment, commit, own, matrices, pieces, [], config, add_memory, damping)
 
 
 def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
@@ -152,6 +153,10 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
     ``(I - P̂P̂^T) M``). The residual left after the last iteration is the new error memory, and P and
     Q the new warm start, committed as in :func:`power_step` (``commit``, ``add_memory``, ``damping``).
 
+    R is rebuilt in the workspace for each iteration's product, as M minus the pieces so far (the
+    factors of earlier iterations are kept: each is one P and one Q); the output, the sum of the
+    pieces, is written at the commit, and the new memory is M minus what was written.
+
     The pieces are the same on every rank (their factors are means), so ``g + e = output + e'`` holds
     on each rank: error feedback conserves mass. The uncompressed tensors travel with the first
     iteration's factor (``[P | uncompressed]`` or ``[uncompressed | Q]``, contiguous in ``wire``).
@@ -165,21 +170,19 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
     q_start = plan.p_numel + plan.uncompressed_numel
     unsent_buffer = segment.wire[p_end:q_start]
     epsilon = config.orthogonalization_epsilon
-    group_views, scratch = segment.scratch(config.use_error_feedback)
-    matrices, unsent = _load(segment, grads, scratch, config.use_error_feedback and add_memory)
+    matrices, unsent = _views(segment, grads)
+    with_memory = config.use_error_feedback and add_memory
     _draw_missing(segment, config, 0)
-    segment.stage(config.use_error_feedback, True)
+    segment.stage(True)
     wire_dtype = config.wire_dtype(grads[0].dtype, segment.dtype) if grads else segment.dtype
+    earlier: list[tuple[list[Tensor], list[Tensor]]] = []  # the pieces' factors, in copies of the wire
+    copies: list[Tensor] = []
 
     for it in range(iterations):
         right = (first_iteration + it) % 2 == 0  # multiply from the right: P = R Q̂
-        for _, work, p, qt in group_views:
-            if right:
-                orthogonalize_(qt.transpose(1, 2), epsilon)
-                _matmul(work, qt.transpose(1, 2), p)
-            else:
-                orthogonalize_(p, epsilon)
-                _matmul(p.transpose(1, 2), work, qt)
+        for _, _, p, qt in segment.group_views:
+            orthogonalize_(qt.transpose(1, 2) if right else p, epsilon)
+        _products(segment, matrices, with_memory, earlier, right)
         start, end = (0, p_end) if right else (q_start, segment.wire.numel())
         if it == 0 and unsent:
             torch._foreach_copy_(list(unsent_buffer.split([t.numel() for t in unsent])), unsent)
@@ -189,31 +192,13 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
             yield from _send(buffer, comm, wire_dtype)
         if it == 0 and unsent:
             torch._foreach_copy_(unsent, list(unsent_buffer.split([t.numel() for t in unsent])))
-        if not group_views:
+        if not segment.group_views:
             break
-        last = it == iterations - 1
-        if it == 0:
-            # The output is this piece; the residual is M minus what was written (one pass).
-            for matrix, p, qt in zip(matrices, segment.p_views, segment.q_views):
-                _outer_sum(p, qt, matrix)
-            if config.use_error_feedback or not last:
-                torch._foreach_sub_(scratch, matrices)
-        else:
-            keep_residual = config.use_error_feedback or not last
-            for matrix, work, p, qt in zip(matrices, scratch, segment.p_views, segment.q_views):
-                if keep_residual and matrix.dtype != work.dtype:
-                    # An fp16/bf16 gradient rounds the piece it receives: subtract what was written, as
-                    # the first iteration does, so that the mass is conserved to the memory's precision.
-                    before = matrix.to(work.dtype)
-                    _outer_sum(p, qt, matrix, accumulate=True)
-                    work.sub_(matrix.to(work.dtype) - before)
-                    continue
-                _outer_sum(p, qt, matrix, accumulate=True)
-                if keep_residual:
-                    _outer_sum(p, qt, work, accumulate=True, alpha=-1.0)
-    if group_views and config.use_error_feedback:
-        _adjust_candidate(segment, add_memory, damping)
-    _finish(segment, commit, own)
+        if it < iterations - 1:
+            copies.append(segment.wire.clone())
+            earlier.append(segment.factor_views(copies[-1]))
+    pieces = earlier + [(segment.p_views, segment.q_views)] if segment.group_views else []
+    _finish(segment, commit, own, matrices, pieces, copies, config, add_memory, damping)
 
 
 def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
@@ -246,22 +231,83 @@ def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator,
     return task, sent
 
 
-def _adjust_candidate(segment: Segment, add_memory: bool, damping: float | None) -> None:
-    """Turn the residual in ``spare`` into the candidate memory: ``damping`` times it (warm-up), plus
-    the current memory when the step did not feed it back (``add_memory=False``)."""
-    for (_, memory, _, _), (_, candidate, _, _) in zip(segment.group_views, segment.spare_group_views):
+def _finish(segment: Segment, commit: StepCommit, own: bool, matrices: list[Tensor],
+            pieces: list[tuple[list[Tensor], list[Tensor]]], copies: list[Tensor], config: EngineConfig,
+            add_memory: bool, damping: float | None) -> None:
+    """Add the segment's all-finite flag (over everything it averaged, ``copies`` of earlier iterations'
+    factors included: identical on every rank) and its commit to the step; apply the step if it is this
+    segment's alone."""
+    finite = torch.isfinite(segment.wire).all()
+    for wire in copies:
+        finite = finite & torch.isfinite(wire).all()
+    error_feedback = config.use_error_feedback
+
+    def finish(step_finite: Tensor, known: bool | None) -> None:
+        _decompress(segment, matrices, pieces, error_feedback, add_memory, damping, step_finite, known)
+        segment.restore_factors(step_finite.to(segment.device), known)
+
+    commit.add(finite, finish)
+    if own:
+        commit.apply()
+
+
+def _decompress(segment: Segment, matrices: list[Tensor], pieces: list[tuple[list[Tensor], list[Tensor]]],
+                error_feedback: bool, add_memory: bool, damping: float | None, finite: Tensor,
+                known: bool | None) -> None:
+    """Write the output (the sum of the ``pieces``' products) into ``matrices`` and, if ``finite``, the
+    new error memory: ``damping * (M - output)`` (M = g + e), or ``e + damping * (g - output)`` without
+    ``add_memory``. The residual is taken against what was written, so with fp16/bf16 gradients the
+    rounding of the output is fed back too.
+
+    ``known``: ``finite``'s value (read where that is free), or ``None``: decided on the device.
+    Known finite, with ``add_memory``, it is the classic three passes per matrix: ``e += g``, write the
+    output, ``e -= output``.
+    """
+    if not pieces:
+        return
+    if not error_feedback or known is False:
+        for i, matrix in enumerate(matrices):
+            _write_output(matrix, pieces, i)
+        return
+    workspace = segment.workspace
+    if known:
+        for i, (matrix, memory) in enumerate(zip(matrices, segment.work_views)):
+            if add_memory:
+                memory.add_(matrix)  # M = e + g
+                _write_output(matrix, pieces, i)
+                memory.sub_(matrix)
+                if damping is not None:
+                    memory.mul_(damping)
+                continue
+            residual = workspace.matrices(1, *memory.shape, segment.device, segment.dtype)[0]
+            residual.copy_(matrix)
+            _write_output(matrix, pieces, i)
+            residual.sub_(matrix)
+            if damping is not None:
+                residual.mul_(damping)
+            memory.add_(residual)
+        return
+    flag = finite.to(segment.device)
+    position = 0
+    for group, memory_group, _, _ in segment.group_views:
+        members = matrices[position: position + group.batch]
+        candidate = workspace.matrices(group.batch, group.n, group.m, segment.device, segment.dtype)
+        _operand(segment, candidate, memory_group, members, add_memory, [], position)
+        for i, (matrix, residual) in enumerate(zip(members, candidate.unbind(0))):
+            _write_output(matrix, pieces, position + i)
+            residual.sub_(matrix)
         if damping is not None:
             candidate.mul_(damping)
         if not add_memory:
-            candidate.add_(memory)
+            candidate.add_(memory_group)
+        torch.where(flag, candidate, memory_group, out=memory_group)
+        position += group.batch
 
 
-def _finish(segment: Segment, commit: StepCommit, own: bool) -> None:
-    """Add the segment's all-finite flag (over everything it averaged: identical on every rank) to the
-    step; apply the step if it is this segment's alone."""
-    commit.add(torch.isfinite(segment.wire).all(), segment)
-    if own:
-        commit.apply()
+def _write_output(matrix: Tensor, pieces: list[tuple[list[Tensor], list[Tensor]]], position: int) -> None:
+    """``matrix = sum of P Q^T`` over the pieces' factors at ``position``."""
+    for j, (ps, qs) in enumerate(pieces):
+        _outer_sum(ps[position], qs[position], matrix, accumulate=j > 0)
 
 
 def _send(buffer: Tensor, comm: Communicator, wire_dtype: torch.dtype) -> Task:
@@ -293,24 +339,58 @@ def _send(buffer: Tensor, comm: Communicator, wire_dtype: torch.dtype) -> Task:
         buffer.mul_(scale)
 
 
-def _load(segment: Segment, grads: Sequence[Tensor], scratch: Sequence[Tensor],
-          add_memory: bool) -> tuple[list[Tensor], list[Tensor]]:
-    """The gradients as the segment's compressed matrices (group order) and uncompressed vectors, with
-    M = g + e (``add_memory``) or M = g written into ``scratch``, the error memory left as it is."""
+def _views(segment: Segment, grads: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """The gradients as the segment's compressed matrices (group order) and uncompressed vectors."""
     plan = segment.plan
     matrices = [grads[i].view(plan.tensors[i].matrix) for i in segment.compressed_order]
     unsent = [grads[i].view(-1) for i in plan.uncompressed]
-    if matrices and add_memory and segment.device.type == "cpu":
-        # One pass (a copy then an add take two: on the CPU as costly as a kernel per matrix is not).
-        for memory, matrix, out in zip(segment.work_views, matrices, scratch):
-            torch.add(memory, matrix, out=out)
-    elif matrices and add_memory:  # a fused copy, then one add per shape group
-        torch._foreach_copy_(list(scratch), matrices)
-        for (_, memory, _, _), (_, out, _, _) in zip(segment.group_views, segment.spare_group_views):
-            out.add_(memory)
-    elif matrices:
-        torch._foreach_copy_(list(scratch), matrices)
     return matrices, unsent
+
+
+def _products(segment: Segment, matrices: list[Tensor], with_memory: bool,
+              earlier: list[tuple[list[Tensor], list[Tensor]]], right: bool) -> None:
+    """For every shape group: P = R Q (``right``) or Q^T = P^T R, into the wire, where R = M minus the
+    ``earlier`` pieces, M = g + e (``with_memory``) or g, built in the workspace and dropped after the
+    product. On the CPU, where :func:`_matmul` takes one product per matrix (a group of one, or rank 1),
+    R is built one matrix at a time: the workspace is then one matrix, and R is still in cache for the
+    product."""
+    workspace = segment.workspace
+    position = 0
+    for group, memory, p, qt in segment.group_views:
+        b = group.batch
+        one_by_one = segment.device.type == "cpu" and (b == 1 or group.rank == 1)
+        for lo, hi in ([(i, i + 1) for i in range(b)] if one_by_one else [(0, b)]):
+            operand = workspace.matrices(hi - lo, group.n, group.m, segment.device, segment.dtype)
+            _operand(segment, operand, memory[lo:hi], matrices[position + lo: position + hi], with_memory, earlier,
+                     position + lo)
+            if right:
+                _matmul(operand, qt[lo:hi].transpose(1, 2), p[lo:hi])
+            else:
+                _matmul(p[lo:hi].transpose(1, 2), operand, qt[lo:hi])
+        position += b
+
+
+def _operand(segment: Segment, out: Tensor, memory: Tensor, matrices: list[Tensor], with_memory: bool,
+             earlier: list[tuple[list[Tensor], list[Tensor]]], position: int) -> None:
+    """``out`` (B, n, m) = ``memory + matrices`` (``with_memory``) or ``matrices``, minus the products of
+    the ``earlier`` factors at positions ``position ...``. The same sums, in the same order, as building
+    M once in the memory would give."""
+    views = out.unbind(0)
+    if segment.device.type == "cpu":
+        # One pass per matrix (a fused copy then an add take two: on the CPU as costly as a kernel per
+        # matrix is not).
+        for target, e, g in zip(views, memory.unbind(0), matrices):
+            if with_memory:
+                torch.add(e, g, out=target)
+            else:
+                target.copy_(g)
+    else:  # a fused copy, then one add for the group
+        torch._foreach_copy_(list(views), matrices)
+        if with_memory:
+            out.add_(memory)
+    for ps, qs in earlier:
+        for i, target in enumerate(views):
+            _outer_sum(ps[position + i], qs[position + i], target, accumulate=True, alpha=-1.0)
 
 
 def _draw_missing(segment: Segment, config: EngineConfig, draw: int) -> None:
