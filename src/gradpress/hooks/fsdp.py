@@ -86,6 +86,10 @@ def register_fsdp_comm_hook(module: nn.Module, state: Any, hook: Hook) -> None:
           counts one iteration per backward that synchronizes gradients (none while
           ``set_requires_gradient_sync(False)`` accumulates). Its memory is per parameter and per rank:
           save ``state.state_dict()`` on every rank.
+        * A ``PowerSGDState`` commits each unit alone (FSDP reads a unit's result as soon as its hook
+          returns): a unit whose averages are not finite keeps its error memory and factors, but the
+          units that stayed finite in that backward take their new memory (under DDP the whole
+          iteration is kept or dropped together).
         * Padding rows of uneven shards (``dim0 % shards != 0``) are never sent, compressed or counted.
         * Every trainable parameter must get a gradient in every backward (else a ``RuntimeError``
           says so; ``set_reduce_scatter_unused_params(True)`` reduces zeros for unused ones).
