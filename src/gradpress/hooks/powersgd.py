@@ -394,6 +394,7 @@ class PowerSGDState:
                                  f"has {shape}: the checkpoint belongs to a different model")
         self._key_shapes = saved_shapes if len(saved_shapes) >= len(self._key_shapes) else self._key_shapes
         self._commit.discard()
+        self._pending = []
         self._store.replace({int(key): ParamMemory.from_dict(entry) for key, entry in state_dict["memory"].items()})
         self._padded.clear()
         self._saved_padded = dict(state_dict.get("padded", {}))

@@ -50,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import _zero_internals as internals
 from .bucket import check_hook
+from .powersgd import PowerSGDState
 
 __all__ = ["ZeroStepHook", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
@@ -181,11 +182,11 @@ class ZeroStepHook:
 
     # -- the hook ----------------------------------------------------------------------------------
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
-        if self.interleaved and hasattr(state, "_finish_each_bucket"):
+        if self.interleaved and isinstance(state, PowerSGDState):
             # A PowerSGDState completes its buckets' futures together at the last bucket (so that a
-            # non-finite iteration can leave all memory as it was); stepping each shard as its bucket
-            # completes needs each future at once. The step runs inside backward, whatever a GradScaler
-            # would decide, so nothing is lost.
+            # non-finite iteration can leave every bucket's memory as it was); stepping each shard as
+            # its bucket completes needs each future at once. A GradScaler cannot skip a step taken
+            # inside backward anyway, so committing bucket by bucket loses nothing here.
             state._finish_each_bucket = True
         fut = self.hook(state, bucket)
         if not (callable(getattr(fut, "wait", None)) and callable(getattr(fut, "then", None))):
