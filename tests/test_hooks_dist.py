@@ -370,3 +370,80 @@ def test_start_iter_may_be_small_without_memory():
 def test_hook_rejects_a_foreign_state():
     with pytest.raises(TypeError, match="PowerSGDState"):
         gradpress.powerSGD_hook(object(), None)  # type: ignore[arg-type]
+
+
+def test_a_rank_given_as_first_argument_is_a_clear_type_error_at_construction():
+    # PowerSGDState(4, 30): the user took the first argument for the rank.
+    with pytest.raises(TypeError, match=r"process_group.*got int 4.*PowerSGDState\(None, matrix_approximation_rank=4"):
+        gradpress.PowerSGDState(4, 30)
+    with pytest.raises(TypeError, match="process_group"):
+        gradpress.PowerSGDState("gloo")
+    with pytest.raises(TypeError, match="PowerSGD's process_group"):
+        gradpress.PowerSGD([nn.Parameter(torch.ones(2, 2))], gradpress.Config(rank=2), process_group=3)
+    with pytest.raises(TypeError, match="AllReduce's process_group"):
+        gradpress.AllReduce(process_group=3)
+
+
+def _plain_hook_with_powersgd_state(rank, world_size, hook_name):
+    torch.manual_seed(0)
+    model = DDP(models.make_model())
+    model.register_comm_hook(gradpress.PowerSGDState(None, 2, 10), getattr(gradpress, hook_name))
+    x, y = models.batch(rank, 0)
+    try:
+        models.loss_fn(model, x, y).backward()
+    except TypeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("hook_name", ["fp16_compress_hook", "bf16_compress_hook", "allreduce_hook"])
+def test_a_plain_hook_given_a_powersgd_state_is_a_clear_type_error(hook_name):
+    messages = run(_plain_hook_with_powersgd_state, WORLD, hook_name)
+    for message in messages:
+        assert f"{hook_name}'s state" in message and "PowerSGDState is the state of powerSGD_hook" in message
+        if hook_name != "allreduce_hook":
+            assert f"{hook_name[:4]}_compress_wrapper(powerSGD_hook)" in message
+
+
+def _one_state_two_models(rank, world_size, together):
+    torch.manual_seed(0)
+    first, second = DDP(models.make_model()), DDP(models.make_model())
+    state = gradpress.PowerSGDState(None, 2, 10)
+    first.register_comm_hook(state, gradpress.powerSGD_hook)
+    second.register_comm_hook(state, gradpress.powerSGD_hook)
+    x, y = models.batch(rank, 0)
+    try:
+        if together:   # one backward pass through both models
+            (models.loss_fn(first, x, y) + models.loss_fn(second, x, y)).backward()
+        else:          # the models in turn
+            for _ in range(2):
+                models.loss_fn(first, x, y).backward()
+                models.loss_fn(second, x, y).backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_one_state_registered_on_two_models_is_refused(together):
+    for message in run(_one_state_two_models, WORLD, together):
+        assert "registered on two DDP models" in message and "its own PowerSGDState" in message
+
+
+def _one_state_one_model_retried(rank, world_size):
+    # Many buckets, DDP's bucket rebuild after the first iteration, the start of compression: one model.
+    torch.manual_seed(0)
+    model = DDP(models.make_model(), bucket_cap_mb=0.001)
+    state = gradpress.PowerSGDState(None, 2, 3)
+    model.register_comm_hook(state, gradpress.powerSGD_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(6):
+        x, y = models.batch(rank, step)
+        opt.zero_grad()
+        models.loss_fn(model, x, y).backward()
+        opt.step()
+    return state.iter
+
+
+def test_one_model_over_many_iterations_is_accepted():
+    assert run(_one_state_one_model_retried, WORLD) == [6, 6]

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .averaging import broadcast_parameters
 from .checkpoint import check_placement, placement
-from .comm import Communicator, make_communicator
+from .comm import Communicator, check_process_group, make_communicator
 from .pipeline import OrderedPipeline, Task
 from .powersgd.config import EngineConfig
 from .powersgd.memory import ParamMemory, SegmentStore, work_dtype_for
@@ -139,6 +139,7 @@ class AllReduce(Aggregator):
 
     def __init__(self, process_group: dist.ProcessGroup | None = None,
                  comm_device: torch.device | str | None = None) -> None:
+        check_process_group(process_group, "AllReduce's process_group")
         self.process_group = process_group
         self.comm_device = comm_device
 
@@ -259,6 +260,7 @@ class PowerSGD(Aggregator):
                  lr_scheduler: Any = None, init_sync: bool = True) -> None:
         if not isinstance(config, Config):
             raise TypeError(f"config must be a gradpress.Config, got {type(config).__name__}")
+        check_process_group(process_group, "PowerSGD's process_group")
         if lr_scheduler is not None and not callable(getattr(lr_scheduler, "get_last_lr", None)):
             raise TypeError(f"lr_scheduler must be None or have a get_last_lr() method (a "
                             f"torch.optim.lr_scheduler.LRScheduler), got {type(lr_scheduler).__name__}")

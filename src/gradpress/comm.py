@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["CollectiveError", "Communicator", "Handle", "LocalCommunicator", "ProcessGroupCommunicator",
-           "collective_error", "make_communicator"]
+           "check_process_group", "collective_error", "make_communicator"]
 
 
 class CollectiveError(RuntimeError):
@@ -37,6 +37,20 @@ def describe_collective(op: str, buffer: Tensor, world_size: int, issuer: str) -
     """``"allreduce (sum) of 1,234 float32 values over 2 ranks in powerSGD_hook"``."""
     dtype = str(buffer.dtype).replace("torch.", "")
     return f"{op} of {buffer.numel():,} {dtype} values over {world_size} ranks in {issuer}"
+
+
+def check_process_group(value: object, where: str, hint: str = "") -> None:
+    """Raise a ``TypeError`` naming ``where`` unless ``value`` is ``None`` or a ``ProcessGroup``.
+
+    A hook's state argument and a state's first argument are easy to fill with something else (a rank
+    given as the first positional argument of ``PowerSGDState``, a ``PowerSGDState`` handed to a plain
+    hook); without this check such a value only fails deep inside the first collective. ``hint`` is
+    appended to the message (what the caller probably meant).
+    """
+    if value is None or (dist.is_available() and isinstance(value, dist.ProcessGroup)):
+        return
+    raise TypeError(f"{where} must be None (the default group) or a torch.distributed.ProcessGroup, got "
+                    f"{type(value).__name__} {value!r}" + (f"; {hint}" if hint else ""))
 
 
 class Handle(Protocol):

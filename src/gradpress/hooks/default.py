@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm import collective_error, describe_collective
+from ..comm import check_process_group, collective_error, describe_collective
 from .bucket import CastBucket, check_hook, future_tensor
 
 __all__ = ["allreduce_hook", "allreduce_mean_future", "bf16_compress_hook", "bf16_compress_wrapper",
@@ -54,19 +54,33 @@ def allreduce_mean_future(buffer: Tensor, process_group: dist.ProcessGroup | Non
     return fut.then(done)
 
 
+def _check_group(process_group: Any, hook: str, wrapper: str | None = None) -> None:
+    """The state of a plain hook is its process group: anything else is a clear ``TypeError`` at the
+    first call (DDP's ``register_comm_hook`` does not look at the state). ``wrapper``: the wrapper that
+    runs PowerSGD under this hook's cast, named when the state is PowerSGD's."""
+    hint = "register the hook with None (the default group) or a process group as its state"
+    if type(process_group).__name__ == "PowerSGDState":   # not imported: gradpress.hooks.powersgd imports us
+        hint = "a PowerSGDState is the state of powerSGD_hook" + (
+            f"; for PowerSGD on its buckets register {wrapper}(powerSGD_hook) with that state" if wrapper else "")
+    check_process_group(process_group, f"{hook}'s state (the first argument given to register_comm_hook)", hint)
+
+
 def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """Average the bucket over ``process_group`` (``None``: the default group). Same as DDP without a hook."""
+    _check_group(process_group, "allreduce_hook")
     return allreduce_mean_future(bucket.buffer(), process_group, issuer=f"allreduce_hook, bucket {bucket.index()}")
 
 
 def fp16_compress_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """Average the bucket with half the bytes: cast to fp16, divide by the world size, sum, cast back."""
+    _check_group(process_group, "fp16_compress_hook", "fp16_compress_wrapper")
     return allreduce_mean_future(bucket.buffer(), process_group, wire_dtype=torch.float16,
                                  issuer=f"fp16_compress_hook, bucket {bucket.index()}")
 
 
 def bf16_compress_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """Like :func:`fp16_compress_hook` with bfloat16 (fp32's range, 8 bits of mantissa)."""
+    _check_group(process_group, "bf16_compress_hook", "bf16_compress_wrapper")
     return allreduce_mean_future(bucket.buffer(), process_group, wire_dtype=torch.bfloat16,
                                  issuer=f"bf16_compress_hook, bucket {bucket.index()}")
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..checkpoint import check_placement, placement
-from ..comm import Communicator, make_communicator
+from ..comm import Communicator, check_process_group, make_communicator
 from ..pipeline import OrderedPipeline, Task
 from ..powersgd.config import EngineConfig
 from ..powersgd.memory import ParamMemory, Segment, SegmentStore, work_dtype_for
@@ -41,6 +41,9 @@ __all__ = ["PowerSGDState", "batched_powerSGD_hook", "batched_powersgd_hook", "p
 logger = logging.getLogger(__name__)
 
 _STATE_DICT_VERSION = 1
+
+_TWO_MODELS = ("this PowerSGDState is registered on two DDP models ({}): give each model its own "
+               "PowerSGDState (its error memory, factors and iteration count belong to one model)")
 
 
 # Options that decide what the memory means; a checkpoint must agree with the state on them.
@@ -114,7 +117,8 @@ class PowerSGDState:
                  "total_numel_after_compression", "next_stats_report", "_config", "_store",
                  "_keys", "_key_shapes", "_pipeline", "_comm", "_padded", "_saved_padded", "lr_scheduler",
                  "total_bytes_before_compression", "total_bytes_after_compression", "_last_lr", "_lr_iter",
-                 "_commit", "_pending", "_finish_each_bucket", "__weakref__")
+                 "_commit", "_pending", "_finish_each_bucket", "_keys_closed", "_iteration_buckets",
+                 "__weakref__")
 
     def __init__(
         self,
@@ -137,6 +141,11 @@ class PowerSGDState:
         feedback_every_n_iters: int = 1,
         warm_up_beta_factor: float | None = None,
     ) -> None:
+        check_process_group(process_group, "PowerSGDState's first argument, process_group",
+                            "the signature is PowerSGDState(process_group, matrix_approximation_rank, "
+                            f"start_powerSGD_iter, ...): for rank {process_group!r} write "
+                            f"PowerSGDState(None, matrix_approximation_rank={process_group!r}, ...)"
+                            if isinstance(process_group, int) and not isinstance(process_group, bool) else "")
         if error_feedback is not None:
             if not isinstance(error_feedback, bool):
                 raise TypeError(f"error_feedback must be a bool, got {error_feedback!r}")
@@ -187,6 +196,10 @@ class PowerSGDState:
         self.next_stats_report = 0
         self._store = SegmentStore(self._config)
         self._keys: dict[int, tuple[Tensor, int]] = {}
+        # One state serves one DDP model: after DDP's first iteration no unknown parameter may arrive,
+        # and no bucket index may come twice in one iteration (see _note_bucket).
+        self._keys_closed = False
+        self._iteration_buckets: dict[int, int] = {}  # bucket index -> id of its first parameter
         self._key_shapes: list[tuple[int, ...]] = []
         self._padded: dict[int, tuple[int, Segment, Tensor]] = {}
         self._saved_padded: dict[int, dict[str, Any]] = {}
@@ -262,6 +275,8 @@ class PowerSGDState:
     def maybe_increase_iter(self, bucket: Any) -> None:
         """Count an iteration when the last bucket has been processed (PyTorch's contract)."""
         if bucket.is_last():
+            self._iteration_buckets.clear()
+            self._keys_closed = bool(self._keys)
             self._advance()
 
     def _advance(self) -> None:
@@ -395,6 +410,7 @@ class PowerSGDState:
         self._key_shapes = saved_shapes if len(saved_shapes) >= len(self._key_shapes) else self._key_shapes
         self._commit.discard()
         self._pending = []
+        self._iteration_buckets.clear()
         self._store.replace({int(key): ParamMemory.from_dict(entry) for key, entry in state_dict["memory"].items()})
         self._padded.clear()
         self._saved_padded = dict(state_dict.get("padded", {}))
@@ -419,6 +435,32 @@ class PowerSGDState:
         if self._comm is None:
             self._comm = make_communicator(self.process_group, self.comm_device, issuer="powerSGD_hook")
         return self._comm
+
+    def _note_bucket(self, bucket: Any) -> None:
+        """Refuse a second DDP model: DDP hands every parameter over in its first iteration, once per
+        bucket index, so a bucket index seen twice in one iteration (two models in one backward pass)
+        or a parameter first seen after that iteration (two models in turn) means that this state was
+        registered on two models. Their iterations would be counted twice and their buckets share
+        memory slots. Only DDP's own buckets are checked: FSDP units leave out parameters that have no
+        gradient, so a parameter may first appear there later."""
+        if not isinstance(bucket, dist.GradBucket):
+            return
+        index, params = bucket.index(), bucket.parameters()
+        first = id(params[0]) if params else 0
+        seen = self._iteration_buckets.get(index)
+        if seen is not None and seen != first:
+            raise RuntimeError(_TWO_MODELS.format(
+                f"bucket {index} arrived twice in one backward pass, with other parameters"))
+        if seen is not None:  # the same bucket again: an earlier backward pass was cut short
+            self._iteration_buckets.clear()
+        self._iteration_buckets[index] = first
+        if self._keys_closed:
+            for param in params:
+                entry = self._keys.get(id(param))
+                if entry is None or entry[0] is not param:
+                    raise RuntimeError(_TWO_MODELS.format(
+                        f"a parameter of shape {tuple(param.shape)} arrived after DDP's first iteration, "
+                        "which hands over every parameter of the model"))
 
     def _keys_for(self, params: Sequence[Tensor]) -> tuple[int, ...]:
         """Stable per-parameter keys: the order in which this state first saw each parameter.
@@ -531,6 +573,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     The future completes with the bucket's buffer holding the result, on every rank.
     """
     state = _check_state(state, "powerSGD_hook")
+    state._note_bucket(bucket)
     fut = _allreduce_phase(state, bucket)
     if fut is not None:
         return fut
@@ -555,6 +598,7 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torc
     (with a warning).
     """
     state = _check_state(state, "batched_powerSGD_hook")
+    state._note_bucket(bucket)
     fut = _allreduce_phase(state, bucket)
     if fut is not None:
         return fut
