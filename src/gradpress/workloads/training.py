@@ -147,6 +147,8 @@ class DemoConfig:
     ``batch_size`` (per worker) and ``lr`` default to the task's. ``start_iter``: plain-allreduce steps
     before PowerSGD starts. ``evals``: how many times the test metric is measured along the run.
     ``warm_up_beta``: ``PowerSGDState(warm_up_beta_factor=...)`` for the PowerSGD methods.
+    ``powersgd_options``: further ``PowerSGDState`` keyword arguments for the PowerSGD methods (e.g.
+    ``{"num_iters_per_step": 2}``), over the ones the method and this configuration set.
     ``outer_lr``, ``outer_momentum``: ``diloco``'s outer Nesterov SGD (momentum 0.5, not DiLoCo's 0.9,
     which is tuned for periods of hundreds of AdamW steps and diverges on this short-period demo).
     ``fail_at_step``/``fail_rank``/``fail_kind``: make that rank fail at that step, to exercise failure
@@ -165,6 +167,7 @@ class DemoConfig:
     min_compression_rate: float = 2.0
     evals: int = 15
     warm_up_beta: float | None = None
+    powersgd_options: dict[str, Any] | None = None
     outer_lr: float = 0.7
     outer_momentum: float = 0.5
     fail_at_step: int | None = None
@@ -287,10 +290,12 @@ def _hook(method: Method, config: DemoConfig) -> tuple[Any, Any]:
     if method.period is not None:  # gradients averaged until start_iter, then none (model averaging)
         return PostLocalSGDState(None, None, start_localSGD_iter=config.start_iter,
                                  post_local_gradient_allreduce=False), post_localSGD_hook
-    state = PowerSGDState(None, matrix_approximation_rank=method.rank or 1, start_powerSGD_iter=config.start_iter,
-                          min_compression_rate=config.min_compression_rate, random_seed=config.seed,
-                          num_iters_per_step=1 if method.kind == "multi" else None,
-                          warm_up_beta_factor=config.warm_up_beta)
+    options: dict[str, Any] = {
+        "matrix_approximation_rank": method.rank or 1, "start_powerSGD_iter": config.start_iter,
+        "min_compression_rate": config.min_compression_rate, "random_seed": config.seed,
+        "num_iters_per_step": 1 if method.kind == "multi" else None, "warm_up_beta_factor": config.warm_up_beta,
+        **(config.powersgd_options or {})}
+    state = PowerSGDState(None, **options)
     return state, powerSGD_hook
 
 
