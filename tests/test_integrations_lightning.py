@@ -332,3 +332,52 @@ def test_the_example_trains_on_two_processes_that_lightning_launches(tmp_path):
     first, last = (float(word) for word in lines[0].split() if word.replace(".", "").isdigit() and "." in word)
     assert last < 0.5 * first
     assert "PowerSGD: 64 iterations" in proc.stdout and "ranks identical: True" in proc.stdout
+
+
+class _RecordingLogger(pl.loggers.logger.Logger):
+    """A Lightning logger that keeps what it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((step, dict(metrics)))
+
+
+@launched
+def fit_logging_errors(rank: int, world: int) -> dict[str, Any]:
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=START_ITER,
+                                    approximation_error_every_n_iters=4)
+    strategy = GradpressDDPStrategy(ddp_comm_state=state, ddp_comm_hook=gradpress.powerSGD_hook)
+    logger = _RecordingLogger()
+    pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=logger,
+               enable_progress_bar=False, enable_model_summary=False,
+               enable_checkpointing=False).fit(TinyRegression(), _loader())
+    errors = [(step, {k: v for k, v in metrics.items() if k.startswith("powersgd/")})
+              for step, metrics in logger.logged]
+    return {"logged": [entry for entry in errors if entry[1]], "final": state.approximation_error()}
+
+
+def test_the_strategy_logs_approximation_errors_by_name_after_each_measured_step():
+    for rank, result in enumerate(run(fit_logging_errors, 2, timeout=300)):
+        logged = result["logged"]
+        # 8 steps, compression from iteration 2, every 4th compressed iteration: iterations 2 and 6, logged
+        # at their optimizer steps (Lightning's global_step counts a step once it has returned). Every
+        # rank hands its loggers its own values; Lightning's loggers write rank 0's.
+        assert [step for step, _ in logged] == [2, 6], rank
+        last = logged[-1][1]
+        assert {"powersgd/approximation_error/net.0.weight", "powersgd/approximation_error/overall",
+                "powersgd/approximation_error/worst"} <= set(last)
+        assert last["powersgd/approximation_error/net.0.weight"] == result["final"]["net.0.weight"]

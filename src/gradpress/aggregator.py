@@ -35,6 +35,8 @@ from torch import Tensor
 from .averaging import broadcast_parameters
 from .checkpoint import check_placement, placement
 from .comm import Communicator, check_process_group, make_communicator
+from .diagnostics import (ApproximationSummary, check_measure_every, parameter_names, relative_errors,
+                          should_measure, summarize)
 from .pipeline import OrderedPipeline, Task
 from .powersgd.config import EngineConfig
 from .powersgd.memory import ParamMemory, SegmentStore, work_dtype_for
@@ -175,6 +177,9 @@ class Config:
         warm_up_beta_factor: beta in (0, 1]: during the first ``start_compressing_after_num_steps``
             compressed steps the stored residual is ``beta * residual``; ``None``: off. Needs
             ``start_compressing_after_num_steps > 0`` (the damping lasts as long as the exact warm-up).
+        approximation_error_every_n_iters: measure each compressed matrix's approximation error on
+            every n-th compressed step (the first included), on the device; read it with
+            :meth:`PowerSGD.approximation_error` (:mod:`gradpress.diagnostics`). ``None``: never.
 
     >>> Config(rank=2, bytes_per_weight=2).engine_config().bytes_per_weight
     2
@@ -188,8 +193,10 @@ class Config:
     bytes_per_weight: int | None = None
     feedback_every_n_iters: int = 1
     warm_up_beta_factor: float | None = None
+    approximation_error_every_n_iters: int | None = None
 
     def __post_init__(self) -> None:
+        check_measure_every(self.approximation_error_every_n_iters)
         steps = self.start_compressing_after_num_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"start_compressing_after_num_steps must be an integer >= 0, got {steps!r}")
@@ -238,7 +245,9 @@ class PowerSGD(Aggregator):
     Memory: the new error memory is built beside the old one (one more error memory).
 
     Args:
-        params: the parameters whose gradients will be aggregated (order fixes the gradients' order).
+        params: the parameters whose gradients will be aggregated (order fixes the gradients' order), or
+            ``(name, parameter)`` pairs such as ``model.named_parameters()``, which also name them in
+            :meth:`approximation_error`.
         config: a :class:`Config`.
         process_group: the group to average over (``None``: the default group, or one worker when
             ``torch.distributed`` is not initialised).
@@ -264,7 +273,10 @@ class PowerSGD(Aggregator):
         if lr_scheduler is not None and not callable(getattr(lr_scheduler, "get_last_lr", None)):
             raise TypeError(f"lr_scheduler must be None or have a get_last_lr() method (a "
                             f"torch.optim.lr_scheduler.LRScheduler), got {type(lr_scheduler).__name__}")
-        self.params: list[Tensor] = list(params)
+        items = list(params)
+        named = bool(items) and all(isinstance(item, tuple) for item in items)
+        self.params: list[Tensor] = [item[1] for item in items] if named else items  # type: ignore[index]
+        self._names: dict[int, str] = parameter_names(items, "PowerSGD") if named else {}
         if not self.params:
             raise ValueError("params is empty: PowerSGD needs the parameters whose gradients it aggregates")
         if len({id(p) for p in self.params}) != len(self.params):
@@ -329,6 +341,7 @@ class PowerSGD(Aggregator):
                                  f"{tuple(self.params[index].shape)}")
         comm = make_communicator(self.process_group, self.comm_device, issuer="gradpress.PowerSGD.aggregate_")
         compressed_step = self.step_counter - self.config.start_compressing_after_num_steps
+        measure = should_measure(self.config.approximation_error_every_n_iters, compressed_step)
         self._sync_lr()
         pipeline = OrderedPipeline()
         commit = StepCommit()
@@ -347,7 +360,8 @@ class PowerSGD(Aggregator):
                     keys = tuple(i for i, _ in group)
                     segment = self._store.get((device, dtype), keys, [t.shape for t in tensors], device,
                                               work_dtype_for(dtype))
-                    task, sent = compress_step(segment, tensors, comm, self._engine, compressed_step, commit)
+                    task, sent = compress_step(segment, tensors, comm, self._engine, compressed_step, commit,
+                                               measure=measure)
                 pipeline.submit(task, lambda: None, lambda exc: None)
                 self.total_numel += numel
                 self.total_floats_sent += sent
@@ -361,6 +375,29 @@ class PowerSGD(Aggregator):
             for context in contexts:
                 context.__exit__()
         self.step_counter += 1
+
+    # --- diagnostics ----------------------------------------------------------------------------------
+    def name_parameters(self, module: torch.nn.Module | Iterable[tuple[str, Tensor]]) -> None:
+        """Name the parameters in :meth:`approximation_error` after ``module``'s ``named_parameters()``
+        (or after ``(name, parameter)`` pairs); building with ``PowerSGD(model.named_parameters(), ...)``
+        does the same."""
+        self._names = parameter_names(module, "PowerSGD")
+
+    def _name(self, key: int) -> str:
+        return self._names.get(id(self.params[key]), f"#{key}")
+
+    def approximation_error(self) -> dict[str, float]:
+        """``{parameter: ||M - P Q^T|| / ||M||}`` for each compressed parameter, at its last measured step
+        (``Config.approximation_error_every_n_iters``; empty before the first), on this worker: M is this
+        worker's gradient plus error memory, P Q^T what every worker applied (see
+        :mod:`gradpress.diagnostics`). Parameters are named as in ``named_parameters()`` when the
+        aggregator knows the names, else ``"#i"`` for the i-th of ``params``. Reads the values on the host."""
+        return relative_errors(self._store.approximation_norms(), self._name)
+
+    def approximation_error_summary(self) -> ApproximationSummary | None:
+        """The errors of :meth:`approximation_error` in one :class:`~gradpress.diagnostics.ApproximationSummary`
+        (``None`` before the first measurement)."""
+        return summarize(self._store.approximation_norms(), self._name)
 
     def _sync_lr(self) -> None:
         """If the learning rate changed since the last step, rescale the error memory to the new one."""

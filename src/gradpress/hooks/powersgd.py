@@ -19,15 +19,17 @@ Differences from PyTorch that users can rely on (each has a test):
 """
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..checkpoint import check_placement, placement
 from ..comm import Communicator, check_process_group, make_communicator
+from ..diagnostics import (ApproximationSummary, check_measure_every, parameter_names, relative_errors,
+                           should_measure, summarize)
 from ..pipeline import OrderedPipeline, Task
 from ..powersgd.config import EngineConfig
 from ..powersgd.memory import ParamMemory, Segment, SegmentStore, work_dtype_for
@@ -92,6 +94,11 @@ class PowerSGDState:
         warm_up_beta_factor: beta in (0, 1]: during the first ``start_powerSGD_iter`` compressed steps
             the stored residual is ``beta * residual`` (error memory damped while the warm-start factors
             are still untrained); then full feedback. ``None``: off.
+        approximation_error_every_n_iters: measure each compressed matrix's relative approximation
+            error ``||M - P Q^T|| / ||M||`` on every n-th compressed iteration (the first included), on
+            the device, from tensors the step holds anyway (two norms per matrix); read it with
+            :meth:`approximation_error`, which names parameters after :meth:`name_parameters`.
+            ``None`` (default): never.
 
     Non-finite iterations (AMP): when anything the hook averaged in an iteration is inf/NaN (on any
     rank: the sum carries it to all), the error memory and warm-start factors of every bucket, on every
@@ -118,7 +125,7 @@ class PowerSGDState:
                  "_keys", "_key_shapes", "_pipeline", "_comm", "_padded", "_saved_padded", "lr_scheduler",
                  "total_bytes_before_compression", "total_bytes_after_compression", "_last_lr", "_lr_iter",
                  "_commit", "_pending", "_finish_each_bucket", "_keys_closed", "_iteration_buckets",
-                 "__weakref__")
+                 "approximation_error_every_n_iters", "_names", "last_measured_iter", "__weakref__")
 
     def __init__(
         self,
@@ -140,6 +147,7 @@ class PowerSGDState:
         lr_scheduler: Any = None,
         feedback_every_n_iters: int = 1,
         warm_up_beta_factor: float | None = None,
+        approximation_error_every_n_iters: int | None = None,
     ) -> None:
         check_process_group(process_group, "PowerSGDState's first argument, process_group",
                             "the signature is PowerSGDState(process_group, matrix_approximation_rank, "
@@ -160,6 +168,7 @@ class PowerSGDState:
                             f"torch.optim.lr_scheduler.LRScheduler), got {type(lr_scheduler).__name__}")
         if bytes_per_weight is None:
             raise ValueError("bytes_per_weight must be 2, 4 or 8, got None")
+        check_measure_every(approximation_error_every_n_iters)
         self._config = EngineConfig(
             rank=matrix_approximation_rank, min_compression_rate=min_compression_rate,
             use_error_feedback=use_error_feedback, warm_start=warm_start,
@@ -219,6 +228,10 @@ class PowerSGDState:
         self.total_bytes_after_compression = 0
         self._last_lr: float | None = None  # the learning rate the error memory is expressed for
         self._lr_iter = -1  # the iteration at which the learning rate was last read
+        self.approximation_error_every_n_iters = approximation_error_every_n_iters
+        self._names: dict[int, str] = {}  # id(parameter) -> name, from name_parameters
+        #: The iteration whose measurement :meth:`approximation_error` shows (``None``: none yet).
+        self.last_measured_iter: int | None = None
 
     # --- configuration, read-only (the memory's meaning depends on it) -----------------------------
     @property
@@ -303,6 +316,63 @@ class PowerSGDState:
         before, after = self.total_bytes_before_compression, self.total_bytes_after_compression
         return (before / after if after > 0 else 0, before, after)
 
+    # --- diagnostics ----------------------------------------------------------------------------------
+    def name_parameters(self, module: nn.Module | Iterable[tuple[str, Tensor]]) -> None:
+        """Name parameters in :meth:`approximation_error` after ``module.named_parameters()`` (a DDP or
+        FSDP wrapper's ``module.`` prefix is dropped) or after ``(name, parameter)`` pairs. The hook
+        only sees DDP's buckets, which carry the parameters but not their names, so it learns them
+        here; unnamed parameters appear as ``"#k"`` (the k-th parameter the state saw).
+
+        >>> state = PowerSGDState(None, approximation_error_every_n_iters=100)   # doctest: +SKIP
+        >>> state.name_parameters(ddp_model)                                      # doctest: +SKIP
+        """
+        self._names = parameter_names(module, "PowerSGDState")
+
+    def _namer(self) -> Any:
+        """``key -> name``: the name given by :meth:`name_parameters`, else ``"#key"``."""
+        names = {key: self._names[id(param)] for param, key in self._keys.values() if id(param) in self._names}
+
+        def name(key: int) -> str:
+            if key < 0:
+                return f"bucket {-1 - key}"   # batched_powerSGD_hook: one matrix per bucket
+            return names.get(key, f"#{key}")
+
+        return name
+
+    def approximation_error(self) -> dict[str, float]:
+        """``{parameter: ||M - P Q^T|| / ||M||}`` for every compressed parameter, at the last iteration
+        that measured it (``approximation_error_every_n_iters``; empty before the first), on this rank:
+        M is this rank's gradient plus error memory, P Q^T what every rank applied (see
+        :mod:`gradpress.diagnostics`). Reads the values on the host (a device sync): call it when you
+        want the numbers, not on every step.
+
+        >>> state = PowerSGDState(None, approximation_error_every_n_iters=100)   # doctest: +SKIP
+        >>> state.approximation_error()["lstm.weight_hh_l0"]                       # doctest: +SKIP
+        0.41
+        """
+        return relative_errors(self._store.approximation_norms() | self._padded_norms(), self._namer())
+
+    def approximation_error_summary(self) -> ApproximationSummary | None:
+        """:meth:`approximation_error` in one :class:`~gradpress.diagnostics.ApproximationSummary`
+        (overall, mean, worst): ``None`` before the first measurement."""
+        return summarize(self._store.approximation_norms() | self._padded_norms(), self._namer())
+
+    def _padded_norms(self) -> dict[int, tuple[float, float]]:
+        result = {}
+        for index, (_, segment, _) in self._padded.items():
+            if segment.norms is not None:
+                whole, residual = segment.norms[0].tolist()
+                if whole == whole:
+                    result[-1 - index] = (whole, residual)
+        return result
+
+    def _measure(self) -> bool:
+        """Whether this iteration measures (and, if so, note it in ``last_measured_iter``)."""
+        measure = should_measure(self.approximation_error_every_n_iters, self.iter - self.start_powerSGD_iter)
+        if measure:
+            self.last_measured_iter = self.iter
+        return measure
+
     def _sync_lr(self, force: bool = False) -> None:
         """Once per iteration: if the learning rate changed, rescale the error memory to the new one."""
         if self.lr_scheduler is None or (self._lr_iter == self.iter and not force):
@@ -360,6 +430,7 @@ class PowerSGDState:
                 "bytes_per_weight": self.bytes_per_weight,
                 "feedback_every_n_iters": self.feedback_every_n_iters,
                 "warm_up_beta_factor": self.warm_up_beta_factor,
+                "approximation_error_every_n_iters": self.approximation_error_every_n_iters,
             },
             "last_lr": self._last_lr,
             "total_bytes_before_compression": self.total_bytes_before_compression,
@@ -535,6 +606,12 @@ class PowerSGDState:
             rate, before, after = self.compression_stats()
             logger.info("Compression stats: iter %s, total before compression %s, total after compression %s, "
                         "rate %s", self.iter, before, after, rate)
+            summary = (self.approximation_error_summary() if self.approximation_error_every_n_iters is not None
+                       and logger.isEnabledFor(logging.INFO) else None)
+            if summary is not None:
+                logger.info("Approximation error: overall %.4f, mean %.4f, worst %.4f (%s), over %s parameters",
+                            summary.overall, summary.mean, summary.worst, summary.worst_name,
+                            summary.parameters)
             self.next_stats_report = self.iter + self.compression_stats_logging_frequency
 
 
@@ -582,7 +659,8 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     segment = state._segment_for(bucket.index(), keys, grads)
     state._sync_lr()
     task, sent = compress_step(segment, grads, state._communicator(), state._config,
-                               state.iter - state.start_powerSGD_iter, state._step_commit())
+                               state.iter - state.start_powerSGD_iter, state._step_commit(),
+                               measure=state._measure())
     return state._run(task, bucket, bucket.buffer(), segment.plan.numel, sent, grad_dtype=grads[0].dtype)
 
 
@@ -614,7 +692,8 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torc
     flat[numel:].zero_()
     state._sync_lr()
     task, sent = compress_step(segment, [square], state._communicator(), state._config,
-                               state.iter - state.start_powerSGD_iter, state._step_commit())
+                               state.iter - state.start_powerSGD_iter, state._step_commit(),
+                               measure=state._measure())
     return state._run(task, bucket, buffer, numel, sent,
                       finish=lambda: buffer.copy_(flat[:numel]), grad_dtype=buffer.dtype)
 

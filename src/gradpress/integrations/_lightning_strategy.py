@@ -9,7 +9,9 @@ Lightning's ``DDPStrategy`` (2.6):
 2. ``setup``: builds the model averager (``model_averager=``, or a ``PeriodicModelAverager`` for a
    ``PostLocalSGDState`` with ``model_averaging_period``, gradpress's state or PyTorch's), then restores
    the hook/averager state that ``load_checkpoint`` read.
-3. ``optimizer_step``: runs the averager on the stepped optimizer's parameters after every step.
+3. ``optimizer_step``: runs the averager on the stepped optimizer's parameters after every step, and
+   logs a ``PowerSGDState``'s approximation errors through the trainer's loggers after each step that
+   measured them (``approximation_error_every_n_iters``; names from the LightningModule).
 4. ``save_checkpoint`` / ``load_checkpoint`` / ``remove_checkpoint``: keep each rank's hook and averager
    state with the checkpoint (``comm_state_storage``); with local SGD (a model averager or a
    ``PostLocalSGDState``), also each rank's parameters and optimizer state, which differ between averages
@@ -23,6 +25,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from ..diagnostics import approximation_error_metrics
 from . import _common
 
 #: Key of gradpress's entry in a Lightning checkpoint.
@@ -98,6 +101,7 @@ class GradpressStrategyMixin:
         self._gradpress_storage = comm_state_storage
         self._gradpress_pending: dict[str, Any] | None = None
         self._gradpress_module_state: dict[str, Any] | None = None
+        self._gradpress_logged_iter: int | None = None  # the last measurement sent to the loggers
         #: The averager that runs after each optimizer step (a factory's product once ``setup`` ran).
         self.model_averager: Any = None if _is_factory(model_averager) else model_averager
 
@@ -112,6 +116,10 @@ class GradpressStrategyMixin:
         hook = self._ddp_comm_hook
         if self._ddp_comm_wrapper is not None:
             hook = self._ddp_comm_wrapper(hook)
+        from ..hooks.powersgd import PowerSGDState
+
+        if isinstance(self._ddp_comm_state, PowerSGDState):  # the names its approximation errors are logged by
+            self._ddp_comm_state.name_parameters(self.model)
         self.model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
 
     # --- model averaging -----------------------------------------------------------------------------
@@ -168,7 +176,22 @@ class GradpressStrategyMixin:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         if self.model_averager is not None:
             self.model_averager.average_parameters(optimizer.param_groups)
+        self._log_approximation_error()
         return output
+
+    def _log_approximation_error(self) -> None:
+        """Send a new measurement of the hook state's approximation errors to the trainer's loggers
+        (each logger writes on rank 0 only, as Lightning's do; the values are rank 0's)."""
+        from ..hooks.powersgd import PowerSGDState
+
+        state = self._ddp_comm_state
+        if not isinstance(state, PowerSGDState) or state.last_measured_iter in (None, self._gradpress_logged_iter):
+            return
+        self._gradpress_logged_iter = state.last_measured_iter
+        trainer = self.lightning_module.trainer
+        metrics = approximation_error_metrics(state)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     # --- checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:

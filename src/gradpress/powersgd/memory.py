@@ -154,7 +154,8 @@ class Segment:
     """
 
     __slots__ = ("plan", "keys", "dtype", "device", "work", "wire", "phase1", "q", "group_views",
-                 "work_views", "p_views", "q_views", "unsent_q", "saved_factors", "staged", "workspace")
+                 "work_views", "p_views", "q_views", "unsent_q", "saved_factors", "staged", "workspace",
+                 "norms")
 
     def __init__(self, plan: Plan, keys: Sequence[int], device: torch.device, dtype: torch.dtype,
                  workspace: Workspace | None = None) -> None:
@@ -191,6 +192,9 @@ class Segment:
         self.saved_factors: Tensor | None = None
         # The factors the step in flight saved: None (nothing), False (Q), True (P and Q).
         self.staged: bool | None = None
+        # ||M|| and ||M - P Q^T|| per compressed matrix (group order) at the last measured step; None
+        # until a step measures (see approximation_norms).
+        self.norms: Tensor | None = None
 
     def _factor_group_views(self, wire: Tensor, group: GroupPlan) -> tuple[Tensor, Tensor]:
         """``group``'s ``(B, n, r)`` P and ``(B, r, m)`` Q^T in ``wire`` (or a buffer laid out as it)."""
@@ -215,6 +219,15 @@ class Segment:
     def compressed_order(self) -> list[int]:
         """Tensor indices of the compressed tensors, in group order (the order of ``work_views``)."""
         return [i for group in self.plan.groups for i in group.members]
+
+    def approximation_norms(self) -> Tensor:
+        """``(C, 2)`` in the working dtype, on the segment's device: per compressed matrix (in the order
+        of :attr:`compressed_order`), ``||M||_F`` and ``||M - P Q^T||_F`` at the last step that measured
+        them (M: the matrix compressed, gradient plus error memory; P Q^T: the approximation applied),
+        NaN before any. Allocated at the first call; written on the device, never read here."""
+        if self.norms is None:
+            self.norms = torch.full((len(self.work_views), 2), float("nan"), device=self.device, dtype=self.dtype)
+        return self.norms
 
     def draw_q(self, positions: Sequence[int], seed: int, draw: int, with_p: bool = False) -> None:
         """Fill the Q (and, with ``with_p``, the P) of the given compressed positions with seeded normals,
@@ -355,6 +368,24 @@ class SegmentStore:
         for segment in self.segments.values():
             memory.update(segment.export(self.config))
         return memory
+
+    def approximation_norms(self) -> dict[int, tuple[float, float]]:
+        """Per parameter key, ``(||M||, ||M - P Q^T||)`` of its last measured step, for the compressed
+        matrices of the segments in use that measured one (see :meth:`Segment.approximation_norms`).
+        Reads the values on the host: one transfer per device."""
+        by_device: dict[torch.device, list[tuple[list[int], Tensor]]] = {}
+        for segment in self.segments.values():
+            if segment.norms is not None:
+                keys = [segment.keys[i] for i in segment.compressed_order]
+                by_device.setdefault(segment.device, []).append((keys, segment.norms))
+        result: dict[int, tuple[float, float]] = {}
+        for entries in by_device.values():
+            values = torch.cat([norms for _, norms in entries]).tolist()
+            keys = [key for entry_keys, _ in entries for key in entry_keys]
+            for key, (whole, residual) in zip(keys, values):
+                if whole == whole:  # NaN: not measured yet
+                    result[key] = (whole, residual)
+        return result
 
     def scale_errors(self, factor: float) -> None:
         """Multiply all error memory (segments and pool) by ``factor``."""

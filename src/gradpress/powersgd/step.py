@@ -76,7 +76,7 @@ class StepCommit:
 
 def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
                step: int, *, commit: StepCommit | None = None, add_memory: bool = True,
-               damping: float | None = None) -> Task:
+               damping: float | None = None, measure: bool = False) -> Task:
     """Replace ``grads`` (the segment's tensors, in plan order) by their PowerSGD-compressed mean.
 
     A generator task (see :mod:`gradpress.pipeline`): it yields after starting each collective and must
@@ -96,7 +96,9 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     segment's buffers, and nothing else. ``step`` numbers fresh Q draws when warm start is off.
     ``add_memory=False``: M = g, and e' = e + (M - PQ^T) (feedback deferred); ``damping``: the residual
     M - PQ^T is multiplied by it first (warm-up). Non-finite gradients give non-finite outputs (so an AMP
-    GradScaler skips the step) and leave the memory and the factors as they were.
+    GradScaler skips the step) and leave the memory and the factors as they were. ``measure``: record
+    ``||M||`` and ``||M - PQ^T||`` of every compressed matrix in the segment at the commit
+    (:meth:`Segment.approximation_norms`), on the device.
 
     Building M twice costs two elementwise passes over the gradients more than building it once and
     keeping it, and saves keeping a second copy of the error memory until the commit (a buffer of the
@@ -130,12 +132,12 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
         yield from _send(segment.q, comm, wire_dtype)
         pieces.append((segment.p_views, segment.q_views))
     # 6. At the commit.
-    _finish(segment, commit, own, matrices, pieces, [], config, add_memory, damping)
+    _finish(segment, commit, own, matrices, pieces, [], config, add_memory, damping, measure)
 
 
 def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
                      first_iteration: int, *, commit: StepCommit | None = None, add_memory: bool = True,
-                     damping: float | None = None) -> Task:
+                     damping: float | None = None, measure: bool = False) -> Task:
     """Multi-iteration PowerSGD: ``config.num_iters_per_step`` one-sided iterations, one collective each.
 
     As in the PowerSGD authors' reference aggregator (github.com/epfml/powersgd): iteration ``i``
@@ -151,7 +153,8 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
     iteration per step sends half of what classic PowerSGD sends, two send the same and are close to
     it in quality (their error is ``(I - P̂P̂^T) M (I - Q̂Q̂^T)``, never larger than the classic
     ``(I - P̂P̂^T) M``). The residual left after the last iteration is the new error memory, and P and
-    Q the new warm start, committed as in :func:`power_step` (``commit``, ``add_memory``, ``damping``).
+    Q the new warm start, committed as in :func:`power_step` (``commit``, ``add_memory``, ``damping``,
+    ``measure``: M minus the sum of the pieces is the residual measured).
 
     R is rebuilt in the workspace for each iteration's product, as M minus the pieces so far (the
     factors of earlier iterations are kept: each is one P and one Q); the output, the sum of the
@@ -198,16 +201,18 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
             copies.append(segment.wire.clone())
             earlier.append(segment.factor_views(copies[-1]))
     pieces = earlier + [(segment.p_views, segment.q_views)] if segment.group_views else []
-    _finish(segment, commit, own, matrices, pieces, copies, config, add_memory, damping)
+    _finish(segment, commit, own, matrices, pieces, copies, config, add_memory, damping, measure)
 
 
 def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
-                  compressed_step: int, commit: StepCommit | None = None) -> tuple[Task, int]:
+                  compressed_step: int, commit: StepCommit | None = None, *,
+                  measure: bool = False) -> tuple[Task, int]:
     """The engine's entry point: the task for step number ``compressed_step`` (0 for the first
     compressed step) of the configured scheme, and the number of elements it will send.
 
     ``commit``: the :class:`StepCommit` of the optimizer step this task is part of (the caller applies
     it once every task of the step has finished); ``None``: the task commits its own segment.
+    ``measure``: also record each compressed matrix's approximation error (see :func:`power_step`).
 
     A step that is not finite still counts: the caller's counter (hence ``compressed_step``, which picks
     the side the alternating scheme sends first, the fresh draw without warm start, and the warm-up and
@@ -220,7 +225,7 @@ def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator,
     damping = None
     if config.warm_up_beta_factor is not None and compressed_step < config.warm_up_steps:
         damping = config.warm_up_beta_factor
-    options = {"commit": commit, "add_memory": add_memory, "damping": damping}
+    options = {"commit": commit, "add_memory": add_memory, "damping": damping, "measure": measure}
     if k is None:
         task = power_step(segment, grads, comm, config, compressed_step, **options)
         sent = segment.plan.numel_sent
@@ -233,7 +238,7 @@ def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator,
 
 def _finish(segment: Segment, commit: StepCommit, own: bool, matrices: list[Tensor],
             pieces: list[tuple[list[Tensor], list[Tensor]]], copies: list[Tensor], config: EngineConfig,
-            add_memory: bool, damping: float | None) -> None:
+            add_memory: bool, damping: float | None, measure: bool) -> None:
     """Add the segment's all-finite flag (over everything it averaged, ``copies`` of earlier iterations'
     factors included: identical on every rank) and its commit to the step; apply the step if it is this
     segment's alone."""
@@ -243,7 +248,7 @@ def _finish(segment: Segment, commit: StepCommit, own: bool, matrices: list[Tens
     error_feedback = config.use_error_feedback
 
     def finish(step_finite: Tensor, known: bool | None) -> None:
-        _decompress(segment, matrices, pieces, error_feedback, add_memory, damping, step_finite, known)
+        _decompress(segment, matrices, pieces, error_feedback, add_memory, damping, step_finite, known, measure)
         segment.restore_factors(step_finite.to(segment.device), known)
 
     commit.add(finite, finish)
@@ -253,7 +258,7 @@ def _finish(segment: Segment, commit: StepCommit, own: bool, matrices: list[Tens
 
 def _decompress(segment: Segment, matrices: list[Tensor], pieces: list[tuple[list[Tensor], list[Tensor]]],
                 error_feedback: bool, add_memory: bool, damping: float | None, finite: Tensor,
-                known: bool | None) -> None:
+                known: bool | None, measure: bool = False) -> None:
     """Write the output (the sum of the ``pieces``' products) into ``matrices`` and, if ``finite``, the
     new error memory: ``damping * (M - output)`` (M = g + e), or ``e + damping * (g - output)`` without
     ``add_memory``. The residual is taken against what was written, so with fp16/bf16 gradients the
@@ -262,27 +267,50 @@ def _decompress(segment: Segment, matrices: list[Tensor], pieces: list[tuple[lis
     ``known``: ``finite``'s value (read where that is free), or ``None``: decided on the device.
     Known finite, with ``add_memory``, it is the classic three passes per matrix: ``e += g``, write the
     output, ``e -= output``.
+
+    ``measure``: also record, per matrix, ``||M||`` and ``||M - output||`` (M as compressed: ``g + e``, or
+    ``g`` without error feedback or ``add_memory``; the residual before damping) in the segment's
+    :meth:`~Segment.approximation_norms`, from the tensors the commit holds anyway: one norm each, on the
+    device. A step that is not finite leaves the recorded norms as they were.
     """
     if not pieces:
         return
+    norms = segment.approximation_norms() if measure and known is not False else None
+    fresh = None if norms is None else (norms if known else torch.empty_like(norms))
+    workspace = segment.workspace
     if not error_feedback or known is False:
         for i, matrix in enumerate(matrices):
+            if fresh is None:
+                _write_output(matrix, pieces, i)
+                continue
+            residual = workspace.matrices(1, *matrix.shape, segment.device, segment.dtype)[0]
+            residual.copy_(matrix)
             _write_output(matrix, pieces, i)
+            fresh[i, 0] = torch.linalg.vector_norm(residual)
+            fresh[i, 1] = torch.linalg.vector_norm(residual.sub_(matrix))
+        _keep_norms(norms, fresh, finite, known)
         return
-    workspace = segment.workspace
     if known:
         for i, (matrix, memory) in enumerate(zip(matrices, segment.work_views)):
             if add_memory:
                 memory.add_(matrix)  # M = e + g
+                if fresh is not None:
+                    fresh[i, 0] = torch.linalg.vector_norm(memory)
                 _write_output(matrix, pieces, i)
                 memory.sub_(matrix)
+                if fresh is not None:
+                    fresh[i, 1] = torch.linalg.vector_norm(memory)
                 if damping is not None:
                     memory.mul_(damping)
                 continue
             residual = workspace.matrices(1, *memory.shape, segment.device, segment.dtype)[0]
             residual.copy_(matrix)
             _write_output(matrix, pieces, i)
+            if fresh is not None:
+                fresh[i, 0] = torch.linalg.vector_norm(residual)
             residual.sub_(matrix)
+            if fresh is not None:
+                fresh[i, 1] = torch.linalg.vector_norm(residual)
             if damping is not None:
                 residual.mul_(damping)
             memory.add_(residual)
@@ -293,15 +321,28 @@ def _decompress(segment: Segment, matrices: list[Tensor], pieces: list[tuple[lis
         members = matrices[position: position + group.batch]
         candidate = workspace.matrices(group.batch, group.n, group.m, segment.device, segment.dtype)
         _operand(segment, candidate, memory_group, members, add_memory, [], position)
+        if fresh is not None:
+            torch.linalg.vector_norm(candidate, dim=(1, 2), out=fresh[position: position + group.batch, 0])
         for i, (matrix, residual) in enumerate(zip(members, candidate.unbind(0))):
             _write_output(matrix, pieces, position + i)
             residual.sub_(matrix)
+        if fresh is not None:
+            torch.linalg.vector_norm(candidate, dim=(1, 2), out=fresh[position: position + group.batch, 1])
         if damping is not None:
             candidate.mul_(damping)
         if not add_memory:
             candidate.add_(memory_group)
         torch.where(flag, candidate, memory_group, out=memory_group)
         position += group.batch
+    _keep_norms(norms, fresh, flag, known)
+
+
+def _keep_norms(norms: Tensor | None, fresh: Tensor | None, finite: Tensor, known: bool | None) -> None:
+    """Keep the norms measured in ``fresh`` if the step is finite: they were written in place where that
+    was known (``fresh is norms``), else chosen on the device."""
+    if norms is None or fresh is None or fresh is norms:
+        return
+    torch.where(finite.to(norms.device), fresh, norms, out=norms)
 
 
 def _write_output(matrix: Tensor, pieces: list[tuple[list[Tensor], list[Tensor]]], position: int) -> None:

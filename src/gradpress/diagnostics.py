@@ -1,0 +1,151 @@
+"""How well PowerSGD approximates each matrix: per-parameter errors, a summary, and logging.
+
+For each compressed parameter, the **relative approximation error** is
+
+    ||M - P Q^T||_F / ||M||_F
+
+where M is the matrix this worker compressed (its gradient plus its error memory) and P Q^T the
+low-rank approximation every worker applied. It is 0 when the approximation is exact (full rank on one
+worker, or on workers whose matrices agree), and it is the relative size of what error feedback carries
+to the next step: on several workers it also holds how far this worker's M lies from the workers' mean,
+which no rank can remove. A parameter whose error stays near 1 gains little from compression at its
+rank; one near 0 could use a lower rank.
+
+Measuring costs two norms per compressed matrix, taken on the device from tensors the step holds anyway,
+on the steps chosen by ``approximation_error_every_n_iters`` (``PowerSGDState``; ``Config`` for the
+aggregator). Nothing is read on the host until you ask for the numbers:
+
+>>> import torch, gradpress
+>>> layer = torch.nn.Linear(64, 32)
+>>> powersgd = gradpress.PowerSGD(layer.named_parameters(), gradpress.Config(
+...     rank=8, num_iters_per_step=None, start_compressing_after_num_steps=0,
+...     approximation_error_every_n_iters=1))
+>>> layer(torch.randn(8, 64)).square().sum().backward()
+>>> powersgd.aggregate_([p.grad for p in layer.parameters()])
+>>> list(powersgd.approximation_error())            # by name: the bias is sent exactly
+['weight']
+>>> round(powersgd.approximation_error()["weight"], 4)   # a rank-8 gradient at rank 8: exact
+0.0
+>>> s = powersgd.approximation_error_summary(); (s.parameters, s.worst_name)
+(1, 'weight')
+
+With TensorBoard: ``log_approximation_error(writer, state, step)`` after the optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch import Tensor, nn
+
+__all__ = ["ApproximationSummary", "approximation_error_metrics", "check_measure_every", "log_approximation_error",
+           "parameter_names", "relative_errors", "should_measure", "summarize"]
+
+
+@dataclass(frozen=True)
+class ApproximationSummary:
+    """The approximation errors of one worker's compressed parameters at their last measurement.
+
+    ``overall``: ``sqrt(sum ||M - P Q^T||^2 / sum ||M||^2)`` over the parameters (the error of the whole
+    compressed gradient, weighted by size); ``worst`` and ``worst_name``: the largest relative error and
+    its parameter; ``mean``: the unweighted mean of the relative errors; ``parameters``: how many were
+    measured.
+    """
+
+    overall: float
+    mean: float
+    worst: float
+    worst_name: str
+    parameters: int
+
+
+def check_measure_every(every: object, name: str = "approximation_error_every_n_iters") -> None:
+    """``ValueError`` naming ``name`` unless ``every`` is ``None`` (never measure) or an integer >= 1."""
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(f"{name} must be None (never measure) or an integer >= 1, got {every!r}")
+
+
+def should_measure(every: int | None, compressed_step: int) -> bool:
+    """Whether compressed step ``compressed_step`` (0: the first) measures, every ``every`` steps."""
+    return every is not None and compressed_step >= 0 and compressed_step % every == 0
+
+
+def relative_errors(norms: Mapping[int, tuple[float, float]], name_of: Callable[[int], str]) -> dict[str, float]:
+    """``{name: ||M - P Q^T|| / ||M||}`` from ``{key: (||M||, ||M - P Q^T||)}``; 0 where M is zero."""
+    return {name_of(key): (residual / whole if whole > 0 else 0.0) for key, (whole, residual) in sorted(norms.items())}
+
+
+def summarize(norms: Mapping[int, tuple[float, float]], name_of: Callable[[int], str]) -> ApproximationSummary | None:
+    """The :class:`ApproximationSummary` of ``{key: (||M||, ||M - P Q^T||)}``; ``None`` if empty."""
+    if not norms:
+        return None
+    errors = relative_errors(norms, name_of)
+    worst_name = max(errors, key=lambda name: errors[name])
+    whole = sum(w * w for w, _ in norms.values())
+    residual = sum(r * r for _, r in norms.values())
+    return ApproximationSummary(overall=math.sqrt(residual / whole) if whole > 0 else 0.0,
+                                mean=sum(errors.values()) / len(errors), worst=errors[worst_name],
+                                worst_name=worst_name, parameters=len(errors))
+
+
+def parameter_names(module: nn.Module | Iterable[tuple[str, Tensor]], owner: str) -> dict[int, str]:
+    """``{id(parameter): name}`` from a module (a DDP/FSDP wrapper's ``module.`` prefix is dropped) or
+    from ``(name, parameter)`` pairs such as ``model.named_parameters()``."""
+    if isinstance(module, nn.Module):
+        inner = getattr(module, "module", module)
+        pairs: Iterable[Any] = (inner if isinstance(inner, nn.Module) else module).named_parameters()
+    else:
+        pairs = module
+    names: dict[int, str] = {}
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+                and isinstance(pair[1], Tensor)):
+            raise TypeError(f"{owner}.name_parameters takes an nn.Module or (name, parameter) pairs such as "
+                            f"model.named_parameters(), got an item {type(pair).__name__}")
+        names[id(pair[1])] = pair[0]
+    return names
+
+
+class _Measured(Protocol):
+    def approximation_error(self) -> dict[str, float]: ...
+
+    def approximation_error_summary(self) -> ApproximationSummary | None: ...
+
+
+class _ScalarWriter(Protocol):
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int | None = None) -> Any: ...
+
+
+def approximation_error_metrics(source: _Measured, tag: str = "powersgd/approximation_error") -> dict[str, float]:
+    """``{f"{tag}/<parameter>": error, f"{tag}/overall": ..., f"{tag}/worst": ...}`` for ``source`` (a
+    ``PowerSGDState`` or ``PowerSGD`` aggregator): what a logger takes (empty before the first
+    measurement). Reads the values on the host."""
+    metrics = {f"{tag}/{name}": value for name, value in source.approximation_error().items()}
+    summary = source.approximation_error_summary()
+    if summary is not None:
+        metrics[f"{tag}/overall"] = summary.overall
+        metrics[f"{tag}/worst"] = summary.worst
+    return metrics
+
+
+def log_approximation_error(writer: _ScalarWriter, source: _Measured, step: int,
+                            tag: str = "powersgd/approximation_error") -> dict[str, float]:
+    """Write ``source``'s approximation errors (a ``PowerSGDState`` or ``PowerSGD`` aggregator) to a
+    TensorBoard ``SummaryWriter`` (or anything with ``add_scalar(tag, value, step)``): one scalar per
+    parameter under ``tag/<name>`` and the summary under ``tag/overall`` and ``tag/worst``
+    (:func:`approximation_error_metrics`). Returns what it wrote (nothing before the first
+    measurement). Reads the values on the host: call it on the steps you measure, e.g.::
+
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter()
+        ...
+        if step % 100 == 0:
+            gradpress.log_approximation_error(writer, state, step)
+    """
+    written = approximation_error_metrics(source, tag)
+    for name, value in written.items():
+        writer.add_scalar(name, value, step)
+    return written

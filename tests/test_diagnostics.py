@@ -1,0 +1,234 @@
+"""Approximation-error diagnostics: float64 oracles on known matrices, full rank, every n-th step,
+non-finite steps, names, the DDP hook on 2 ranks, and the TensorBoard call."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradpress
+import gradpress.diagnostics
+import models
+from distributed import run
+from gradpress import Config, PowerSGD
+from gradpress.comm import LocalCommunicator
+from gradpress.powersgd import EngineConfig, Segment, make_plan
+from gradpress.powersgd.step import compress_step
+from test_host_sync import as_on_an_accelerator, no_host_reads
+
+WORLD = 2
+SHAPES = [(12, 9), (12, 9), (7, 10), (5,), (6, 2, 2, 2)]
+
+CONFIGS = {
+    "classic": {},
+    "classic-no-feedback": {"use_error_feedback": False},
+    "classic-feedback-every-2-beta": {"feedback_every_n_iters": 2, "warm_up_beta_factor": 0.5, "warm_up_steps": 2},
+    "one-iteration": {"num_iters_per_step": 1},
+    "two-iterations": {"num_iters_per_step": 2},
+    "classic-fp16-wire": {"bytes_per_weight": 2},
+}
+
+
+def _gradients(step, bad=False):
+    generator = torch.Generator().manual_seed(700 + step)
+    grads = [torch.randn(shape, generator=generator) for shape in SHAPES]
+    if bad:
+        grads[0][1, 1] = float("inf")
+    return grads
+
+
+def _segment(config):
+    plan = make_plan(SHAPES, config.rank, config.min_compression_rate)
+    return Segment(plan, list(range(len(SHAPES))), torch.device("cpu"), torch.float32)
+
+
+def _step(segment, grads, config, compressed_step, measure=True):
+    task, _ = compress_step(segment, grads, LocalCommunicator(), config, compressed_step, measure=measure)
+    for handle in task:
+        handle.wait()
+
+
+def _measured(segment):
+    """{tensor index: relative error} from the segment's recorded norms."""
+    norms = segment.approximation_norms().double()
+    return {i: float(norms[j, 1] / norms[j, 0]) for j, i in enumerate(segment.compressed_order)}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_error_equals_a_float64_computation_of_m_minus_the_applied_approximation(name):
+    config = EngineConfig(rank=2, min_compression_rate=0, random_seed=1, **CONFIGS[name])
+    segment = _segment(config)
+    order = segment.compressed_order
+    for compressed_step in range(5):
+        grads = _gradients(compressed_step)
+        with_memory = config.use_error_feedback and (compressed_step + 1) % config.feedback_every_n_iters == 0
+        memory = {i: segment.work_views[j].double().clone() for j, i in enumerate(order)}
+        compressed = {i: grads[i].double().view(segment.plan.tensors[i].matrix) + (memory[i] if with_memory else 0)
+                      for i in order}
+        _step(segment, grads, config, compressed_step)
+        for i, value in _measured(segment).items():
+            applied = grads[i].double().view(segment.plan.tensors[i].matrix)
+            expected = float((compressed[i] - applied).norm() / compressed[i].norm())
+            assert value == pytest.approx(expected, rel=1e-4, abs=1e-6), (name, compressed_step, i)
+            assert 0 < value < 1.5
+
+
+@pytest.mark.parametrize("num_iters", [None, 2])
+def test_the_error_is_zero_at_full_rank(num_iters):
+    config = EngineConfig(rank=12, min_compression_rate=0, num_iters_per_step=num_iters)
+    segment = _segment(config)
+    for compressed_step in range(3):
+        _step(segment, _gradients(compressed_step), config, compressed_step)
+        assert max(_measured(segment).values()) < 1e-5
+
+
+def test_the_device_path_measures_the_same_and_reads_nothing_on_the_host():
+    config = EngineConfig(rank=2, min_compression_rate=0, random_seed=2)
+    on_cpu, on_device = _segment(config), _segment(config)
+    for compressed_step in range(3):
+        _step(on_cpu, _gradients(compressed_step), config, compressed_step)
+        with as_on_an_accelerator(), no_host_reads():
+            _step(on_device, _gradients(compressed_step), config, compressed_step)
+        torch.testing.assert_close(on_device.approximation_norms(), on_cpu.approximation_norms())
+
+
+@pytest.mark.parametrize("accelerator_path", [False, True])
+def test_a_non_finite_step_leaves_the_measurement_as_it_was(accelerator_path):
+    config = EngineConfig(rank=2, min_compression_rate=0)
+    segment = _segment(config)
+    _step(segment, _gradients(0), config, 0)
+    before = segment.approximation_norms().clone()
+    if accelerator_path:
+        with as_on_an_accelerator():
+            _step(segment, _gradients(1, bad=True), config, 1)
+    else:
+        _step(segment, _gradients(1, bad=True), config, 1)
+    assert torch.equal(segment.approximation_norms(), before)
+
+
+def test_the_aggregator_measures_every_nth_compressed_step_and_names_parameters():
+    layer = nn.Sequential(nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 8))
+    powersgd = PowerSGD(layer.named_parameters(), Config(rank=2, num_iters_per_step=None,
+                                                         start_compressing_after_num_steps=2,
+                                                         approximation_error_every_n_iters=3))
+    history = []
+    for step in range(9):
+        torch.manual_seed(step)
+        layer.zero_grad()
+        layer(torch.randn(32, 16)).square().mean().backward()
+        powersgd.aggregate_([p.grad for p in layer.parameters()])
+        history.append(powersgd.approximation_error())
+    assert history[0] == history[1] == {}  # exact averaging: nothing compressed, nothing measured
+    assert set(history[2]) == {"0.weight", "2.weight"}  # biases are sent exactly
+    # Measured on compressed steps 0, 3, 6 (steps 2, 5, 8): unchanged in between.
+    assert history[3] == history[4] == history[2] != history[5]
+    assert history[6] == history[7] == history[5] != history[8]
+    summary = powersgd.approximation_error_summary()
+    assert summary.parameters == 2 and summary.worst == max(history[8].values())
+    assert summary.worst_name == max(history[8], key=history[8].get)
+    assert min(history[8].values()) <= summary.overall <= summary.worst
+
+
+def test_unnamed_parameters_are_numbered_and_bad_arguments_are_clear():
+    params = [nn.Parameter(torch.zeros(10, 10)), nn.Parameter(torch.zeros(10))]
+    powersgd = PowerSGD(params, Config(rank=1, num_iters_per_step=None, start_compressing_after_num_steps=0,
+                                       approximation_error_every_n_iters=1))
+    powersgd.aggregate_([torch.randn(10, 10), torch.randn(10)])
+    assert list(powersgd.approximation_error()) == ["#0"]
+    powersgd.name_parameters([("w", params[0]), ("b", params[1])])
+    assert list(powersgd.approximation_error()) == ["w"]
+    for bad in (0, -2, 1.5, True, "10"):
+        with pytest.raises(ValueError, match="approximation_error_every_n_iters"):
+            Config(rank=1, approximation_error_every_n_iters=bad)
+        with pytest.raises(ValueError, match="approximation_error_every_n_iters"):
+            gradpress.PowerSGDState(None, approximation_error_every_n_iters=bad)
+    with pytest.raises(TypeError, match="named_parameters"):
+        powersgd.name_parameters([params[0]])
+
+
+def test_measuring_changes_no_number_of_the_training():
+    def train(every):
+        torch.manual_seed(0)
+        layer = nn.Linear(16, 12)
+        powersgd = PowerSGD(layer.parameters(), Config(rank=2, start_compressing_after_num_steps=1,
+                                                        approximation_error_every_n_iters=every))
+        for step in range(5):
+            torch.manual_seed(step)
+            layer.zero_grad()
+            layer(torch.randn(8, 16)).square().mean().backward()
+            powersgd.aggregate_([p.grad for p in layer.parameters()])
+        return layer.weight.grad.clone(), powersgd.state_dict()["memory"]
+
+    grad, memory = train(None)
+    grad_measured, memory_measured = train(1)
+    assert torch.equal(grad, grad_measured)
+    for key in memory:
+        assert torch.equal(memory[key]["error"], memory_measured[key]["error"])
+
+
+class _Writer:
+    def __init__(self):
+        self.scalars = []
+
+    def add_scalar(self, tag, value, step=None):
+        self.scalars.append((tag, value, step))
+
+
+def test_log_approximation_error_writes_one_scalar_per_parameter_and_the_summary():
+    layer = nn.Linear(16, 12)
+    powersgd = PowerSGD(layer.named_parameters(), Config(rank=2, start_compressing_after_num_steps=0,
+                                                         approximation_error_every_n_iters=1))
+    writer = _Writer()
+    assert gradpress.log_approximation_error(writer, powersgd, 0) == {} and writer.scalars == []
+    layer(torch.randn(8, 16)).square().mean().backward()
+    powersgd.aggregate_([p.grad for p in layer.parameters()])
+    written = gradpress.log_approximation_error(writer, powersgd, 7)
+    tag = "powersgd/approximation_error"
+    assert set(written) == {f"{tag}/weight", f"{tag}/overall", f"{tag}/worst"}
+    assert writer.scalars == [(name, value, 7) for name, value in written.items()]
+    assert written[f"{tag}/weight"] == powersgd.approximation_error()["weight"]
+
+
+def test_the_module_example_runs():
+    result = doctest.testmod(gradpress.diagnostics)
+    assert result.attempted > 0 and result.failed == 0
+
+
+# --- the DDP hook on 2 ranks ----------------------------------------------------------------------------
+
+def _ddp_errors(rank, world_size):
+    torch.manual_seed(0)
+    model = models.make_model()
+    ddp = DDP(model)
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                    approximation_error_every_n_iters=1)
+    state.name_parameters(ddp)
+    ddp.register_comm_hook(state, gradpress.powerSGD_hook)
+    for step in range(2):  # plain averaging: nothing measured yet
+        x, y = models.batch(rank, step)
+        models.loss_fn(ddp, x, y).backward()
+        ddp.zero_grad()
+    assert state.approximation_error() == {}
+    x, y = models.batch(rank, 2)
+    with ddp.no_sync():  # this rank's own gradient, M on the first compressed step (no memory yet)
+        models.loss_fn(ddp, x, y).backward()
+    local = {name: p.grad.clone() for name, p in model.named_parameters()}
+    ddp.zero_grad()
+    models.loss_fn(ddp, x, y).backward()
+    expected = {}
+    for name, p in model.named_parameters():
+        m = local[name].double().reshape(p.shape[0], -1)
+        expected[name] = float((m - p.grad.double().reshape(p.shape[0], -1)).norm() / m.norm())
+    return state.approximation_error(), expected
+
+
+def test_the_ddp_hook_measures_each_rank_against_its_own_gradient_by_name():
+    for errors, expected in run(_ddp_errors, WORLD):
+        assert errors and all(name in expected for name in errors)
+        assert all(not name.endswith("bias") for name in errors)
+        for name, value in errors.items():
+            assert value == pytest.approx(expected[name], rel=1e-4)
