@@ -232,3 +232,25 @@ def test_the_ddp_hook_measures_each_rank_against_its_own_gradient_by_name():
         assert all(not name.endswith("bias") for name in errors)
         for name, value in errors.items():
             assert value == pytest.approx(expected[name], rel=1e-4)
+
+
+def _demo_run(rank, world_size, spec):
+    from gradpress.workloads.training import DemoConfig, parse_methods, train
+
+    return train(rank, world_size, parse_methods(spec, [2])[0], DemoConfig(steps=8, start_iter=2, evals=4))
+
+
+def test_the_demo_training_records_the_error_along_its_curve():
+    from gradpress.workloads.tasks import get_task
+
+    model = get_task("digits").model(0)
+    plan = make_plan([p.shape for p in model.parameters()], 2, 2.0)
+    compressed = {name for (name, _), t in zip(model.named_parameters(), plan.tensors) if t.compressed}
+    for result in run(_demo_run, WORLD, "powersgd:2"):
+        measured = [p["approximation_error"] for p in result["curve"] if p.get("approximation_error") is not None]
+        assert len(measured) == 3  # evaluations at steps 4, 6, 8; compression from step 3
+        assert result["approximation_error"] == pytest.approx(sum(measured) / 3)
+        assert set(result["approximation_errors"]) == compressed and "fc2.bias" not in compressed
+        assert all(0 < value < 1.5 for value in result["approximation_errors"].values())
+    for result in run(_demo_run, WORLD, "allreduce"):
+        assert result["approximation_error"] is None and result["approximation_errors"] is None

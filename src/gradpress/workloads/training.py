@@ -294,9 +294,22 @@ def _hook(method: Method, config: DemoConfig) -> tuple[Any, Any]:
         "matrix_approximation_rank": method.rank or 1, "start_powerSGD_iter": config.start_iter,
         "min_compression_rate": config.min_compression_rate, "random_seed": config.seed,
         "num_iters_per_step": 1 if method.kind == "multi" else None, "warm_up_beta_factor": config.warm_up_beta,
+        # Measured at (about) every evaluation, where the curve records it.
+        "approximation_error_every_n_iters": max(1, config.steps // config.evals),
         **(config.powersgd_options or {})}
     state = PowerSGDState(None, **options)
     return state, powerSGD_hook
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _approximation_error(state: Any) -> float | None:
+    """This worker's overall approximation error at PowerSGD's last measurement (``None``: not PowerSGD,
+    or nothing measured yet)."""
+    summary = state.approximation_error_summary() if isinstance(state, PowerSGDState) else None
+    return None if summary is None else summary.overall
 
 
 def _fail(kind: str, rank: int, step: int) -> None:
@@ -376,6 +389,8 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     plan = make_plan([p.shape for p in model.parameters()], method.rank or 1, config.min_compression_rate)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     state, hook = _hook(method, config)
+    if isinstance(state, PowerSGDState):
+        state.name_parameters(model)
     ddp.register_comm_hook(state, hook)
     optimizer: torch.optim.Optimizer = torch.optim.SGD(ddp.parameters(), lr=config.resolved_lr(),
                                                        momentum=config.momentum)
@@ -446,7 +461,8 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
         if step in eval_steps:
             test_loss, metric = _evaluate(task, model, x_test, y_test, device)
             curve.append({"step": step, "train_loss": running / running_n, "test_loss": test_loss,
-                          "metric": metric, "bytes": sent, "time_s": train_time})
+                          "metric": metric, "bytes": sent, "time_s": train_time,
+                          "approximation_error": _approximation_error(state)})
             if on_progress is not None and rank == 0:
                 on_progress(method.label, step, config.steps, running / running_n)
             running, running_n = 0.0, 0
@@ -507,6 +523,9 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
         "bytes_allreduce_total": allreduce_step * config.steps,
         "total_ratio": allreduce_step * config.steps / sent if sent else None,
         "synchronizations": syncs,
+        # Mean over the run's measurements of this worker's overall approximation error (PowerSGD only).
+        "approximation_error": _mean([p["approximation_error"] for p in curve if p.get("approximation_error") is not None]),
+        "approximation_errors": state.approximation_error() if isinstance(state, PowerSGDState) else None,
         "curve": curve,
         "checksum": checksum,
         "digest": digest,
