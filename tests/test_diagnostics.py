@@ -254,3 +254,14 @@ def test_the_demo_training_records_the_error_along_its_curve():
         assert all(0 < value < 1.5 for value in result["approximation_errors"].values())
     for result in run(_demo_run, WORLD, "allreduce"):
         assert result["approximation_error"] is None and result["approximation_errors"] is None
+
+
+def test_the_tuning_guides_first_example_runs_and_reports_by_name(capsys):
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "tuning.md").read_text()
+    snippet = re.findall(r"```python\n(.*?)```", text, re.S)[0]
+    exec(compile(snippet, "docs/tuning.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert out.startswith("['1.weight', '3.weight'] overall ") and "worst " in out  # the embedding is exact

@@ -287,3 +287,28 @@ def test_bad_inputs_raise_early_and_say_what_to_do(edge_results):
         assert errors["hook"] is not None and "hook must be a callable" in errors["hook"]
         assert "mesh['replicate'].get_group()" in errors["default group"]
         assert "1 of 2 fully_shard units" in errors["unused unit"]
+
+
+# --- a rank policy and approximation errors by name -----------------------------------------------------------
+
+def policy_training(rank, world):
+    mesh = _mesh()
+    model = _model(mesh["shard"])
+    names = [name for name, _ in model.named_parameters()]
+    state = gradpress.PowerSGDState(mesh["replicate"].get_group(), matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                    rank_policy={"4.*": None, "0.weight": 4}, approximation_error_every_n_iters=1)
+    gradpress.register_fsdp_comm_hook(model, state, gradpress.powerSGD_hook)
+    _train(model, rank, 5)
+    local = {name: p.to_local().shape for name, p in model.named_parameters()}
+    ranks = [None if name.startswith("4.") else 4 if name == "0.weight" else 1 for name in names]
+    plan = make_plan([local[name] for name in names], 1, state.min_compression_rate, ranks)
+    return {"stats": state.compression_stats(), "expected": 3 * plan.numel_sent,
+            "compressed": {name for name, t in zip(names, plan.tensors) if t.compressed},
+            "errors": state.approximation_error()}
+
+
+def test_a_rank_policy_applies_to_each_ranks_shard_and_errors_are_named():
+    for r in run(policy_training, WORLD):
+        assert r["stats"][2] == r["expected"]  # 3 compressed steps of the per-parameter plan
+        assert "4.weight" not in r["compressed"] and "0.weight" in r["compressed"]
+        assert set(r["errors"]) == r["compressed"]

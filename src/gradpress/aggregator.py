@@ -37,6 +37,7 @@ from .checkpoint import check_placement, placement
 from .comm import Communicator, check_process_group, make_communicator
 from .diagnostics import (ApproximationSummary, check_measure_every, parameter_names, relative_errors,
                           should_measure, summarize)
+from .policy import RankPolicy, RankRules
 from .pipeline import OrderedPipeline, Task
 from .powersgd.config import EngineConfig
 from .powersgd.memory import ParamMemory, SegmentStore, work_dtype_for
@@ -247,7 +248,7 @@ class PowerSGD(Aggregator):
     Args:
         params: the parameters whose gradients will be aggregated (order fixes the gradients' order), or
             ``(name, parameter)`` pairs such as ``model.named_parameters()``, which also name them in
-            :meth:`approximation_error`.
+            :meth:`approximation_error` and for ``rank_policy``.
         config: a :class:`Config`.
         process_group: the group to average over (``None``: the default group, or one worker when
             ``torch.distributed`` is not initialised).
@@ -256,6 +257,10 @@ class PowerSGD(Aggregator):
             does: when ``lr_scheduler.get_last_lr()[0]`` goes from ``lr_old`` to ``lr_new`` between
             steps, the memory is multiplied by ``lr_old / lr_new``. ``None``: the memory is in
             gradient units (the reference's behaviour; the same as a constant learning rate).
+        rank_policy: which parameters are compressed and at what rank, by name (needs named ``params``):
+            ``{"embed*": None, "*.attn.*": 16}`` (shell patterns, the first match decides, ``None``
+            averages the parameter exactly, unmatched ones take ``config.rank``) or a function
+            ``(name, parameter) -> rank or None``; see :mod:`gradpress.policy`.
         init_sync: as ``DistributedDataParallel(init_sync=True)``: at construction, overwrite ``params``
             on every worker with rank 0's values (of ``process_group``), so that workers whose models
             were initialised differently do not train apart. Construction is then a collective: every
@@ -266,7 +271,7 @@ class PowerSGD(Aggregator):
     def __init__(self, params: Iterable[Tensor], config: Config, *,
                  process_group: dist.ProcessGroup | None = None,
                  comm_device: torch.device | str | None = None,
-                 lr_scheduler: Any = None, init_sync: bool = True) -> None:
+                 lr_scheduler: Any = None, init_sync: bool = True, rank_policy: RankRules | None = None) -> None:
         if not isinstance(config, Config):
             raise TypeError(f"config must be a gradpress.Config, got {type(config).__name__}")
         check_process_group(process_group, "PowerSGD's process_group")
@@ -277,6 +282,12 @@ class PowerSGD(Aggregator):
         named = bool(items) and all(isinstance(item, tuple) for item in items)
         self.params: list[Tensor] = [item[1] for item in items] if named else items  # type: ignore[index]
         self._names: dict[int, str] = parameter_names(items, "PowerSGD") if named else {}
+        self._policy = None if rank_policy is None else RankPolicy(rank_policy, config.rank, "PowerSGD")
+        self._ranks: list[int | None] | None = None
+        if self._policy is not None and not named:
+            raise ValueError("PowerSGD's rank_policy needs the parameters' names: build it with "
+                             "PowerSGD(model.named_parameters(), config, rank_policy=...)")
+        self._resolve_ranks()
         if not self.params:
             raise ValueError("params is empty: PowerSGD needs the parameters whose gradients it aggregates")
         if len({id(p) for p in self.params}) != len(self.params):
@@ -299,8 +310,18 @@ class PowerSGD(Aggregator):
             broadcast_parameters(self.params, process_group)
 
     # --- compression figures ------------------------------------------------------------------------
+    def _resolve_ranks(self) -> None:
+        """Each parameter's rank under the policy (``None`` without one: the configuration's rank)."""
+        if self._policy is not None:
+            ranks = self._policy.resolve([(self._names[id(p)], p) for p in self.params])
+            self._ranks = [ranks[self._names[id(p)]] for p in self.params]
+
+    def _ranks_of(self, indices: Sequence[int]) -> list[int | None] | None:
+        return None if self._ranks is None else [self._ranks[i] for i in indices]
+
     def _plan(self) -> Plan:
-        return make_plan([p.shape for p in self.params], self.config.rank, self.config.min_compression_rate)
+        return make_plan([p.shape for p in self.params], self.config.rank, self.config.min_compression_rate,
+                         self._ranks_of(range(len(self.params))))
 
     @property
     def numel(self) -> int:
@@ -317,8 +338,9 @@ class PowerSGD(Aggregator):
         """Bytes sent per compressed step (averaged over steps), with ``bytes_per_weight`` on the wire."""
         total = 0.0
         for dtype in {p.dtype for p in self.params}:
-            shapes = [p.shape for p in self.params if p.dtype == dtype]
-            plan = make_plan(shapes, self.config.rank, self.config.min_compression_rate)
+            indices = [i for i, p in enumerate(self.params) if p.dtype == dtype]
+            plan = make_plan([self.params[i].shape for i in indices], self.config.rank,
+                             self.config.min_compression_rate, self._ranks_of(indices))
             wire = self._engine.wire_dtype(dtype, work_dtype_for(dtype))
             total += plan.mean_numel_sent(self.config.num_iters_per_step) * wire.itemsize
         return total
@@ -359,7 +381,7 @@ class PowerSGD(Aggregator):
                     wire = self._engine.wire_dtype(dtype, work_dtype_for(dtype))
                     keys = tuple(i for i, _ in group)
                     segment = self._store.get((device, dtype), keys, [t.shape for t in tensors], device,
-                                              work_dtype_for(dtype))
+                                              work_dtype_for(dtype), self._ranks_of(keys))
                     task, sent = compress_step(segment, tensors, comm, self._engine, compressed_step, commit,
                                                measure=measure)
                 pipeline.submit(task, lambda: None, lambda exc: None)
@@ -378,10 +400,22 @@ class PowerSGD(Aggregator):
 
     # --- diagnostics ----------------------------------------------------------------------------------
     def name_parameters(self, module: torch.nn.Module | Iterable[tuple[str, Tensor]]) -> None:
-        """Name the parameters in :meth:`approximation_error` after ``module``'s ``named_parameters()``
-        (or after ``(name, parameter)`` pairs); building with ``PowerSGD(model.named_parameters(), ...)``
-        does the same."""
-        self._names = parameter_names(module, "PowerSGD")
+        """Name the parameters in :meth:`approximation_error` (and for ``rank_policy``) after ``module``'s
+        ``named_parameters()`` (or after ``(name, parameter)`` pairs); building with
+        ``PowerSGD(model.named_parameters(), ...)`` does the same."""
+        names, previous_names = parameter_names(module, "PowerSGD"), self._names
+        if self._policy is not None:
+            missing = [i for i, p in enumerate(self.params) if id(p) not in names]
+            if missing:
+                raise ValueError(f"PowerSGD's rank_policy needs every parameter's name; parameters "
+                                 f"#{missing[:5]} are not in the module given")
+        before = self._ranks
+        self._names = names
+        self._resolve_ranks()
+        if self._store.segments and self._ranks != before:
+            self._names, self._ranks = previous_names, before
+            raise ValueError("these names give the rank_policy other ranks than the ones PowerSGD is compressing "
+                             "with; name the parameters before the first compressed step")
 
     def _name(self, key: int) -> str:
         return self._names.get(id(self.params[key]), f"#{key}")

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 from torch import Tensor, nn
 
 __all__ = ["ApproximationSummary", "approximation_error_metrics", "check_measure_every", "log_approximation_error",
-           "parameter_names", "relative_errors", "should_measure", "summarize"]
+           "named_pairs", "parameter_names", "relative_errors", "should_measure", "summarize"]
 
 
 @dataclass(frozen=True)
@@ -91,22 +91,24 @@ def summarize(norms: Mapping[int, tuple[float, float]], name_of: Callable[[int],
                                 worst_name=worst_name, parameters=len(errors))
 
 
-def parameter_names(module: nn.Module | Iterable[tuple[str, Tensor]], owner: str) -> dict[int, str]:
-    """``{id(parameter): name}`` from a module (a DDP/FSDP wrapper's ``module.`` prefix is dropped) or
-    from ``(name, parameter)`` pairs such as ``model.named_parameters()``."""
+def named_pairs(module: nn.Module | Iterable[tuple[str, Tensor]], owner: str) -> list[tuple[str, Tensor]]:
+    """``(name, parameter)`` pairs of a module (a DDP/FSDP wrapper's ``module.`` prefix is dropped), or the
+    pairs given, such as ``model.named_parameters()``; ``TypeError`` naming ``owner`` otherwise."""
     if isinstance(module, nn.Module):
         inner = getattr(module, "module", module)
-        pairs: Iterable[Any] = (inner if isinstance(inner, nn.Module) else module).named_parameters()
-    else:
-        pairs = module
-    names: dict[int, str] = {}
+        return list((inner if isinstance(inner, nn.Module) else module).named_parameters())
+    pairs = list(module)
     for pair in pairs:
         if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
                 and isinstance(pair[1], Tensor)):
             raise TypeError(f"{owner}.name_parameters takes an nn.Module or (name, parameter) pairs such as "
                             f"model.named_parameters(), got an item {type(pair).__name__}")
-        names[id(pair[1])] = pair[0]
-    return names
+    return pairs
+
+
+def parameter_names(module: nn.Module | Iterable[tuple[str, Tensor]], owner: str) -> dict[int, str]:
+    """``{id(parameter): name}`` for :func:`named_pairs`."""
+    return {id(param): name for name, param in named_pairs(module, owner)}
 
 
 class _Measured(Protocol):

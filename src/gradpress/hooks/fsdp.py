@@ -90,6 +90,8 @@ def register_fsdp_comm_hook(module: nn.Module, state: Any, hook: Hook) -> None:
           returns): a unit whose averages are not finite keeps its error memory and factors, but the
           units that stayed finite in that backward take their new memory (under DDP the whole
           iteration is kept or dropped together).
+        * A ``PowerSGDState`` learns the parameters' names from ``module`` (its ``rank_policy`` and
+          ``approximation_error()`` use them); a rank applies to each rank's row block ``(n / s, m)``.
         * Padding rows of uneven shards (``dim0 % shards != 0``) are never sent, compressed or counted.
         * Every trainable parameter must get a gradient in every backward (else a ``RuntimeError``
           says so; ``set_reduce_scatter_unused_params(True)`` reduces zeros for unused ones).
@@ -117,6 +119,9 @@ def register_fsdp_comm_hook(module: nn.Module, state: Any, hook: Hook) -> None:
         # FSDP reads each unit's result as soon as its hook returns: each unit commits its own memory
         # (a non-finite unit keeps its memory; the others are not held back until the last unit).
         state._finish_each_bucket = True
+        # The units' parameters are the module's own (sharded) parameters: their names are known here,
+        # for the approximation errors and a rank policy.
+        state.name_parameters(module)
     for index, (_, unit, param_group) in enumerate(units):
         unit.set_all_reduce_hook(_UnitHook(state, hook, index, param_group, counter, replicas))
 

@@ -28,7 +28,8 @@ from torch import Tensor, nn
 
 from ..checkpoint import check_placement, placement
 from ..comm import Communicator, check_process_group, make_communicator
-from ..diagnostics import (ApproximationSummary, check_measure_every, parameter_names, relative_errors,
+from ..policy import RankPolicy, RankRules
+from ..diagnostics import (ApproximationSummary, check_measure_every, named_pairs, relative_errors,
                            should_measure, summarize)
 from ..pipeline import OrderedPipeline, Task
 from ..powersgd.config import EngineConfig
@@ -99,6 +100,12 @@ class PowerSGDState:
             the device, from tensors the step holds anyway (two norms per matrix); read it with
             :meth:`approximation_error`, which names parameters after :meth:`name_parameters`.
             ``None`` (default): never.
+        rank_policy: which parameters are compressed and at what rank, by name:
+            ``{"embed*": None, "*.attn.*": 16}`` (shell patterns, the first match decides, ``None`` sends
+            the parameter exactly, unmatched ones take ``matrix_approximation_rank``) or a function
+            ``(name, parameter) -> rank or None`` (see :mod:`gradpress.policy`). Needs the names:
+            call :meth:`name_parameters` with the model before the first compressed iteration.
+            Not for ``batched_powerSGD_hook``, which compresses whole buckets.
 
     Non-finite iterations (AMP): when anything the hook averaged in an iteration is inf/NaN (on any
     rank: the sum carries it to all), the error memory and warm-start factors of every bucket, on every
@@ -125,7 +132,8 @@ class PowerSGDState:
                  "_keys", "_key_shapes", "_pipeline", "_comm", "_padded", "_saved_padded", "lr_scheduler",
                  "total_bytes_before_compression", "total_bytes_after_compression", "_last_lr", "_lr_iter",
                  "_commit", "_pending", "_finish_each_bucket", "_keys_closed", "_iteration_buckets",
-                 "approximation_error_every_n_iters", "_names", "last_measured_iter", "__weakref__")
+                 "approximation_error_every_n_iters", "_names", "last_measured_iter", "_policy", "_ranks",
+                 "__weakref__")
 
     def __init__(
         self,
@@ -148,6 +156,7 @@ class PowerSGDState:
         feedback_every_n_iters: int = 1,
         warm_up_beta_factor: float | None = None,
         approximation_error_every_n_iters: int | None = None,
+        rank_policy: RankRules | None = None,
     ) -> None:
         check_process_group(process_group, "PowerSGDState's first argument, process_group",
                             "the signature is PowerSGDState(process_group, matrix_approximation_rank, "
@@ -232,6 +241,8 @@ class PowerSGDState:
         self._names: dict[int, str] = {}  # id(parameter) -> name, from name_parameters
         #: The iteration whose measurement :meth:`approximation_error` shows (``None``: none yet).
         self.last_measured_iter: int | None = None
+        self._policy = None if rank_policy is None else RankPolicy(rank_policy, self._config.rank, "PowerSGDState")
+        self._ranks: dict[int, int | None] = {}  # parameter key -> its rank under the policy
 
     # --- configuration, read-only (the memory's meaning depends on it) -----------------------------
     @property
@@ -326,7 +337,11 @@ class PowerSGDState:
         >>> state = PowerSGDState(None, approximation_error_every_n_iters=100)   # doctest: +SKIP
         >>> state.name_parameters(ddp_model)                                      # doctest: +SKIP
         """
-        self._names = parameter_names(module, "PowerSGDState")
+        pairs = named_pairs(module, "PowerSGDState")
+        if self._policy is not None:  # every pattern must match a parameter (a typo otherwise)
+            self._policy.resolve(pairs)
+        self._names = {id(param): name for name, param in pairs}
+        self._ranks.clear()
 
     def _namer(self) -> Any:
         """``key -> name``: the name given by :meth:`name_parameters`, else ``"#key"``."""
@@ -431,6 +446,9 @@ class PowerSGDState:
                 "feedback_every_n_iters": self.feedback_every_n_iters,
                 "warm_up_beta_factor": self.warm_up_beta_factor,
                 "approximation_error_every_n_iters": self.approximation_error_every_n_iters,
+                # A mapping policy is plain data; a function policy is kept by pickling only (__getstate__).
+                "rank_policy": self._policy.rules if self._policy is not None
+                and isinstance(self._policy.rules, dict) else None,
             },
             "last_lr": self._last_lr,
             "total_bytes_before_compression": self.total_bytes_before_compression,
@@ -487,7 +505,10 @@ class PowerSGDState:
         self._saved_padded = dict(state_dict.get("padded", {}))
 
     def __getstate__(self) -> dict[str, Any]:
-        return self.state_dict()
+        state = self.state_dict()
+        if self._policy is not None:
+            state["options"]["rank_policy"] = self._policy.rules
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         options = dict(state["options"])
@@ -557,9 +578,24 @@ class PowerSGDState:
             keys.append(entry[1])
         return tuple(keys)
 
-    def _segment_for(self, index: int, keys: tuple[int, ...], grads: list[Tensor]) -> Segment:
+    def _segment_for(self, index: int, keys: tuple[int, ...], grads: list[Tensor],
+                     params: Sequence[Tensor] = ()) -> Segment:
+        ranks = None if self._policy is None else self._ranks_for(keys, params)
         return self._store.get(index, keys, [g.shape for g in grads], grads[0].device,
-                               work_dtype_for(grads[0].dtype))
+                               work_dtype_for(grads[0].dtype), ranks)
+
+    def _ranks_for(self, keys: tuple[int, ...], params: Sequence[Tensor]) -> list[int | None]:
+        """Each parameter's rank under the policy (by its name, resolved once per key)."""
+        assert self._policy is not None
+        missing = [i for i, key in enumerate(keys) if key not in self._ranks]
+        for i in missing:
+            name = self._names.get(id(params[i]))
+            if name is None:
+                raise RuntimeError("PowerSGDState's rank_policy needs the parameters' names: call "
+                                   "state.name_parameters(model) before training (DDP's buckets carry the "
+                                   "parameters, not their names)")
+            self._ranks[keys[i]] = self._policy.rank_for(name, params[i])
+        return [self._ranks[key] for key in keys]
 
     def _run(self, task: Task, bucket: Any, result: Tensor, before: int, after: int,
              finish: Any = None, grad_dtype: torch.dtype = torch.float32) -> torch.futures.Future:
@@ -654,9 +690,10 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     fut = _allreduce_phase(state, bucket)
     if fut is not None:
         return fut
-    keys = state._keys_for(bucket.parameters())
+    params = bucket.parameters()
+    keys = state._keys_for(params)
     grads = bucket.gradients()
-    segment = state._segment_for(bucket.index(), keys, grads)
+    segment = state._segment_for(bucket.index(), keys, grads, params)
     state._sync_lr()
     task, sent = compress_step(segment, grads, state._communicator(), state._config,
                                state.iter - state.start_powerSGD_iter, state._step_commit(),
@@ -676,6 +713,9 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torc
     (with a warning).
     """
     state = _check_state(state, "batched_powerSGD_hook")
+    if state._policy is not None:
+        raise ValueError("batched_powerSGD_hook compresses each bucket as one matrix, so a PowerSGDState with "
+                         "a rank_policy cannot drive it; use powerSGD_hook")
     state._note_bucket(bucket)
     fut = _allreduce_phase(state, bucket)
     if fut is not None:

@@ -284,6 +284,15 @@ class Segment:
     def load(self, memory: Mapping[int, ParamMemory], config: EngineConfig) -> None:
         """Fill the buffers from per-parameter memory (missing keys: zero error, Q drawn at first use)."""
         order = self.compressed_order
+        exact = set(range(len(self.keys))) - set(order)
+        for index in exact:
+            entry = memory.get(self.keys[index])
+            if entry is not None and entry.error is not None and config.use_error_feedback \
+                    and bool(entry.error.any()):
+                raise ValueError(
+                    f"PowerSGD memory holds error memory for parameter #{self.keys[index]}, which this "
+                    "configuration sends exactly, so that memory would be lost: was the checkpoint taken "
+                    "with another rank_policy or min_compression_rate?")
         self.unsent_q = []
         for position, index in enumerate(order):
             key = self.keys[index]
@@ -346,15 +355,17 @@ class SegmentStore:
         self.workspace = Workspace()  # shared by the segments (see Workspace)
 
     def get(self, slot: object, keys: tuple[int, ...], shapes: Sequence[Sequence[int]],
-            device: torch.device, dtype: torch.dtype) -> Segment:
-        """The segment of ``slot`` for parameters ``keys`` (with gradient ``shapes``), built if needed."""
+            device: torch.device, dtype: torch.dtype, ranks: Sequence[int | None] | None = None) -> Segment:
+        """The segment of ``slot`` for parameters ``keys`` (with gradient ``shapes``), built if needed.
+        ``ranks``: a rank (or ``None``: sent exactly) per parameter, fixed per key (a rank policy);
+        ``None``: the configuration's rank for all."""
         segment = self.segments.get(slot)
         if segment is not None and segment.keys == keys and segment.dtype == dtype and segment.device == device:
             return segment
         wanted = set(keys)
         for other in [s for s, seg in self.segments.items() if s == slot or wanted & set(seg.keys)]:
             self.pool.update(self.segments.pop(other).export(self.config))
-        plan = make_plan(shapes, self.config.rank, self.config.min_compression_rate)
+        plan = make_plan(shapes, self.config.rank, self.config.min_compression_rate, ranks)
         segment = Segment(plan, keys, device, dtype, self.workspace)
         segment.load(self.pool, self.config)
         for key in keys:

@@ -128,35 +128,44 @@ class Plan:
         return tuple(t for t in self.tensors if t.compressed)
 
 
-def make_plan(shapes: Sequence[torch.Size | tuple[int, ...]], rank: int,
-              min_compression_rate: float) -> Plan:
+def make_plan(shapes: Sequence[torch.Size | tuple[int, ...]], rank: int, min_compression_rate: float,
+              ranks: Sequence[int | None] | None = None) -> Plan:
     """Plan a segment of tensors with the given shapes (in segment order).
 
     Each tensor is viewed as ``(shape[0], -1)``; its rank is ``min(n, m, rank)``; it is compressed iff
     :func:`should_compress` says so. 0-d and 1-d tensors are never compressed (a vector has no low-rank
     structure to exploit). Compressed matrices with the same ``(n, m, rank)`` form one group, in order of
-    first appearance.
+    first appearance. ``ranks`` (a per-parameter policy): one entry per tensor in place of ``rank``, an
+    integer, or ``None`` to send that tensor exactly.
 
     >>> plan = make_plan([(64, 32), (64,), (64, 32)], rank=2, min_compression_rate=2)
     >>> [g.members for g in plan.groups], plan.uncompressed, plan.numel_sent
     ([(0, 2)], (1,), 448)
+    >>> plan = make_plan([(64, 32), (64,), (64, 32)], 2, 2, ranks=[None, 2, 4])
+    >>> [(g.members, g.rank) for g in plan.groups], plan.uncompressed
+    ([((2,), 4)], (0, 1))
     """
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1:
-        raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
+    shapes = list(_iterable(shapes, "shapes", "tensor shapes"))
+    per_tensor: list[int | None] = [_checked_rank(rank, "rank")] * len(shapes)
+    if ranks is not None:
+        per_tensor = list(_iterable(ranks, "ranks", "ranks (an int or None per tensor)"))
+        if len(per_tensor) != len(shapes):
+            raise ValueError(f"ranks has {len(per_tensor)} entries for {len(shapes)} tensors: give one per tensor")
+        per_tensor = [None if r is None else _checked_rank(r, f"ranks[{i}]") for i, r in enumerate(per_tensor)]
     if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, numbers.Real) \
             or not min_compression_rate >= 0:
         raise ValueError(f"min_compression_rate must be a number >= 0, got {min_compression_rate!r}")
-    rank = int(rank)
     tensors: list[TensorPlan] = []
     offset = 0
-    for index, shape in enumerate(_iterable(shapes, "shapes", "tensor shapes")):
+    for index, (shape, wanted) in enumerate(zip(shapes, per_tensor)):
         shape = _checked_shape(index, shape)
         numel = 1
         for size in shape:
             numel *= size
         n, m = as_matrix_shape(shape)
-        r = max(1, min(n, m, rank))
-        compressed = len(shape) >= 2 and numel > 0 and should_compress(n, m, r, min_compression_rate)
+        r = max(1, min(n, m, wanted or 1))
+        compressed = wanted is not None and len(shape) >= 2 and numel > 0 \
+            and should_compress(n, m, r, min_compression_rate)
         tensors.append(TensorPlan(index, shape, offset, numel, (n, m), r, compressed))
         offset += numel
 
@@ -174,6 +183,12 @@ def make_plan(shapes: Sequence[torch.Size | tuple[int, ...]], rank: int,
     uncompressed = tuple(t.index for t in tensors if not t.compressed)
     return Plan(tuple(tensors), tuple(groups), uncompressed, work, p, q,
                 sum(tensors[i].numel for i in uncompressed))
+
+
+def _checked_rank(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
 
 
 def _iterable(value: object, name: str, what: str) -> Iterable[object]:
