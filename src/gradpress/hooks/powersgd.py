@@ -28,13 +28,15 @@ from torch import Tensor, nn
 
 from ..checkpoint import check_placement, placement
 from ..comm import Communicator, check_process_group, make_communicator
+from ..adaptive import AdaptiveRank
+from ..linalg import as_matrix_shape
 from ..policy import RankPolicy, RankRules
 from ..diagnostics import (ApproximationSummary, check_measure_every, named_pairs, relative_errors,
                            should_measure, summarize)
 from ..pipeline import OrderedPipeline, Task
 from ..powersgd.config import EngineConfig
-from ..powersgd.memory import ParamMemory, Segment, SegmentStore, work_dtype_for
-from ..powersgd.plan import make_plan
+from ..powersgd.memory import RESIZE_DRAW, ParamMemory, Segment, SegmentStore, work_dtype_for
+from ..powersgd.plan import make_plan, should_compress
 from ..powersgd.step import StepCommit, compress_step
 from .default import allreduce_mean_future
 
@@ -106,6 +108,13 @@ class PowerSGDState:
             ``(name, parameter) -> rank or None`` (see :mod:`gradpress.policy`). Needs the names:
             call :meth:`name_parameters` with the model before the first compressed iteration.
             Not for ``batched_powerSGD_hook``, which compresses whole buckets.
+        adaptive_rank: an :class:`~gradpress.adaptive.AdaptiveRank` ``(low, high, every, threshold)``:
+            each compressed parameter's rank switches between ``low`` and ``high`` every ``every``
+            compressed iterations, on the change of its gradient norm (Accordion); decisions are the
+            same on every rank (one small all-reduce per interval), switches keep the error memory and
+            resize the warm-start factors, bytes are counted at the ranks in force, and checkpoints
+            resume exactly. With a ``rank_policy``, the policy says which parameters are sent exactly
+            and the adaptive rank sets the others'. See :mod:`gradpress.adaptive`.
 
     Non-finite iterations (AMP): when anything the hook averaged in an iteration is inf/NaN (on any
     rank: the sum carries it to all), the error memory and warm-start factors of every bucket, on every
@@ -133,7 +142,7 @@ class PowerSGDState:
                  "total_bytes_before_compression", "total_bytes_after_compression", "_last_lr", "_lr_iter",
                  "_commit", "_pending", "_finish_each_bucket", "_keys_closed", "_iteration_buckets",
                  "approximation_error_every_n_iters", "_names", "last_measured_iter", "_policy", "_ranks",
-                 "__weakref__")
+                 "_adaptive", "_adaptive_ranks", "_rank_limits", "_previous_norms", "__weakref__")
 
     def __init__(
         self,
@@ -157,6 +166,7 @@ class PowerSGDState:
         warm_up_beta_factor: float | None = None,
         approximation_error_every_n_iters: int | None = None,
         rank_policy: RankRules | None = None,
+        adaptive_rank: AdaptiveRank | dict[str, Any] | None = None,
     ) -> None:
         check_process_group(process_group, "PowerSGDState's first argument, process_group",
                             "the signature is PowerSGDState(process_group, matrix_approximation_rank, "
@@ -243,6 +253,15 @@ class PowerSGDState:
         self.last_measured_iter: int | None = None
         self._policy = None if rank_policy is None else RankPolicy(rank_policy, self._config.rank, "PowerSGDState")
         self._ranks: dict[int, int | None] = {}  # parameter key -> its rank under the policy
+        if isinstance(adaptive_rank, dict):  # the checkpoint form (unpickling)
+            adaptive_rank = AdaptiveRank(**adaptive_rank)
+        if adaptive_rank is not None and not isinstance(adaptive_rank, AdaptiveRank):
+            raise TypeError(f"adaptive_rank must be None or a gradpress.AdaptiveRank(low, high, every, threshold), "
+                            f"got {type(adaptive_rank).__name__}")
+        self._adaptive = adaptive_rank
+        self._adaptive_ranks: dict[int, int] = {}  # key -> rank in force (adaptive)
+        self._rank_limits: dict[int, tuple[int, int]] = {}  # key -> (lowest, highest) rank it may take
+        self._previous_norms: dict[int, float] = {}  # key -> last interval's mean gradient norm
 
     # --- configuration, read-only (the memory's meaning depends on it) -----------------------------
     @property
@@ -372,6 +391,21 @@ class PowerSGDState:
         (overall, mean, worst): ``None`` before the first measurement."""
         return summarize(self._store.approximation_norms() | self._padded_norms(), self._namer())
 
+    def ranks(self) -> dict[str, int]:
+        """The rank each compressed parameter uses now (by name, as :meth:`approximation_error`): the
+        :class:`~gradpress.adaptive.AdaptiveRank` in force, else the policy's or
+        ``matrix_approximation_rank``, each capped at ``min(n, m)``. Parameters sent exactly are left
+        out; empty before the first compressed iteration."""
+        name = self._namer()
+        result: dict[str, int] = {}
+        for segment in self._store.segments.values():
+            for index in segment.compressed_order:
+                result[name(segment.keys[index])] = segment.plan.tensors[index].rank
+        for key, entry in self._store.pool.items():  # memory between two segments (after a switch)
+            if entry.q is not None and key >= 0:
+                result.setdefault(name(key), int(entry.q.shape[1]))
+        return dict(sorted(result.items()))
+
     def _padded_norms(self) -> dict[int, tuple[float, float]]:
         result = {}
         for index, (_, segment, _) in self._padded.items():
@@ -449,7 +483,10 @@ class PowerSGDState:
                 # A mapping policy is plain data; a function policy is kept by pickling only (__getstate__).
                 "rank_policy": self._policy.rules if self._policy is not None
                 and isinstance(self._policy.rules, dict) else None,
+                "adaptive_rank": None if self._adaptive is None else self._adaptive.to_dict(),
             },
+            "adaptive": {"ranks": dict(self._adaptive_ranks), "limits": dict(self._rank_limits),
+                         "previous": dict(self._previous_norms)},
             "last_lr": self._last_lr,
             "total_bytes_before_compression": self.total_bytes_before_compression,
             "total_bytes_after_compression": self.total_bytes_after_compression,
@@ -479,6 +516,11 @@ class PowerSGDState:
                 raise ValueError(
                     f"checkpoint was saved with {name}={options.get(name)!r} but this PowerSGDState has "
                     f"{name}={getattr(self, name)!r}; construct the state with the same value to resume")
+        adaptive = None if self._adaptive is None else self._adaptive.to_dict()
+        if options.get("adaptive_rank") != adaptive:
+            raise ValueError(f"checkpoint was saved with adaptive_rank={options.get('adaptive_rank')!r} but this "
+                             f"PowerSGDState has adaptive_rank={adaptive!r}; construct the state with the same "
+                             "value to resume")
         check_placement(state_dict.get("placement"), placement(self.process_group), "PowerSGDState",
                         allow_other_rank)
         if len(self._pipeline):
@@ -500,6 +542,10 @@ class PowerSGDState:
         self._commit.discard()
         self._pending = []
         self._iteration_buckets.clear()
+        saved_adaptive = state_dict.get("adaptive", {})
+        self._adaptive_ranks = {int(k): int(v) for k, v in saved_adaptive.get("ranks", {}).items()}
+        self._rank_limits = {int(k): (int(v[0]), int(v[1])) for k, v in saved_adaptive.get("limits", {}).items()}
+        self._previous_norms = {int(k): float(v) for k, v in saved_adaptive.get("previous", {}).items()}
         self._store.replace({int(key): ParamMemory.from_dict(entry) for key, entry in state_dict["memory"].items()})
         self._padded.clear()
         self._saved_padded = dict(state_dict.get("padded", {}))
@@ -581,8 +627,57 @@ class PowerSGDState:
     def _segment_for(self, index: int, keys: tuple[int, ...], grads: list[Tensor],
                      params: Sequence[Tensor] = ()) -> Segment:
         ranks = None if self._policy is None else self._ranks_for(keys, params)
+        if self._adaptive is not None:
+            ranks = self._adaptive_ranks_for(keys, grads, ranks)
         return self._store.get(index, keys, [g.shape for g in grads], grads[0].device,
                                work_dtype_for(grads[0].dtype), ranks)
+
+    def _adaptive_ranks_for(self, keys: tuple[int, ...], grads: list[Tensor],
+                            policy: list[int | None] | None) -> list[int | None]:
+        """The adaptive rank in force per parameter (``None`` where the policy sends it exactly). A new
+        parameter starts at ``high``, capped where compressing would not pay (``min_compression_rate``)."""
+        assert self._adaptive is not None
+        ranks: list[int | None] = []
+        for i, key in enumerate(keys):
+            if policy is not None and policy[i] is None:
+                ranks.append(None)
+                continue
+            if key not in self._rank_limits:
+                n, m = as_matrix_shape(tuple(grads[i].shape))
+                cap = min(n, m, self._adaptive.high)
+                while cap > self._adaptive.low and not should_compress(n, m, cap, self.min_compression_rate):
+                    cap -= 1
+                self._rank_limits[key] = (min(self._adaptive.low, cap), cap)
+            ranks.append(self._adaptive_ranks.setdefault(key, self._rank_limits[key][1]))
+        return ranks
+
+    def _adapt(self) -> None:
+        """At the end of an interval: average every parameter's signal over the ranks (one all-reduce),
+        decide its rank for the next interval (the same everywhere), resize the factors that change."""
+        assert self._adaptive is not None
+        signals = self._store.signals()
+        if not signals:
+            return
+        keys = sorted(signals)
+        comm = self._communicator()
+        vector = torch.stack([signals[key].reshape(()).to(torch.float32) for key in keys])
+        vector.div_(comm.world_size)
+        comm.allreduce_sum(vector).wait()
+        self._store.reset_signals()
+        changes = {}
+        for key, total in zip(keys, vector.tolist()):  # the one host read of the interval
+            mean = total / self._adaptive.every
+            decided = self._adaptive.decide(self._previous_norms.get(key), mean)
+            self._previous_norms[key] = mean
+            if decided is None or key not in self._rank_limits:
+                continue
+            low, high = self._rank_limits[key]
+            rank = high if decided == self._adaptive.high else low
+            if rank != self._adaptive_ranks.get(key):
+                self._adaptive_ranks[key] = rank
+                changes[key] = rank
+        if changes:
+            self._store.resize(changes, self.random_seed, RESIZE_DRAW | self.iter)
 
     def _ranks_for(self, keys: tuple[int, ...], params: Sequence[Tensor]) -> list[int | None]:
         """Each parameter's rank under the policy (by its name, resolved once per key)."""
@@ -623,6 +718,9 @@ class PowerSGDState:
                 pending, self._pending = self._pending, []
                 for complete_bucket, _ in pending:
                     complete_bucket()
+                if self._adaptive is not None \
+                        and (self.iter - self.start_powerSGD_iter + 1) % self._adaptive.every == 0:
+                    self._adapt()
         except BaseException:
             self._commit.discard()
             self._pending = []
@@ -697,7 +795,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     state._sync_lr()
     task, sent = compress_step(segment, grads, state._communicator(), state._config,
                                state.iter - state.start_powerSGD_iter, state._step_commit(),
-                               measure=state._measure())
+                               measure=state._measure(), track=state._adaptive is not None)
     return state._run(task, bucket, bucket.buffer(), segment.plan.numel, sent, grad_dtype=grads[0].dtype)
 
 
@@ -713,9 +811,9 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torc
     (with a warning).
     """
     state = _check_state(state, "batched_powerSGD_hook")
-    if state._policy is not None:
+    if state._policy is not None or state._adaptive is not None:
         raise ValueError("batched_powerSGD_hook compresses each bucket as one matrix, so a PowerSGDState with "
-                         "a rank_policy cannot drive it; use powerSGD_hook")
+                         "a rank_policy or an adaptive_rank cannot drive it; use powerSGD_hook")
     state._note_bucket(bucket)
     fut = _allreduce_phase(state, bucket)
     if fut is not None:

@@ -18,7 +18,7 @@ from torch import Tensor
 from .config import EngineConfig
 from .plan import GroupPlan, Plan, make_plan
 
-__all__ = ["ALIGNMENT_BYTES", "ParamMemory", "Segment", "SegmentStore", "Workspace", "seeded_normal", "work_dtype_for"]
+__all__ = ["ALIGNMENT_BYTES", "RESIZE_DRAW", "ParamMemory", "Segment", "SegmentStore", "Workspace", "seeded_normal", "work_dtype_for"]
 
 #: Every matrix's error memory starts at a multiple of this many bytes (PyTorch's CPU allocations are
 #: aligned the same way). BLAS rounds differently when an operand starts at another alignment (MKL's
@@ -29,6 +29,7 @@ ALIGNMENT_BYTES = 64
 
 _MASK64 = (1 << 64) - 1
 _P_DRAW = 1 << 40  # draw numbers of P factors, disjoint from those of Q
+RESIZE_DRAW = 1 << 41  # draw numbers of the columns an adaptive rank adds, disjoint from the first draws
 
 
 def _mix(*parts: int) -> int:
@@ -67,21 +68,39 @@ class ParamMemory:
     ``error``: the residual not yet applied, shape ``(n, m)`` (``None``: zero / error feedback off).
     ``q``: the warm-start right factor, shape ``(m, r)`` (``None``: not drawn yet).
     ``p``: the left factor, shape ``(n, r)``; kept by the alternating scheme only (``None`` otherwise).
+    ``signal``: a 0-d tensor, the sum of the applied gradient's norm over the steps since an adaptive
+    rank last decided (``None``: not tracked).
     """
 
     shape: tuple[int, ...]
     error: Tensor | None = None
     q: Tensor | None = None
     p: Tensor | None = None
+    signal: Tensor | None = None
 
     def to_dict(self) -> dict[str, object]:
         """The checkpoint form: plain lists and tensors."""
-        return {"shape": list(self.shape), "error": self.error, "q": self.q, "p": self.p}
+        return {"shape": list(self.shape), "error": self.error, "q": self.q, "p": self.p, "signal": self.signal}
 
     @classmethod
     def from_dict(cls, entry: Mapping[str, object]) -> ParamMemory:
-        """Inverse of :meth:`to_dict` (checkpoints without ``p`` load with ``p=None``)."""
-        return cls(tuple(entry["shape"]), entry["error"], entry["q"], entry.get("p"))  # type: ignore[arg-type]
+        """Inverse of :meth:`to_dict` (checkpoints without ``p`` or ``signal`` load with ``None``)."""
+        return cls(tuple(entry["shape"]), entry["error"], entry["q"], entry.get("p"),  # type: ignore[arg-type]
+                   entry.get("signal"))  # type: ignore[arg-type]
+
+    def resize(self, rank: int, seed: int, key: int, draw: int) -> None:
+        """Give the warm-start factors ``rank`` columns: the leading ones are kept; new ones are drawn
+        from ``(seed, key, draw)`` (the same on every rank), so an adaptive rank change is identical on
+        every worker. The error memory is untouched (nothing of the gradient is lost by a switch)."""
+        for name, offset in (("q", 0), ("p", _P_DRAW)):
+            factor = getattr(self, name)
+            if factor is None or factor.shape[1] == rank:
+                continue
+            if factor.shape[1] > rank:
+                setattr(self, name, factor[:, :rank].clone())
+                continue
+            extra = seeded_normal((factor.shape[0], rank - factor.shape[1]), seed, key, offset | draw)
+            setattr(self, name, torch.cat([factor, extra.to(device=factor.device, dtype=factor.dtype)], dim=1))
 
 
 def _aligned_stride(numel: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -155,7 +174,7 @@ class Segment:
 
     __slots__ = ("plan", "keys", "dtype", "device", "work", "wire", "phase1", "q", "group_views",
                  "work_views", "p_views", "q_views", "unsent_q", "saved_factors", "staged", "workspace",
-                 "norms")
+                 "norms", "signals")
 
     def __init__(self, plan: Plan, keys: Sequence[int], device: torch.device, dtype: torch.dtype,
                  workspace: Workspace | None = None) -> None:
@@ -195,6 +214,8 @@ class Segment:
         # ||M|| and ||M - P Q^T|| per compressed matrix (group order) at the last measured step; None
         # until a step measures (see approximation_norms).
         self.norms: Tensor | None = None
+        # Sum of ||P Q^T|| per compressed matrix over the finite steps that tracked it (adaptive rank).
+        self.signals: Tensor | None = None
 
     def _factor_group_views(self, wire: Tensor, group: GroupPlan) -> tuple[Tensor, Tensor]:
         """``group``'s ``(B, n, r)`` P and ``(B, r, m)`` Q^T in ``wire`` (or a buffer laid out as it)."""
@@ -228,6 +249,13 @@ class Segment:
         if self.norms is None:
             self.norms = torch.full((len(self.work_views), 2), float("nan"), device=self.device, dtype=self.dtype)
         return self.norms
+
+    def output_signals(self) -> Tensor:
+        """``(C,)``: per compressed matrix (group order), the sum of the applied approximation's norm
+        ``||P Q^T||_F`` over the steps that tracked it (adaptive rank's signal). Zeros at first call."""
+        if self.signals is None:
+            self.signals = torch.zeros(len(self.work_views), device=self.device, dtype=self.dtype)
+        return self.signals
 
     def draw_q(self, positions: Sequence[int], seed: int, draw: int, with_p: bool = False) -> None:
         """Fill the Q (and, with ``with_p``, the P) of the given compressed positions with seeded normals,
@@ -304,6 +332,8 @@ class Segment:
                     f"has shape {tensor.shape}: the checkpoint belongs to a different model")
             if entry is not None and entry.error is not None and config.use_error_feedback:
                 self.work_views[position].copy_(entry.error.reshape(tensor.matrix))
+            if entry is not None and entry.signal is not None:
+                self.output_signals()[position].copy_(entry.signal)
             q_view = self.q_views[position].t()
             alternating = config.num_iters_per_step is not None
             factors = [(entry.q, q_view, "Q")] if entry is not None else []
@@ -333,6 +363,7 @@ class Segment:
                 error=self.work_views[position].clone() if config.use_error_feedback else None,
                 q=self.q_views[position].t().clone(memory_format=torch.contiguous_format) if keep else None,
                 p=self.p_views[position].clone() if keep and alternating else None,
+                signal=None if self.signals is None else self.signals[position].clone(),
             )
         return out
 
@@ -397,6 +428,35 @@ class SegmentStore:
                 if whole == whole:  # NaN: not measured yet
                     result[key] = (whole, residual)
         return result
+
+    def signals(self) -> dict[int, Tensor]:
+        """Per parameter key, its adaptive-rank signal (a 0-d tensor on its device; nothing is read)."""
+        result = {key: entry.signal for key, entry in self.pool.items() if entry.signal is not None}
+        for segment in self.segments.values():
+            if segment.signals is not None:
+                for position, index in enumerate(segment.compressed_order):
+                    result[segment.keys[index]] = segment.signals[position]
+        return result
+
+    def reset_signals(self) -> None:
+        """Start a new adaptive-rank interval: every signal to zero."""
+        for segment in self.segments.values():
+            if segment.signals is not None:
+                segment.signals.zero_()
+        for entry in self.pool.values():
+            if entry.signal is not None:
+                entry.signal = torch.zeros_like(entry.signal)
+
+    def resize(self, ranks: Mapping[int, int], seed: int, draw: int) -> None:
+        """Change the rank of parameters ``{key: effective rank}``: the segments holding them return their
+        memory to the pool (rebuilt at their next use with the caller's new ranks) and the pool's
+        warm-start factors are resized (:meth:`ParamMemory.resize`)."""
+        for slot in [s for s, seg in self.segments.items() if set(ranks) & set(seg.keys)]:
+            self.pool.update(self.segments.pop(slot).export(self.config))
+        for key, rank in ranks.items():
+            entry = self.pool.get(key)
+            if entry is not None:
+                entry.resize(rank, self.config.random_seed, key, draw)
 
     def scale_errors(self, factor: float) -> None:
         """Multiply all error memory (segments and pool) by ``factor``."""

@@ -76,7 +76,7 @@ class StepCommit:
 
 def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
                step: int, *, commit: StepCommit | None = None, add_memory: bool = True,
-               damping: float | None = None, measure: bool = False) -> Task:
+               damping: float | None = None, measure: bool = False, track: bool = False) -> Task:
     """Replace ``grads`` (the segment's tensors, in plan order) by their PowerSGD-compressed mean.
 
     A generator task (see :mod:`gradpress.pipeline`): it yields after starting each collective and must
@@ -98,7 +98,8 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     M - PQ^T is multiplied by it first (warm-up). Non-finite gradients give non-finite outputs (so an AMP
     GradScaler skips the step) and leave the memory and the factors as they were. ``measure``: record
     ``||M||`` and ``||M - PQ^T||`` of every compressed matrix in the segment at the commit
-    (:meth:`Segment.approximation_norms`), on the device.
+    (:meth:`Segment.approximation_norms`), on the device. ``track``: add ``||P Q^T||`` of every
+    compressed matrix to :meth:`Segment.output_signals` (adaptive rank), on the device.
 
     Building M twice costs two elementwise passes over the gradients more than building it once and
     keeping it, and saves keeping a second copy of the error memory until the commit (a buffer of the
@@ -132,12 +133,12 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
         yield from _send(segment.q, comm, wire_dtype)
         pieces.append((segment.p_views, segment.q_views))
     # 6. At the commit.
-    _finish(segment, commit, own, matrices, pieces, [], config, add_memory, damping, measure)
+    _finish(segment, commit, own, matrices, pieces, [], config, add_memory, damping, measure, track)
 
 
 def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
                      first_iteration: int, *, commit: StepCommit | None = None, add_memory: bool = True,
-                     damping: float | None = None, measure: bool = False) -> Task:
+                     damping: float | None = None, measure: bool = False, track: bool = False) -> Task:
     """Multi-iteration PowerSGD: ``config.num_iters_per_step`` one-sided iterations, one collective each.
 
     As in the PowerSGD authors' reference aggregator (github.com/epfml/powersgd): iteration ``i``
@@ -201,18 +202,19 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
             copies.append(segment.wire.clone())
             earlier.append(segment.factor_views(copies[-1]))
     pieces = earlier + [(segment.p_views, segment.q_views)] if segment.group_views else []
-    _finish(segment, commit, own, matrices, pieces, copies, config, add_memory, damping, measure)
+    _finish(segment, commit, own, matrices, pieces, copies, config, add_memory, damping, measure, track)
 
 
 def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
                   compressed_step: int, commit: StepCommit | None = None, *,
-                  measure: bool = False) -> tuple[Task, int]:
+                  measure: bool = False, track: bool = False) -> tuple[Task, int]:
     """The engine's entry point: the task for step number ``compressed_step`` (0 for the first
     compressed step) of the configured scheme, and the number of elements it will send.
 
     ``commit``: the :class:`StepCommit` of the optimizer step this task is part of (the caller applies
     it once every task of the step has finished); ``None``: the task commits its own segment.
-    ``measure``: also record each compressed matrix's approximation error (see :func:`power_step`).
+    ``measure``: also record each compressed matrix's approximation error; ``track``: add the norm of
+    each applied approximation to the segment's adaptive-rank signal (see :func:`power_step`).
 
     A step that is not finite still counts: the caller's counter (hence ``compressed_step``, which picks
     the side the alternating scheme sends first, the fresh draw without warm start, and the warm-up and
@@ -225,7 +227,7 @@ def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator,
     damping = None
     if config.warm_up_beta_factor is not None and compressed_step < config.warm_up_steps:
         damping = config.warm_up_beta_factor
-    options = {"commit": commit, "add_memory": add_memory, "damping": damping, "measure": measure}
+    options = {"commit": commit, "add_memory": add_memory, "damping": damping, "measure": measure, "track": track}
     if k is None:
         task = power_step(segment, grads, comm, config, compressed_step, **options)
         sent = segment.plan.numel_sent
@@ -238,7 +240,7 @@ def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator,
 
 def _finish(segment: Segment, commit: StepCommit, own: bool, matrices: list[Tensor],
             pieces: list[tuple[list[Tensor], list[Tensor]]], copies: list[Tensor], config: EngineConfig,
-            add_memory: bool, damping: float | None, measure: bool) -> None:
+            add_memory: bool, damping: float | None, measure: bool, track: bool) -> None:
     """Add the segment's all-finite flag (over everything it averaged, ``copies`` of earlier iterations'
     factors included: identical on every rank) and its commit to the step; apply the step if it is this
     segment's alone."""
@@ -249,6 +251,8 @@ def _finish(segment: Segment, commit: StepCommit, own: bool, matrices: list[Tens
 
     def finish(step_finite: Tensor, known: bool | None) -> None:
         _decompress(segment, matrices, pieces, error_feedback, add_memory, damping, step_finite, known, measure)
+        if track and pieces and known is not False:
+            _track(segment, matrices, step_finite, known)
         segment.restore_factors(step_finite.to(segment.device), known)
 
     commit.add(finite, finish)
@@ -335,6 +339,17 @@ def _decompress(segment: Segment, matrices: list[Tensor], pieces: list[tuple[lis
         torch.where(flag, candidate, memory_group, out=memory_group)
         position += group.batch
     _keep_norms(norms, fresh, flag, known)
+
+
+def _track(segment: Segment, matrices: list[Tensor], finite: Tensor, known: bool | None) -> None:
+    """Add each written output's norm to the segment's adaptive-rank signal, if the step is finite
+    (chosen on the device where that is not known)."""
+    norms = torch.stack([torch.linalg.vector_norm(matrix).to(segment.dtype) for matrix in matrices])
+    signals = segment.output_signals()
+    if known:
+        signals.add_(norms)
+    else:
+        signals.add_(torch.where(finite.to(segment.device), norms, torch.zeros_like(norms)))
 
 
 def _keep_norms(norms: Tensor | None, fresh: Tensor | None, finite: Tensor, known: bool | None) -> None:
