@@ -241,3 +241,26 @@ def test_scripts_still_work(capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         script["main"](["--help"], prog="python benchmarks/overhead.py")
     assert exc.value.code == 0 and "--isolate" in capsys.readouterr().out
+
+
+def test_the_users_own_model_is_accepted_as_by_inspect(capsys, recorded) -> None:
+    assert main(["bench", "--models", "user_models:two_layer,resnet18"]) == 0
+    assert recorded[0]["models"] == ["user_models:two_layer", "resnet18"]
+    for model, message in [("user_models:missing", "module 'user_models' has no attribute 'missing'"),
+                           ("user_models:not_a_module", "not a torch.nn.Module"),
+                           ("no_such_module_xyz:build", "cannot import module 'no_such_module_xyz'")]:
+        assert main(["bench", "--models", model]) == 2
+        err = capsys.readouterr().err
+        assert f"argument --models: model {model!r}" in err or message in err
+        assert message in err and err.count("\n") == 1
+    assert len(recorded) == 1
+
+
+def test_a_user_model_is_measured(capsys, tmp_path: Path) -> None:
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--models", "user_models:two_layer", "--rounds", "3", "--block", "1", "--warmup", "0",
+                 "--json", str(path)]) == 0
+    (result,) = json.loads(path.read_text())["results"]
+    assert result["model"] == "user_models:two_layer"
+    plan = gradpress.make_plan([p.shape for p in build_model("user_models:two_layer").parameters()], 1, 2)
+    assert result["compression_rate"] == pytest.approx(plan.compression_rate)

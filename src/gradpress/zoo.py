@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -272,6 +274,13 @@ def _import_factory(name: str) -> Callable[[], object]:
             raise ValueError(f"model {name!r}: the factory must be callable with no arguments, but "
                              f"{attribute}() is {exc}") from None
     return factory
+
+
+def import_from_current_folder() -> None:
+    """Make modules in the current folder importable for ``module.path:factory`` names, as ``python -m``
+    does (the CLI is a console script, whose ``sys.path`` does not hold the current folder)."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
 
 def build_model(name: str, device: torch.device | str = "meta") -> nn.Module:

@@ -97,9 +97,10 @@ def model_names() -> list[str]:
 
 
 def model_parameters(name: str) -> list[Tensor]:
-    """The model's parameters (meta tensors), in definition order (tied weights once)."""
-    if name not in MODELS and name not in zoo.MODELS:
-        raise ValueError(f"unknown model {name!r}; choose from {', '.join(model_names())}")
+    """The model's parameters (meta tensors), in definition order (tied weights once). ``name``: a built-in
+    (:func:`model_names`) or ``module.path:factory``, the user's own model as ``gradpress inspect`` takes it."""
+    if name not in MODELS and name not in zoo.MODELS and ":" not in name:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(model_names())}, or module.path:factory")
     return [p.detach() for p in zoo.build_model(MODELS.get(name, name)).parameters()]
 
 
@@ -517,8 +518,8 @@ def parse_args(argv: Sequence[str] | None, prog: str = "overhead") -> argparse.N
     args = parser.parse_args(argv)
     args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
     for m in args.model_list:
-        if m not in model_names():
-            parser.error(f"unknown model {m!r}; choose from {', '.join(model_names())}")
+        if m not in model_names() and ":" not in m:
+            parser.error(f"unknown model {m!r}; choose from {', '.join(model_names())}, or module.path:factory")
     try:
         args.rank_list = [int(r) for r in args.ranks.split(",") if r.strip()]
     except ValueError:
@@ -556,7 +557,10 @@ def _run_worker(names: Sequence[str], models: Sequence[str], ranks: Sequence[int
                "--warmup", str(warmup), "--gloo-threads", str(gloo_threads), "--json", out]
     if threads is not None:
         command += ["--threads", str(threads)]
-    subprocess.run(command, check=True)
+    env = None
+    if any(":" in model for model in models):  # the user's module must import in the worker as it does here
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+    subprocess.run(command, check=True, env=env)
     with open(out) as f:
         parts: list[dict[str, Any]] = json.load(f)["parts"]
     return parts

@@ -38,13 +38,24 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def _models(text: str) -> list[str]:
+    """Built-in names or ``module.path:factory`` (the user's own model, as ``gradpress inspect --model``
+    takes it: built here on the meta device, so a bad one fails before any measurement)."""
     from ..bench.overhead import model_names
+    from ..zoo import build_model, import_from_current_folder
 
     models = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
-    unknown = [m for m in models if m not in model_names()]
+    unknown = [m for m in models if m not in model_names() and ":" not in m]
     if not models or unknown:
         raise argparse.ArgumentTypeError(f"unknown model {', '.join(map(repr, unknown)) or repr(text)}; "
-                                         f"choose from {', '.join(model_names())} (comma-separated)")
+                                         f"choose from {', '.join(model_names())} (comma-separated), or "
+                                         "module.path:factory for your own")
+    for model in models:
+        if ":" in model:
+            import_from_current_folder()
+            try:
+                build_model(model)
+            except ValueError as exc:
+                raise argparse.ArgumentTypeError(str(exc)) from None
     return models
 
 
@@ -111,7 +122,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     preset.add_argument("--full", dest="preset", action="store_const", const="full",
                         help="both models, ranks 1, 2, 4")
     parser.add_argument("--models", type=_models, default=None, metavar="LIST",
-                        help="comma-separated model names (gradpress.zoo built-ins; resnet18 = resnet18-cifar)")
+                        help="comma-separated models: gradpress.zoo built-ins (resnet18 = resnet18-cifar) or "
+                             "module.path:factory, a function taking no arguments that returns your nn.Module "
+                             "(as for gradpress inspect --model)")
     parser.add_argument("--ranks", type=int_list(1), default=None, metavar="R[,R...]",
                         help="PowerSGD ranks (integers >= 1)")
     parser.add_argument("--rounds", type=int_at_least(1), default=None, metavar="N",

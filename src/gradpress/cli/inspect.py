@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ from torch import nn
 
 from ..hooks.hierarchical import assign_shares
 from ..powersgd import make_plan
-from ..zoo import build_model, model_names
+from ..zoo import build_model, import_from_current_folder, model_names
 from .args import float_at_least, int_at_least
 from .table import format_table
 
@@ -263,8 +262,8 @@ def _fail(message: str, code: int = 2) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """``gradpress inspect``: 0 on success, 2 for a bad model or setting (one line on stderr)."""
-    if ":" in args.model and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # like ``python -m``: a module in the current folder is importable
+    if ":" in args.model:
+        import_from_current_folder()
     try:
         model = build_model(args.model)
     except ValueError as exc:
