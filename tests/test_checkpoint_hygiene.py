@@ -14,6 +14,7 @@ from gradpress import checkpoint
 from gradpress.aggregator import Config, PowerSGD
 from gradpress.averaging import OuterOptimizerAverager
 from distributed import run
+from distributed import run
 
 WORLD = 2
 
@@ -167,3 +168,39 @@ def test_outer_averager_refuses_compressed_state_of_another_rank_at_load():
         assert placement == {"rank": rank, "world_size": WORLD}
         assert message is not None and message.startswith("OuterOptimizerAverager checkpoint was saved with "
                                                           f"rank={(rank + 1) % WORLD}")
+
+
+def _gather_scatter(rank, world_size, what):
+    import gradpress
+    from torch import nn
+
+    torch.manual_seed(0)
+    state = gradpress.PowerSGD([nn.Parameter(torch.zeros(8, 6))], gradpress.Config(
+        rank=1, start_compressing_after_num_steps=0), init_sync=False)
+    state.aggregate_([torch.randn(8, 6, generator=torch.Generator().manual_seed(rank))])
+    gathered = gradpress.gather_state(state)
+    if rank != 0:
+        assert gathered is None
+    fresh = gradpress.PowerSGD([nn.Parameter(torch.zeros(8, 6))], gradpress.Config(
+        rank=1, start_compressing_after_num_steps=0), init_sync=False)
+    if what == "other world size" and rank == 0:
+        gathered = {**gathered, "world_size": 3, "ranks": gathered["ranks"] + [gathered["ranks"][0]]}
+    if what == "not gathered" and rank == 0:
+        gathered = {"model": {}}
+    try:
+        gradpress.scatter_state(fresh, gathered if rank == 0 else None)
+    except ValueError as error:
+        return str(error)
+    mine = state.state_dict()["memory"][0]["error"]
+    return torch.equal(fresh.state_dict()["memory"][0]["error"], mine), fresh.step_counter
+
+
+@pytest.mark.parametrize("what, message", [("other world size", "saved by 3 ranks, this run has 2"),
+                                           ("not gathered", "what gather_state returned")])
+def test_scatter_state_refuses_on_every_rank_what_it_cannot_split(what, message):
+    for result in run(_gather_scatter, 2, what):
+        assert isinstance(result, str) and message in result
+
+
+def test_gather_then_scatter_gives_each_rank_its_own_state():
+    assert run(_gather_scatter, 2, "ok") == [(True, 1), (True, 1)]

@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["EngineConfig", "Plan", "make_plan"], "powersgd"),
     **dict.fromkeys(["ApproximationSummary", "approximation_error_metrics", "log_approximation_error"], "diagnostics"),
     "AdaptiveRank": "adaptive",
+    **dict.fromkeys(["gather_state", "scatter_state", "state_nbytes"], "checkpoint"),
     **dict.fromkeys(["QuantizeInt4", "QuantizeInt8", "StreamingDiLoCoAverager", "TopK"], "streaming"),
     "register_fsdp_comm_hook": "hooks.fsdp",
     "hierarchical_wrapper": "hooks.hierarchical",
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
                         fp16_compress_wrapper, hook_with_zero_step, hook_with_zero_step_interleaved,
                         post_localSGD_hook, post_localsgd_hook, powerSGD_hook, powersgd_hook)
     from .adaptive import AdaptiveRank
+    from .checkpoint import gather_state, scatter_state, state_nbytes
     from .diagnostics import ApproximationSummary, approximation_error_metrics, log_approximation_error
     from .hooks.fsdp import register_fsdp_comm_hook
     from .hooks.hierarchical import hierarchical_wrapper

@@ -17,11 +17,13 @@ import os
 import pickle
 import tempfile
 import zipfile
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["save", "load", "placement", "check_placement"]
+__all__ = ["save", "load", "placement", "check_placement", "gather_state", "scatter_state", "state_nbytes",
+           "to_cpu"]
 
 
 def save(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -89,6 +91,17 @@ def _corrupt(path: str, size: int, e: BaseException) -> ValueError:
                       f"({type(e).__name__}: {detail})")
 
 
+def to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor detached and moved to the CPU (mappings, lists and tuples walked)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, Mapping):
+        return {key: to_cpu(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(value) for value in obj)
+    return obj
+
+
 def placement(process_group: Any = None) -> dict[str, int]:
     """``{"rank": r, "world_size": w}`` of this process in ``process_group`` (``0``/``1`` when
     ``torch.distributed`` is not initialized): stored in every per-rank state_dict."""
@@ -111,3 +124,81 @@ def check_placement(saved: Any, current: dict[str, int], owner: str, allow_other
                 f"{name}={current[name]} (saved on rank {saved.get('rank')!r} of {saved.get('world_size')!r}, "
                 f"loading on rank {current['rank']} of {current['world_size']}); its error memory is per "
                 f"rank: load each rank's own file, or pass allow_other_rank=True to load it anyway")
+
+
+#: ``format`` of what :func:`gather_state` returns on its destination rank.
+GATHERED_FORMAT = "gradpress.gathered_state"
+
+
+def gather_state(state: Any, dst: int = 0, process_group: Any = None) -> dict[str, Any] | None:
+    """Every rank's ``state.state_dict()`` on rank ``dst``, for scripts that save one checkpoint on rank 0.
+
+    ``state`` is anything with ``state_dict()``/``load_state_dict()`` whose state is per rank: a
+    ``PowerSGDState``, a ``PowerSGD`` aggregator, an averager. **A collective**: every rank calls it at
+    the same step (decide on rank 0 and broadcast the decision first if only rank 0 knows it). On
+    ``dst`` it returns ``{"format", "world_size", "ranks": [rank 0's state_dict, ...]}`` (tensors on the
+    CPU), to put in the checkpoint; elsewhere ``None``. Size: the world size times one rank's state (a
+    PowerSGD state is about the fp32 size of the compressed gradients, see :func:`state_nbytes`).
+
+    >>> if step % eval_interval == 0:                                              # doctest: +SKIP
+    ...     hooks = gradpress.checkpoint.gather_state(state)        # on every rank
+    ...     if rank == 0:
+    ...         torch.save({"model": model.module.state_dict(), "powersgd": hooks}, "ckpt.pt")
+    """
+    import torch.distributed as dist
+
+    from .comm import gather_objects
+
+    entry = to_cpu(state.state_dict())
+    gathered = gather_objects(entry, dst, process_group)
+    if gathered is None:
+        return None
+    return {"format": GATHERED_FORMAT, "version": 1, "world_size": dist.get_world_size(process_group),
+            "ranks": gathered}
+
+
+def scatter_state(state: Any, gathered: dict[str, Any] | None, src: int = 0, process_group: Any = None) -> None:
+    """Load each rank's own entry of :func:`gather_state`'s result into ``state``: rank ``src`` passes
+    the dict it read from its checkpoint, the other ranks ``None``. **A collective**: every rank calls it.
+
+    If ``gathered`` is not such a dict, or was saved with another world size, every rank raises the
+    same ``ValueError`` (the other ranks do not wait for a timeout). Each entry then goes through
+    ``state.load_state_dict``, which checks the options, shapes, rank and world size as usual.
+    """
+    import torch.distributed as dist
+
+    from .comm import scatter_objects
+
+    world = dist.get_world_size(process_group)
+    objs = None
+    if dist.get_rank(process_group) == src:
+        problem = _gathered_problem(gathered, world)
+        objs = [problem] * world if problem else list(gathered["ranks"])  # type: ignore[index]
+    entry = scatter_objects(objs, src, process_group)
+    if isinstance(entry, str):
+        raise ValueError(entry)
+    state.load_state_dict(entry)
+
+
+def state_nbytes(state_dict: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict: what one rank's hook state adds to a checkpoint.
+    For ``PowerSGDState`` it is the error memory (fp32 ``n x m`` per compressed matrix, i.e. about the
+    size of those gradients in fp32) plus the warm-start factors (``m x r``, and ``n x r`` with
+    ``num_iters_per_step``)."""
+    if isinstance(state_dict, torch.Tensor):
+        return state_dict.numel() * state_dict.element_size()
+    if isinstance(state_dict, dict):
+        return sum(state_nbytes(value) for value in state_dict.values())
+    if isinstance(state_dict, (list, tuple)):
+        return sum(state_nbytes(value) for value in state_dict)
+    return 0
+
+
+def _gathered_problem(gathered: Any, world: int) -> str | None:
+    if not isinstance(gathered, dict) or gathered.get("format") != GATHERED_FORMAT:
+        return (f"scatter_state expects on its source rank what gather_state returned (a dict with "
+                f"format={GATHERED_FORMAT!r}), got {type(gathered).__name__}")
+    if gathered.get("world_size") != world or len(gathered.get("ranks", ())) != world:
+        return (f"the gathered hook state was saved by {gathered.get('world_size')!r} ranks, this run has {world}: "
+                "per-rank state (error memory) cannot be split or merged across world sizes")
+    return None

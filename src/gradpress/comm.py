@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["CollectiveError", "Communicator", "Handle", "LocalCommunicator", "ProcessGroupCommunicator",
-           "check_process_group", "collective_error", "make_communicator"]
+           "check_process_group", "collective_error", "gather_objects", "make_communicator", "scatter_objects"]
 
 
 class CollectiveError(RuntimeError):
@@ -176,3 +176,31 @@ def make_communicator(process_group: dist.ProcessGroup | None = None,
     if process_group is not None:
         raise RuntimeError("a process_group was given but torch.distributed is not initialized")
     return LocalCommunicator()
+
+
+def gather_objects(obj: object, dst: int = 0, process_group: dist.ProcessGroup | None = None) -> list[object] | None:
+    """Every rank's ``obj`` (picklable) on rank ``dst`` of ``process_group``, in rank order; ``None`` on the
+    other ranks. A collective: every rank of the group calls it. Failures are :class:`CollectiveError`."""
+    world = dist.get_world_size(process_group)
+    mine = dist.get_rank(process_group)
+    gathered: list[object] | None = [None] * world if mine == dst else None
+    try:
+        dist.gather_object(obj, gathered, dst=dist.get_global_rank(process_group, dst) if process_group else dst,
+                           group=process_group)
+    except RuntimeError as error:
+        raise collective_error(f"gather of one object per rank to rank {dst} over {world} ranks", error) from error
+    return gathered
+
+
+def scatter_objects(objs: list[object] | None, src: int = 0, process_group: dist.ProcessGroup | None = None) -> object:
+    """Rank ``src`` hands ``objs[r]`` to rank ``r`` of ``process_group`` (the others pass ``None``); returns
+    this rank's object. A collective: every rank of the group calls it."""
+    world = dist.get_world_size(process_group)
+    out: list[object] = [None]
+    try:
+        dist.scatter_object_list(out, objs if dist.get_rank(process_group) == src else None,
+                                 src=dist.get_global_rank(process_group, src) if process_group else src,
+                                 group=process_group)
+    except RuntimeError as error:
+        raise collective_error(f"scatter of one object per rank from rank {src} over {world} ranks", error) from error
+    return out[0]

@@ -11,10 +11,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 
-from ..checkpoint import placement
+from ..checkpoint import placement, to_cpu
 from ..hooks.bucket import check_hook as _check_hook
 
 #: Version of the layout written by the adapters (inside each framework's checkpoint).
@@ -61,17 +60,6 @@ def rank_and_world() -> tuple[int, int]:
     """``(rank, world size)`` of the default group; ``(0, 1)`` when ``torch.distributed`` is not running."""
     where = placement()
     return where["rank"], where["world_size"]
-
-
-def to_cpu(obj: Any) -> Any:
-    """``obj`` with every tensor detached and moved to the CPU (dicts, lists and tuples walked)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, Mapping):
-        return {key: to_cpu(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(value) for value in obj)
-    return obj
 
 
 def _warn(message: str, *args: Any) -> None:
