@@ -62,3 +62,50 @@ def test_hierarchical_example_of_the_readme_sends_half_the_flat_bytes_per_node()
     per_rank = int(flat.split()[1].replace(",", ""))
     per_node = int(hierarchical.split("), ")[1].split()[0].replace(",", ""))
     assert per_node == per_rank  # a node sends what one flat rank sends: 1/L per rank with L = 2
+
+
+OWN_SCRIPT = EXAMPLE.parent / "own_script.py"
+
+
+def _own_script(tmp_path: Path, *args: str) -> dict:
+    tmp_path.mkdir(exist_ok=True)
+    out = tmp_path / f"run{len(list(tmp_path.glob('run*.json')))}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(OWN_SCRIPT), "--out-dir", str(tmp_path / "out"), "--json", str(out), *args],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {**json.loads(out.read_text()), "stdout": proc.stdout}
+
+
+def test_own_script_saves_on_rank_0_only_and_resumes_as_if_never_stopped(tmp_path: Path) -> None:
+    whole = _own_script(tmp_path / "whole", "--max-iters", "40")
+    # Accumulation: the hook ran on the synchronizing micro-step only, once per optimizer step.
+    assert whole["hook_iter"] == whole["iter_num"] == 40 and whole["compression"] > 1
+    assert whole["saved_at"] == [10, 20, 30]
+    files = sorted(p.name for p in (tmp_path / "whole" / "out").iterdir())
+    assert files == ["ckpt.pt"]  # one file, written by rank 0
+    ckpt = gradpress.checkpoint.load(tmp_path / "whole" / "out" / "ckpt.pt")
+    entries = ckpt["powersgd"]["ranks"]
+    assert [entry["placement"]["rank"] for entry in entries] == [0, 1]  # every rank's own state
+    assert not torch_equal(entries[0]["memory"], entries[1]["memory"])  # error memory differs per rank
+    stopped = _own_script(tmp_path / "split", "--max-iters", "25")
+    assert stopped["saved_at"] == [10, 20]  # the newest checkpoint is at 20: 5 iterations are redone
+    resumed = _own_script(tmp_path / "split", "--max-iters", "40", "--init-from", "resume")
+    assert resumed["hook_iter"] == resumed["iter_num"] == 40
+    assert resumed["digest"] == whole["digest"]  # bitwise the run that never stopped
+
+
+def torch_equal(a: dict, b: dict) -> bool:
+    import torch
+
+    return all(torch.equal(a[key]["error"], b[key]["error"]) for key in a)
+
+
+def test_own_script_compiled_before_ddp_runs_the_hook(tmp_path: Path) -> None:
+    # nanoGPT's order: torch.compile(model), then DDP(model); the hook still compresses every step.
+    eager = _own_script(tmp_path / "eager", "--max-iters", "20")
+    compiled = _own_script(tmp_path / "compiled", "--max-iters", "20", "--compile")
+    assert compiled["hook_iter"] == compiled["iter_num"] == 20
+    assert compiled["compression"] == eager["compression"] > 1
+    assert compiled["saved_at"] == eager["saved_at"] == [10]

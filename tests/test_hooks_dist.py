@@ -447,3 +447,27 @@ def _one_state_one_model_retried(rank, world_size):
 
 def test_one_model_over_many_iterations_is_accepted():
     assert run(_one_state_one_model_retried, WORLD) == [6, 6]
+
+
+def ckpt_second_half_loaded_before_registering(rank, world, hook_name, k, total, path):
+    net = _ddp(models.make_model())
+    saved = torch.load(f"{path}.{rank}", weights_only=False)
+    net.module.load_state_dict(saved["model"])
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=3)
+    state.load_state_dict(saved["powersgd"])  # before register_comm_hook
+    net.register_comm_hook(state, getattr(gradpress, hook_name))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    opt.load_state_dict(saved["opt"])
+    _train(net, state, rank, total - k, k, opt)
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def test_load_state_dict_before_or_after_register_comm_hook_resumes_the_same(tmp_path):
+    total, k = 12, 6
+    path = str(tmp_path / "ckpt")
+    run_fresh(ckpt_first_half, WORLD, "powerSGD_hook", k, path, False)
+    after = run_fresh(ckpt_second_half, WORLD, "powerSGD_hook", k, total, path, False)
+    before = run_fresh(ckpt_second_half_loaded_before_registering, WORLD, "powerSGD_hook", k, total, path)
+    for a, b in zip(after, before):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
