@@ -91,3 +91,32 @@ def test_readme_rows_are_what_the_current_code_prints(tmp_path: Path, capsys: py
             assert printed[label][column] == rows[label][column], (label, column)
         assert float(printed[label]["test acc"].rstrip("%")) == pytest.approx(
             float(rows[label]["test acc"].rstrip("%")), abs=1.0), label
+
+
+def _curve(*losses: float) -> list[dict]:
+    return [{"step": 20 * i, "test_loss": loss} for i, loss in enumerate(losses)]
+
+
+def test_a_run_whose_loss_still_swings_is_marked_not_quoted() -> None:
+    assert demo.settled(_curve(2.3, 0.3, 0.05, 0.04, 0.045))
+    assert not demo.settled(_curve(2.3, 1.5, 0.71, 1.33))  # the default run's multi r=1 on this machine
+    summary = {**_fake_summary(), "workers": 2, "backend": "gloo", "ranks_agree": True,
+               "config": {"start_iter": 30}}
+    entry = summary["methods"]["allreduce"]
+    summary["methods"] = {"allreduce": {**entry, "curve": _curve(2.3, 0.3, 0.2), "settled": True},
+                          "multi:1": {**entry, "label": "multi r=1", "curve": _curve(2.3, 0.71, 1.33),
+                                      "settled": False}}
+    table = demo._table(summary)
+    assert "50.0% !" in table[3] and "!" not in table[2]
+    (note,) = [line for line in demo._notes(summary) if line.startswith("! unsettled")]
+    assert "multi r=1" in note and "0.71 at step 20, 1.33 at the end" in note
+
+
+def test_the_readme_quotes_no_unsettled_row_as_a_figure() -> None:
+    _, rows = _readme_table()
+    marked = [label for label, row in rows.items() if row["test acc"].endswith("!")]
+    text = README.read_text()
+    for label in marked:  # the prose says why, and gives the spread instead of the one number
+        assert f"{label} (" in text or label.split()[0] in text
+        assert "unsettled" in text and "over seeds 0-4" in text
+    assert marked == ["multi r=1"]

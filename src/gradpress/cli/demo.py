@@ -414,6 +414,7 @@ def summarize(results: dict[str, list[dict[str, Any]]], config: DemoConfig, work
         entry["ranks_agree"] = len({r["digest"] for r in per_rank}) == 1
         if bandwidth is not None:
             entry["modelled_time_s"] = entry["wall_time_s"] + ring * entry["bytes_total"] / bandwidth
+        entry["settled"] = settled(entry["curve"])
         methods[spec] = entry
     first = next(iter(results.values()))[0]
     return {
@@ -435,6 +436,20 @@ def summarize(results: dict[str, list[dict[str, Any]]], config: DemoConfig, work
     }
 
 
+#: A run whose final test loss exceeds its lowest by this factor is reported as unsettled.
+UNSETTLED_FACTOR = 1.5
+
+
+def settled(curve: list[dict[str, Any]]) -> bool:
+    """Whether a run ended near its best: a final test loss at most :data:`UNSETTLED_FACTOR` times the
+    lowest of its evaluations. A run whose loss still swings from one evaluation to the next (a method too
+    aggressive for the task) ends wherever the last swing left it, and that depends on rounding (the CPU's
+    vector instructions, BLAS, threads): the same command gives other figures on another machine, so the
+    report marks them instead of presenting them as the method's."""
+    losses = [point["test_loss"] for point in curve]
+    return losses[-1] <= UNSETTLED_FACTOR * min(losses)
+
+
 def _ratio(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}x"
 
@@ -443,15 +458,18 @@ def _table(summary: dict[str, Any], markdown: bool = False) -> list[str]:
     metric = summary["metric_name"]
     bandwidth = summary["bandwidth_bytes_per_s"]
     header = ["method", "test acc" if metric == "accuracy" else "test ppl", "test loss", "train loss",
-              "bytes/step", "compression", "total MB", "total ratio", "syncs", "time (s)", "ms/step"]
+              "bytes/step", "compression", "total MB", "total ratio", "syncs", "approx err", "time (s)",
+              "ms/step"]
     if bandwidth is not None:
         header.append(f"@{_format_rate(bandwidth)} (s)*")
     rows = [header]
     for m in summary["methods"].values():
         score = f"{100 * m['metric']:.1f}%" if metric == "accuracy" else f"{m['metric']:.2f}"
+        score += "" if m.get("settled", True) else " !"
+        error = m.get("approximation_error")
         row = [m["label"], score, f"{m['test_loss']:.4f}", f"{m['train_loss']:.4f}",
                _format_bytes(m["bytes_per_step"]), _ratio(m["compression_ratio"]), f"{m['bytes_total'] / 1e6:.3g}",
-               _ratio(m["total_ratio"]), str(m["synchronizations"]),
+               _ratio(m["total_ratio"]), str(m["synchronizations"]), "-" if error is None else f"{error:.2f}",
                f"{m['wall_time_s']:.1f}", f"{1000 * m['time_per_step_s']:.1f}"]
         if bandwidth is not None:
             row.append(f"{m['modelled_time_s']:.1f}")
@@ -485,6 +503,17 @@ def _notes(summary: dict[str, Any]) -> list[str]:
         f"time: training loop of the slowest worker, here ({summary['backend']}, {_plural(n, 'local process')}"
         "), evaluation excluded",
     ]
+    if any(m.get("approximation_error") is not None for m in summary["methods"].values()):
+        lines.append("approx err: PowerSGD's ||M - P Q^T|| / ||M|| over all compressed matrices (M: a worker's "
+                     "gradient plus error memory), worker 0, mean of the measurements at the evaluations; near 1: "
+                     "the error memory dwarfs what each step sends (see docs/tuning.md)")
+    unsettled = [m for m in summary["methods"].values() if not m.get("settled", True)]
+    if unsettled:
+        lines.append(f"! unsettled: {', '.join(m['label'] for m in unsettled)}: the test loss at the end is over "
+                     f"{UNSETTLED_FACTOR:g}x the run's lowest ({', '.join(_swing(m) for m in unsettled)}): the "
+                     "method is too aggressive here and its loss still swings, so where it ends depends on "
+                     "rounding (the CPU's vector instructions, BLAS) and differs between machines; read these "
+                     "figures as unstable, not as the method's accuracy")
     if n == 1:
         lines.append("1 worker: a collective with no peer sends nothing, so every byte figure is 0 and the "
                      "ratios are n/a; run --workers 2 or more to compare the methods' traffic")
@@ -511,6 +540,11 @@ def _notes(summary: dict[str, Any]) -> list[str]:
         lines.append(f"INTERRUPTED: {len(finished)} of {len(interrupted)} methods finished; not run: "
                      f"{', '.join(label for label in interrupted if label not in finished)}")
     return lines
+
+
+def _swing(method: dict[str, Any]) -> str:
+    best = min(method["curve"], key=lambda point: point["test_loss"])
+    return f"{best['test_loss']:.2f} at step {best['step']}, {method['curve'][-1]['test_loss']:.2f} at the end"
 
 
 def _header(summary: dict[str, Any]) -> str:
