@@ -61,3 +61,27 @@ def test_small_models_run_on_cpu() -> None:
     assert out.shape == (7, 3, 40) and h.shape == c.shape == (2, 3, 16)
     resnet = zoo.build_model("resnet18-cifar", device="cpu").eval()
     assert resnet(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_gpt2_initialisation_is_gpt2s() -> None:
+    torch.manual_seed(0)
+    layers = 3
+    gpt = zoo.GPT2(vocab_size=500, context=64, n_layers=layers, d_model=96, n_heads=4)
+    for weight in (gpt.wte.weight, gpt.wpe.weight, gpt.blocks[0].attn_qkv.weight, gpt.blocks[2].mlp_fc.weight):
+        assert float(weight.std()) == pytest.approx(0.02, rel=0.1)
+    residual = 0.02 / (2 * layers) ** 0.5  # the projections that add into the residual stream
+    for block in gpt.blocks:
+        assert float(block.attn_proj.weight.std()) == pytest.approx(residual, rel=0.1)
+        assert float(block.mlp_proj.weight.std()) == pytest.approx(residual, rel=0.1)
+        assert not block.attn_qkv.bias.any() and not block.mlp_proj.bias.any()
+        assert torch.equal(block.ln_1.weight, torch.ones(96)) and not block.ln_1.bias.any()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"d_model": 100, "n_heads": 8}, r"d_model \(100\) must be a multiple of n_heads \(8\)"),
+    ({"n_layers": 0}, "n_layers must be an integer >= 1, got 0"),
+    ({"vocab_size": 2.5}, "vocab_size must be an integer >= 1, got 2.5"),
+])
+def test_gpt2_bad_sizes(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        zoo.GPT2(**{"vocab_size": 10, "context": 8, "n_layers": 1, "d_model": 16, "n_heads": 2, **kwargs})

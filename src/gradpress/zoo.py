@@ -160,17 +160,41 @@ class GPT2Block(nn.Module):
 
 
 class GPT2(nn.Module):
-    """GPT-2 (Radford et al. 2019); the LM head shares the token embedding's weight (one parameter)."""
+    """GPT-2 (Radford et al. 2019); the LM head shares the token embedding's weight (one parameter).
+
+    Parameters: ``vocab x d + context x d + n_layers x (12 d^2 + 13 d) + 2 d`` (per block: two layer norms
+    ``4 d``, qkv ``3 d^2 + 3 d``, attention projection ``d^2 + d``, MLP ``8 d^2 + 5 d``; the head adds none).
+    Initialised as GPT-2: weights and embeddings normal with std 0.02, the two projections that write into
+    the residual stream with std ``0.02 / sqrt(2 n_layers)``, biases zero. (PyTorch's default ``N(0, 1)``
+    embedding, read back through the tied head, would give logits of std ``sqrt(d)`` at the start.)
+    """
 
     def __init__(self, vocab_size: int = 50257, context: int = 1024, n_layers: int = 12, d_model: int = 768,
                  n_heads: int = 12) -> None:
         super().__init__()
+        for argument, value in (("vocab_size", vocab_size), ("context", context), ("n_layers", n_layers),
+                                ("d_model", d_model), ("n_heads", n_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPT2: {argument} must be an integer >= 1, got {value!r}")
+        if d_model % n_heads:
+            raise ValueError(f"GPT2: d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
         self.wte = nn.Embedding(vocab_size, d_model)
         self.wpe = nn.Embedding(context, d_model)
         self.blocks = nn.ModuleList(GPT2Block(d_model, n_heads) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
+        self._init_weights(n_layers)
+
+    def _init_weights(self, n_layers: int) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        for block in self.blocks:
+            nn.init.normal_(block.attn_proj.weight, std=0.02 / (2 * n_layers) ** 0.5)
+            nn.init.normal_(block.mlp_proj.weight, std=0.02 / (2 * n_layers) ** 0.5)
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Logits ``(batch, length, vocab)`` for token ids ``(batch, length)``."""
