@@ -1,0 +1,222 @@
+"""Quality per step of PowerSGD configurations against a tuned allreduce, on the demo's tasks.
+
+Every run goes through ``gradpress.workloads.training.train`` (the demo's code path) with the same
+``DemoConfig`` fields but the method, lr, momentum and PowerSGD options, so every run sees the same data
+in the same order from the same initial weights. One run per call, ``--workers`` gloo processes on this
+machine (OMP_NUM_THREADS=1, one torch thread each), one JSON per run in ``--out``::
+
+    python3 benchmarks/quality_study.py --task charlm --workers 2 --steps 800 --start-iter 80 --evals 20 \\
+        --methods allreduce --lr 2.0 --momentum 0.9 --label study-charlm-w2-allreduce-m0.9-lr2.0
+    python3 benchmarks/quality_study.py --methods powersgd:8 --lr 2.0 \\
+        --powersgd-options '{"num_iters_per_step": 2}' --label study-charlm-w2-powersgd8-iters2-lr2.0
+    python3 benchmarks/quality_study.py --table [--out DIR] [--baseline LABEL]
+
+``--table`` reads every JSON in ``--out`` (this script's and ``benchmarks/quality_steps.py``'s) and prints
+a markdown table: perplexity at mid-run and at the end, the steps a run needs to reach the baseline's
+mid-run perplexity over the steps the baseline needs (interpolated linearly between evaluations), the
+final perplexity against the baseline's, and the bytes per step after warm-up, as ``PowerSGDState``
+counted them, against allreduce's. The baseline is, per (task, workers, steps, seed), the allreduce run
+with the lowest final perplexity (its lr tuned over the runs in the folder) unless ``--baseline`` names
+one. Not part of CI: a charlm run of 800 steps on 2 workers takes 2-5 minutes on 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results" / "quality"
+
+
+def metric_at(curve: list[dict[str, Any]], step: float) -> float:
+    """The metric at ``step``, interpolated linearly between the evaluations around it (clamped to the
+    first/last evaluation outside them).
+
+    >>> metric_at([{"step": 0, "metric": 10.0}, {"step": 40, "metric": 6.0}], 30)
+    7.0
+    """
+    points = [(p["step"], p["metric"]) for p in curve]
+    if step <= points[0][0]:
+        return points[0][1]
+    for (s0, m0), (s1, m1) in zip(points, points[1:]):
+        if s0 <= step <= s1:
+            return m0 + (m1 - m0) * (step - s0) / (s1 - s0)
+    return points[-1][1]
+
+
+def steps_to_reach(curve: list[dict[str, Any]], target: float) -> float | None:
+    """The first step at which the (lower-is-better) metric is <= ``target``, interpolated linearly
+    between the two evaluations around the crossing; ``None`` if it never gets there.
+
+    >>> curve = [{"step": 0, "metric": 10.0}, {"step": 40, "metric": 6.0}, {"step": 80, "metric": 4.0}]
+    >>> steps_to_reach(curve, 5.0), steps_to_reach(curve, 10.0), steps_to_reach(curve, 3.0)
+    (60.0, 0.0, None)
+    """
+    points = [(p["step"], p["metric"]) for p in curve]
+    if points[0][1] <= target:
+        return float(points[0][0])
+    for (s0, m0), (s1, m1) in zip(points, points[1:]):
+        if m1 <= target:
+            return s0 + (s1 - s0) * (m0 - target) / (m0 - m1)
+    return None
+
+
+def normalize(record: dict[str, Any], name: str) -> dict[str, Any]:
+    """One run's JSON, this script's or ``quality_steps.py``'s, as the fields the table uses."""
+    if "config" in record:  # this script's
+        config = record["config"]
+        return {"label": record["label"], "task": config["task"], "workers": record["workers"],
+                "steps": config["steps"], "seed": config["seed"], "start_iter": config["start_iter"],
+                "lr": config["lr"], "momentum": config["momentum"], "method": record["method"],
+                "options": {k: v for k, v in (("powersgd_options", config.get("powersgd_options")),
+                                              ("warm_up_beta", config.get("warm_up_beta"))) if v is not None},
+                "curve": record["curve"], "final": record["curve"][-1]["metric"],
+                "bytes_per_step": record["bytes_per_step"],
+                "bytes_allreduce_per_step": record["bytes_allreduce_per_step"], "command": record["command"]}
+    options = json.loads(record["options"]) if record.get("options") else {}
+    return {"label": record.get("label", name), "task": record["task"], "workers": record["workers"],
+            "steps": record["steps"], "seed": record["seed"], "start_iter": record["start_iter"],
+            "lr": record["lr"], "momentum": record["momentum"], "method": record["method"],
+            "options": {"powersgd_options": options} if options else {}, "curve": record["curve"],
+            "final": record["curve"][-1]["metric"], "bytes_per_step": record["bytes_per_step"],
+            "bytes_allreduce_per_step": record["bytes_allreduce_per_step"],
+            "command": "python3 " + record["command"]}
+
+
+def pick_baselines(runs: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """Per (task, workers, steps, seed): the allreduce run with the lowest final metric."""
+    best: dict[tuple, dict[str, Any]] = {}
+    for run in runs:
+        key = (run["task"], run["workers"], run["steps"], run["seed"])
+        if run["method"] == "allreduce" and (key not in best or run["final"] < best[key]["final"]):
+            best[key] = run
+    return best
+
+
+def table(runs: list[dict[str, Any]], baseline: str | None = None) -> str:
+    """The markdown table of ``runs`` (normalized), each against its baseline."""
+    named = {r["label"]: r for r in runs}
+    baselines = pick_baselines(runs)
+    lines, seen = [], set()
+    rows = ["| label | task | workers | momentum | lr | method | options | start | ppl@mid | ppl@end | "
+            "steps to base mid / base's | end vs base | bytes/step after warm-up: x fewer |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    order = sorted(runs, key=lambda r: (r["task"], r["workers"], r["method"] != "allreduce", -r["momentum"],
+                                        r["method"], r["lr"], r["label"]))
+    for run in order:
+        base = named[baseline] if baseline else baselines.get((run["task"], run["workers"], run["steps"], run["seed"]))
+        if base is None:
+            continue
+        mid = base["steps"] // 2
+        target = metric_at(base["curve"], mid)
+        base_steps = steps_to_reach(base["curve"], target)
+        if base["label"] not in seen:
+            seen.add(base["label"])
+            lines.append(f"Baseline {base['label']} ({base['task']}, {base['workers']} workers, momentum "
+                         f"{base['momentum']}, lr {base['lr']}): ppl {target:.2f} at step {mid} (reached at step "
+                         f"{base_steps:.1f}), {base['final']:.2f} at the end; within 1.5%: <= "
+                         f"{1.015 * base['final']:.4f}.")
+        reach = steps_to_reach(run["curve"], target)
+        ratio = "never" if reach is None else f"{reach / base_steps:.3f}"
+        fewer = run["bytes_allreduce_per_step"] / run["bytes_per_step"]
+        opts = ", ".join(f"{k}={json.dumps(v)}" for k, v in run["options"].items())
+        rows.append(f"| {run['label']} | {run['task']} | {run['workers']} | {run['momentum']:g} | {run['lr']:g} | "
+                    f"{run['method']} | {opts} | {run['start_iter']} | {metric_at(run['curve'], mid):.2f} | "
+                    f"{run['final']:.2f} | {ratio} | {100 * (run['final'] / base['final'] - 1):+.2f}% | "
+                    f"{fewer:.2f}x |")
+    return "\n".join(lines + [""] + rows)
+
+
+def load(folder: Path) -> list[dict[str, Any]]:
+    return [normalize(json.loads(p.read_text()), p.stem) for p in sorted(folder.glob("*.json"))]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    from gradpress.workloads.training import DemoConfig, parse_methods, train
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.workers)
+    config = DemoConfig(task=args.task, steps=args.steps, start_iter=args.start_iter, seed=args.seed,
+                        lr=args.lr, momentum=args.momentum, evals=args.evals, warm_up_beta=args.warm_up_beta,
+                        powersgd_options=json.loads(args.powersgd_options) if args.powersgd_options else None)
+    method = parse_methods(args.methods, [1])
+    if len(method) != 1:
+        raise SystemExit(f"--methods must name one method, got {args.methods!r}")
+    result = train(rank, args.workers, method[0], config)
+    dist.destroy_process_group()
+    if rank != 0:
+        return
+    counted = result.get("counted") or {}
+    if counted.get("compressed_steps"):  # PowerSGD: what PowerSGDState handed to the collectives
+        per_step = counted["bytes_after"] / counted["compressed_steps"]
+    else:
+        per_step = result["bytes_per_step"]
+    curve = result["curve"]
+    record = {"label": args.label, "command": command, "workers": args.workers, "method": result["method"],
+              "config": config.to_dict() | {"lr": config.resolved_lr()},
+              "ppl_mid": metric_at(curve, args.steps // 2), "ppl_end": curve[-1]["metric"],
+              "bytes_per_step": per_step, "bytes_allreduce_per_step": result["bytes_allreduce_per_step"],
+              "bytes_per_step_predicted": result["bytes_per_step"], "counted": counted,
+              "time_per_step_s": result["time_per_step_s"], "approximation_error": result["approximation_error"],
+              "checksum": result["checksum"], "digest": result["digest"], "curve": curve}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.label}.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"{args.label}: ppl {record['ppl_mid']:.2f} at step {args.steps // 2}, {record['ppl_end']:.2f} at the "
+          f"end, {per_step:,.0f} B/step after warm-up ({record['bytes_allreduce_per_step'] / per_step:.2f}x fewer "
+          f"than allreduce)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", default="charlm")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--start-iter", type=int, default=80)
+    parser.add_argument("--evals", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=None, help="default: the task's")
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--methods", default="allreduce", help="one method, e.g. allreduce or powersgd:4")
+    parser.add_argument("--powersgd-options", default=None,
+                        help='JSON object of further PowerSGDState arguments, e.g. \'{"num_iters_per_step": 2}\'')
+    parser.add_argument("--warm-up-beta", type=float, default=None, help="PowerSGDState(warm_up_beta_factor=...)")
+    parser.add_argument("--label", default=None, help="the run's name (its JSON is LABEL.json in --out)")
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument("--table", action="store_true", help="print the markdown table of the runs in --out")
+    parser.add_argument("--baseline", default=None, help="--table: compare every run with this label")
+    args = parser.parse_args(argv)
+    if args.table:
+        print(table(load(Path(args.out)), args.baseline))
+        return 0
+    if not args.label:
+        parser.error("--label is required for a run")
+    if args.powersgd_options:
+        json.loads(args.powersgd_options)  # fail here, not in the workers
+    command = "python3 benchmarks/quality_study.py " + " ".join(
+        a if a.replace("-", "").replace(".", "").replace("_", "").replace(":", "").replace("/", "").isalnum()
+        else "'" + a + "'" for a in (argv if argv is not None else sys.argv[1:]))
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_worker, args=(args, _free_port(), command), nprocs=args.workers, start_method="spawn")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
