@@ -94,6 +94,7 @@ def steps_to_reach(curve: list[dict[str, Any]], target: float) -> float | None:
 
 def table(folder: Path, baseline: str, match: str) -> str:
     runs = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+    runs = {label: r for label, r in runs.items() if {"lr", "method", "curve"} <= set(r)}  # this script's records
     base = runs[baseline]
     mid = base["steps"] // 2
     target = _at(base["curve"], mid)
