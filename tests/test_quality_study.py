@@ -47,3 +47,5 @@ def test_table_uses_the_best_allreduce_as_baseline() -> None:
     # baseline mid (step 40) = 5.0, reached at 40; psgd reaches 5.0 at 40 + 40 * (6 - 5) / (6 - 4.06)
     assert f"| {(40 + 40 / 1.94) / 40:.3f} |" in row
     assert "| +1.50% |" in row and "| 20.00x |" in row
+    # mean of the last 3 evaluations: (10 + 6 + 4.06) / (10 + 5 + 4) - 1
+    assert f"| {100 * (20.06 / 19 - 1):+.2f}% |" in row
