@@ -51,3 +51,21 @@ def train_regression(net: nn.Module, opt: torch.optim.Optimizer, rank: int, star
         opt.zero_grad()
         nn.functional.mse_loss(net(x), y).backward()
         opt.step()
+
+
+def floats_sent_by_hand(shapes, rank, min_rate: float = 2.0) -> int:
+    """PowerSGD's per-step payload from the rule itself: ``(n + m) r`` per compressed matrix, every element
+    of the rest. ``rank``: one for all, or one per tensor (``None``: sent exactly)."""
+    ranks = list(rank) if isinstance(rank, (list, tuple)) else [rank] * len(shapes)
+    total = 0
+    for shape, r in zip(shapes, ranks):
+        numel = 1
+        for size in shape:
+            numel *= size
+        if r is None or len(shape) < 2:
+            total += numel
+            continue
+        n, m = shape[0], numel // shape[0]
+        r = min(n, m, r)
+        total += (n + m) * r if (n + m) * r * min_rate < n * m else numel
+    return total

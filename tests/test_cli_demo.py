@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import gradpress
+import models
 from gradpress.cli import demo
 from gradpress.cli.demo import WorkerFailure, run_workers
 from gradpress.cli.main import main
@@ -30,18 +31,7 @@ def _demo_children() -> list:
 
 def _floats_sent_by_hand(shapes: list[tuple[int, ...]], rank: int, min_rate: float) -> int:
     """PowerSGD's per-step payload, from the rule itself: ``(n + m) r`` per compressed matrix."""
-    total = 0
-    for shape in shapes:
-        numel = 1
-        for size in shape:
-            numel *= size
-        if len(shape) < 2:
-            total += numel
-            continue
-        n, m = shape[0], numel // shape[0]
-        r = min(n, m, rank)
-        total += (n + m) * r if (n + m) * r * min_rate < n * m else numel
-    return total
+    return models.floats_sent_by_hand(shapes, rank, min_rate)
 
 
 def test_demo_end_to_end_writes_three_files_consistent_with_the_plan(tmp_path: Path,

@@ -23,21 +23,9 @@ def _net():
     return nn.Sequential(nn.Embedding(50, 24), nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 50))
 
 
-def _floats(shapes_and_ranks, min_rate=2.0):
-    """Elements sent per classic step, computed from first principles: (n + m) r for a compressed matrix,
-    every element otherwise."""
-    total = 0
-    for shape, rank in shapes_and_ranks:
-        numel = 1
-        for size in shape:
-            numel *= size
-        if rank is None or len(shape) < 2:
-            total += numel
-            continue
-        n, m = shape[0], numel // shape[0]
-        r = min(n, m, rank)
-        total += (n + m) * r if (n + m) * r * min_rate < n * m else numel
-    return total
+def _floats(shapes_and_ranks):
+    shapes_and_ranks = list(shapes_and_ranks)
+    return models.floats_sent_by_hand([s for s, _ in shapes_and_ranks], [r for _, r in shapes_and_ranks])
 
 
 def test_make_plan_takes_a_rank_per_tensor():
