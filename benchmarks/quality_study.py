@@ -15,8 +15,9 @@ machine (OMP_NUM_THREADS=1, one torch thread each), one JSON per run in ``--out`
 a markdown table: perplexity at mid-run and at the end, the steps a run needs to reach the baseline's
 mid-run perplexity over the steps the baseline needs (interpolated linearly between evaluations), the
 final perplexity against the baseline's, the mean of the last 3 evaluations against the baseline's
-(single evaluations swing by a few percent), and the bytes per step after warm-up, as
-``PowerSGDState`` counted them, against allreduce's. The baseline is, per (task, workers, steps, seed), the allreduce run
+(single evaluations swing by a few percent), the bytes per step after warm-up, as
+``PowerSGDState`` counted them, against allreduce's, and the whole run's bytes (warm-up included:
+``start_iter`` allreduce steps) against allreduce's. The baseline is, per (task, workers, steps, seed), the allreduce run
 with the lowest final perplexity (its lr tuned over the runs in the folder) unless ``--baseline`` names
 one. Not part of CI: a charlm run of 800 steps on 2 workers takes 2-5 minutes on 2 shared cores.
 """
@@ -115,8 +116,9 @@ def table(runs: list[dict[str, Any]], baseline: str | None = None) -> str:
     baselines = pick_baselines(runs)
     lines, seen = [], set()
     rows = ["| label | task | workers | momentum | lr | method | options | start | ppl@mid | ppl@end | "
-            "steps to base mid / base's | end vs base | last 3 evals vs base's | bytes/step after warm-up: x fewer |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "steps to base mid / base's | end vs base | last 3 evals vs base's | bytes/step after warm-up: x fewer | "
+            "whole run's bytes: x fewer |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = sorted(runs, key=lambda r: (r["task"], r["workers"], r["method"] != "allreduce", -r["momentum"],
                                         r["method"], r["lr"], r["label"]))
     for run in order:
@@ -135,12 +137,15 @@ def table(runs: list[dict[str, Any]], baseline: str | None = None) -> str:
         reach = steps_to_reach(run["curve"], target)
         ratio = "never" if reach is None else f"{reach / base_steps:.3f}"
         fewer = run["bytes_allreduce_per_step"] / run["bytes_per_step"]
+        start = min(run["start_iter"], run["steps"])
+        total = (start * run["bytes_allreduce_per_step"] + (run["steps"] - start) * run["bytes_per_step"]
+                 if run["method"] != "allreduce" else run["steps"] * run["bytes_allreduce_per_step"])
         tail = tail_mean(run["curve"]) / tail_mean(base["curve"]) - 1
         opts = ", ".join(f"{k}={json.dumps(v)}" for k, v in run["options"].items())
         rows.append(f"| {run['label']} | {run['task']} | {run['workers']} | {run['momentum']:g} | {run['lr']:g} | "
                     f"{run['method']} | {opts} | {run['start_iter']} | {metric_at(run['curve'], mid):.2f} | "
                     f"{run['final']:.2f} | {ratio} | {100 * (run['final'] / base['final'] - 1):+.2f}% | "
-                    f"{100 * tail:+.2f}% | {fewer:.2f}x |")
+                    f"{100 * tail:+.2f}% | {fewer:.2f}x | {run['steps'] * run['bytes_allreduce_per_step'] / total:.2f}x |")
     return "\n".join(lines + [""] + rows)
 
 

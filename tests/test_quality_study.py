@@ -49,3 +49,5 @@ def test_table_uses_the_best_allreduce_as_baseline() -> None:
     assert "| +1.50% |" in row and "| 20.00x |" in row
     # mean of the last 3 evaluations: (10 + 6 + 4.06) / (10 + 5 + 4) - 1
     assert f"| {100 * (20.06 / 19 - 1):+.2f}% |" in row
+    # 8 warm-up steps of allreduce (1000 B), then 72 of 50 B
+    assert row.endswith(f"| {80 * 1000 / (8 * 1000 + 72 * 50):.2f}x |")
