@@ -14,7 +14,8 @@ machine (OMP_NUM_THREADS=1, one torch thread each), one JSON per run in ``--out`
 ``--table`` reads every JSON in ``--out`` (this script's and ``benchmarks/quality_steps.py``'s) and prints
 a markdown table: perplexity at mid-run and at the end, the steps a run needs to reach the baseline's
 mid-run perplexity over the steps the baseline needs (interpolated linearly between evaluations), the
-final perplexity against the baseline's, the mean of the last 3 evaluations against the baseline's
+same on curves smoothed over 3 evaluations (a single evaluation's swing moves a crossing by an eval
+interval), the final perplexity against the baseline's, the mean of the last 3 evaluations against the baseline's
 (single evaluations swing by a few percent), the bytes per step after warm-up, as
 ``PowerSGDState`` counted them, against allreduce's, and the whole run's bytes (warm-up included:
 ``start_iter`` allreduce steps) against allreduce's. The baseline is, per (task, workers, steps, seed), the allreduce run
@@ -69,6 +70,21 @@ def steps_to_reach(curve: list[dict[str, Any]], target: float) -> float | None:
     return None
 
 
+def smoothed(curve: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The curve with each metric replaced by the mean of it and its neighbours (3 evaluations; 2 at the
+    ends): single evaluations swing by a few percent, enough to move a crossing by an eval interval.
+
+    >>> [p["metric"] for p in smoothed([{"step": 0, "metric": 9.0}, {"step": 1, "metric": 3.0},
+    ...                                  {"step": 2, "metric": 6.0}])]
+    [6.0, 6.0, 4.5]
+    """
+    out = []
+    for i, point in enumerate(curve):
+        near = curve[max(0, i - 1):i + 2]
+        out.append({"step": point["step"], "metric": sum(p["metric"] for p in near) / len(near)})
+    return out
+
+
 def tail_mean(curve: list[dict[str, Any]], n: int = 3) -> float:
     """The mean metric of the last ``n`` evaluations: less noisy than the last one alone.
 
@@ -116,9 +132,9 @@ def table(runs: list[dict[str, Any]], baseline: str | None = None) -> str:
     baselines = pick_baselines(runs)
     lines, seen = [], set()
     rows = ["| label | task | workers | momentum | lr | method | options | start | ppl@mid | ppl@end | "
-            "steps to base mid / base's | end vs base | last 3 evals vs base's | bytes/step after warm-up: x fewer | "
+            "steps to base mid / base's | same, smoothed curves | end vs base | last 3 evals vs base's | bytes/step after warm-up: x fewer | "
             "whole run's bytes: x fewer |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = sorted(runs, key=lambda r: (r["task"], r["workers"], r["method"] != "allreduce", -r["momentum"],
                                         r["method"], r["lr"], r["label"]))
     for run in order:
@@ -136,6 +152,10 @@ def table(runs: list[dict[str, Any]], baseline: str | None = None) -> str:
                          f"{1.015 * base['final']:.4f}.")
         reach = steps_to_reach(run["curve"], target)
         ratio = "never" if reach is None else f"{reach / base_steps:.3f}"
+        smooth_target = metric_at(smoothed(base["curve"]), mid)
+        smooth_reach = steps_to_reach(smoothed(run["curve"]), smooth_target)
+        smooth_base = steps_to_reach(smoothed(base["curve"]), smooth_target)
+        smooth_ratio = "never" if smooth_reach is None else f"{smooth_reach / smooth_base:.3f}"
         fewer = run["bytes_allreduce_per_step"] / run["bytes_per_step"]
         start = min(run["start_iter"], run["steps"])
         total = (start * run["bytes_allreduce_per_step"] + (run["steps"] - start) * run["bytes_per_step"]
@@ -144,7 +164,7 @@ def table(runs: list[dict[str, Any]], baseline: str | None = None) -> str:
         opts = ", ".join(f"{k}={json.dumps(v)}" for k, v in run["options"].items())
         rows.append(f"| {run['label']} | {run['task']} | {run['workers']} | {run['momentum']:g} | {run['lr']:g} | "
                     f"{run['method']} | {opts} | {run['start_iter']} | {metric_at(run['curve'], mid):.2f} | "
-                    f"{run['final']:.2f} | {ratio} | {100 * (run['final'] / base['final'] - 1):+.2f}% | "
+                    f"{run['final']:.2f} | {ratio} | {smooth_ratio} | {100 * (run['final'] / base['final'] - 1):+.2f}% | "
                     f"{100 * tail:+.2f}% | {fewer:.2f}x | {run['steps'] * run['bytes_allreduce_per_step'] / total:.2f}x |")
     return "\n".join(lines + [""] + rows)
 
