@@ -55,6 +55,14 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(width)
         self.lm_head = nn.Linear(width, vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one parameter, counted once by DDP and gradpress
+        self.apply(self._init_weights)  # nanoGPT's (GPT-2's) initialisation: a near-uniform start
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
@@ -91,7 +99,9 @@ def main() -> None:
     parser.add_argument("--start-iter", type=int, default=10, help="plain allreduce before this iteration")
     parser.add_argument("--out-dir", default="out")
     parser.add_argument("--init-from", choices=("scratch", "resume"), default="scratch")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model before wrapping it in DDP")
+    parser.add_argument("--compile", nargs="?", const="model", choices=("model", "ddp"), default=None,
+                        help="torch.compile the model and then wrap it in DDP (model, nanoGPT's order; the "
+                             "default of a bare --compile), or compile the DDP model (ddp)")
     parser.add_argument("--json", default=None, help="rank 0 writes the run's figures here")
     args = parser.parse_args()
 
@@ -109,16 +119,19 @@ def main() -> None:
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
-    if args.compile:
-        model = torch.compile(model)  # compile first, then wrap in DDP: the hook sees DDP's buckets as usual
+    raw_model = model  # what the checkpoint holds: no "_orig_mod." prefix from torch.compile in its keys
+    if args.compile == "model":
+        model = torch.compile(model)  # compile, then wrap in DDP (nanoGPT): the hook sees DDP's buckets as usual
     model = DDP(model)
+    if args.compile == "ddp":
+        model = torch.compile(model)  # or compile the DDP model: DDP's attributes stay reachable through it
     state = gradpress.PowerSGDState(None, matrix_approximation_rank=args.rank,  # gradpress
                                     start_powerSGD_iter=args.start_iter)       # gradpress
     model.register_comm_hook(state, gradpress.powerSGD_hook)                   # gradpress
     if args.init_from == "resume":  # before or after register_comm_hook, before the first backward
         gradpress.scatter_state(state, checkpoint["powersgd"] if rank == 0 else None)  # gradpress: collective
 
-    saved_at, started = [], time.perf_counter()
+    saved_at, val_losses, started = [], [], time.perf_counter()
     while iter_num < args.max_iters:
         if iter_num % args.eval_interval == 0 and iter_num > 0:
             model.eval()
@@ -127,16 +140,17 @@ def main() -> None:
                 val_loss = sum(float(model(*get_batch(val_data, args.batch_size, args.block_size, val_gen)))
                                for _ in range(4)) / 4
             model.train()
+            val_losses.append(val_loss)
             # nanoGPT's rank 0 saves when *its* validation loss improves; gather_state is a collective,
             # so every rank must take the same decision: rank 0's, broadcast.
-            decision = torch.tensor([1 if val_loss < best_val_loss else 0])                  # gradpress
-            dist.broadcast(decision, 0)                                                      # gradpress
+            improved = torch.tensor([1 if val_loss < best_val_loss else 0])                  # gradpress
+            dist.broadcast(improved, 0)                                                      # gradpress
             best_val_loss = min(best_val_loss, val_loss) if rank == 0 else best_val_loss
-            if decision.item():
+            if improved.item():
                 hooks = gradpress.gather_state(state)  # gradpress: every rank, same iteration
                 if rank == 0:
                     os.makedirs(args.out_dir, exist_ok=True)
-                    gradpress.checkpoint.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                    gradpress.checkpoint.save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
                                                "iter_num": iter_num, "best_val_loss": best_val_loss,
                                                "powersgd": hooks}, path)  # gradpress: an atomic save
                     saved_at.append(iter_num)
@@ -155,10 +169,10 @@ def main() -> None:
         iter_num += 1
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
-            json.dump({"iter_num": iter_num, "hook_iter": state.iter, "saved_at": saved_at,
+            json.dump({"iter_num": iter_num, "hook_iter": state.iter, "saved_at": saved_at, "val_losses": val_losses,
                        "compression": state.compression_stats()[0], "seconds": time.perf_counter() - started,
                        "digest": hashlib.sha256(b"".join(p.detach().numpy().tobytes()
-                                                         for p in model.module.parameters())).hexdigest()}, f)
+                                                         for p in raw_model.parameters())).hexdigest()}, f)
     dist.destroy_process_group()
 
 

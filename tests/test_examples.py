@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import gradpress
+import gradpress.zoo
 from gradpress.workloads import get_task
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train.py"
@@ -89,6 +92,9 @@ def test_own_script_saves_on_rank_0_only_and_resumes_as_if_never_stopped(tmp_pat
     entries = ckpt["powersgd"]["ranks"]
     assert [entry["placement"]["rank"] for entry in entries] == [0, 1]  # every rank's own state
     assert not torch_equal(entries[0]["memory"], entries[1]["memory"])  # error memory differs per rank
+    # What it costs, as docs/own-script.md says: per rank, n x m error memory + m x r factor per compressed matrix.
+    expected = _state_bytes(_own_gpt(ckpt["model"]["wte.weight"].shape[0]), rank=4)
+    assert [gradpress.state_nbytes(entry) for entry in entries] == [expected, expected]
     stopped = _own_script(tmp_path / "split", "--max-iters", "25")
     assert stopped["saved_at"] == [10, 20]  # the newest checkpoint is at 20: 5 iterations are redone
     resumed = _own_script(tmp_path / "split", "--max-iters", "40", "--init-from", "resume")
@@ -102,10 +108,59 @@ def torch_equal(a: dict, b: dict) -> bool:
     return all(torch.equal(a[key]["error"], b[key]["error"]) for key in a)
 
 
-def test_own_script_compiled_before_ddp_runs_the_hook(tmp_path: Path) -> None:
-    # nanoGPT's order: torch.compile(model), then DDP(model); the hook still compresses every step.
+def _own_gpt(vocab: int | None = None):
+    """The example's model (its default sizes; ``vocab``: the example's text's unless given)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("own_script", OWN_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.GPT(module.text_codes()[2] if vocab is None else vocab, block_size=32)
+
+
+def _state_bytes(model, rank: int) -> int:
+    """One rank's PowerSGD state in bytes from the plan: fp32 error memory n x m and warm-start Q m x r."""
+    plan = gradpress.make_plan([p.shape for p in model.parameters()], rank, 2)
+    return 4 * sum(n * m + m * t.rank for t in plan.compressed for n, m in [t.matrix])
+
+
+def test_own_script_compiled_either_way_runs_the_hook_and_resumes(tmp_path: Path) -> None:
     eager = _own_script(tmp_path / "eager", "--max-iters", "20")
-    compiled = _own_script(tmp_path / "compiled", "--max-iters", "20", "--compile")
-    assert compiled["hook_iter"] == compiled["iter_num"] == 20
-    assert compiled["compression"] == eager["compression"] > 1
-    assert compiled["saved_at"] == eager["saved_at"] == [10]
+    # torch.compile(DDP(model)): the hook still compresses every optimizer step, and only those.
+    ddp_compiled = _own_script(tmp_path / "ddp", "--max-iters", "20", "--compile", "ddp")
+    assert ddp_compiled["hook_iter"] == ddp_compiled["iter_num"] == 20
+    assert ddp_compiled["compression"] == eager["compression"] > 1
+    assert ddp_compiled["saved_at"] == eager["saved_at"] == [10]
+    # DDP(torch.compile(model)), nanoGPT's order, stopped after its checkpoint and resumed: the checkpoint
+    # holds the uncompiled model's keys, and the run ends bitwise where the other order ends (the model
+    # fits one DDP bucket, so both orders compile the same graph).
+    _own_script(tmp_path / "model", "--max-iters", "15", "--compile")
+    resumed = _own_script(tmp_path / "model", "--max-iters", "20", "--compile", "model", "--init-from", "resume")
+    assert resumed["hook_iter"] == resumed["iter_num"] == 20
+    assert resumed["digest"] == ddp_compiled["digest"]
+
+
+def test_own_script_page_matches_the_example_and_the_formula() -> None:
+    """docs/own-script.md's snippets are excerpts of examples/own_script.py (which the tests above run):
+    they compile, name only what gradpress exports, and the example makes the same calls; its sizes are
+    the plan's arithmetic."""
+    import re
+
+    page = (EXAMPLE.parent.parent / "docs" / "own-script.md").read_text()
+    example = OWN_SCRIPT.read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    assert len(blocks) == 3
+    for block in blocks:
+        compile(block, "own-script.md", "exec")
+    for name in set(re.findall(r"gradpress\.([A-Za-z_]\w*)", page)):
+        assert hasattr(gradpress, name), name
+    for line in ("dist.broadcast(improved, 0)", "hooks = gradpress.gather_state(state)",
+                 "gradpress.scatter_state(state, checkpoint[\"powersgd\"] if rank == 0 else None)",
+                 "model.register_comm_hook(state, gradpress.powerSGD_hook)", "model.require_backward_grad_sync",
+                 "model = torch.compile(model)", "model = DDP(model)"):
+        assert line in page and line in example, line
+    prose = " ".join(page.split())
+    example_kib = float(re.search(r"for the example's model about (\d+) KiB per rank", prose).group(1))
+    assert example_kib == pytest.approx(_state_bytes(_own_gpt(), rank=4) / 2**10, abs=5)
+    gpt2_mib = float(re.search(r"GPT-2 small \(124M parameters, rank 4\) (\d+) MiB", prose).group(1))
+    assert gpt2_mib == pytest.approx(_state_bytes(gradpress.zoo.build_model("gpt2"), rank=4) / 2**20, abs=1)
