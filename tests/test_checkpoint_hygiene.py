@@ -14,7 +14,6 @@ from gradpress import checkpoint
 from gradpress.aggregator import Config, PowerSGD
 from gradpress.averaging import OuterOptimizerAverager
 from distributed import run
-from distributed import run
 
 WORLD = 2
 
@@ -204,3 +203,32 @@ def test_scatter_state_refuses_on_every_rank_what_it_cannot_split(what, message)
 
 def test_gather_then_scatter_gives_each_rank_its_own_state():
     assert run(_gather_scatter, 2, "ok") == [(True, 1), (True, 1)]
+
+
+def _gather_scatter_outer_averager(rank, world_size):
+    import gradpress
+
+    config = Config(rank=1, start_compressing_after_num_steps=0)
+    params = [nn.Parameter(torch.zeros(8, 6))]
+    averager = OuterOptimizerAverager(period=1, compression=config)
+    for step in range(3):
+        with torch.no_grad():  # local steps: each rank moves its own way between averages
+            params[0].add_(torch.randn(8, 6, generator=torch.Generator().manual_seed(10 * step + rank)))
+        averager.average_parameters(params)
+    gathered = gradpress.gather_state(averager, dst=1)  # any rank may hold the checkpoint
+    assert (gathered is None) == (rank != 1)
+    fresh = OuterOptimizerAverager(period=1, compression=config)
+    gradpress.scatter_state(fresh, gathered, src=1)
+    mine, loaded = averager.state_dict(), fresh.state_dict()
+    return (loaded["powersgd"]["placement"], loaded["num_averages"] == mine["num_averages"],
+            all(torch.equal(loaded["powersgd"]["memory"][key]["error"], entry["error"])
+                for key, entry in mine["powersgd"]["memory"].items()),
+            sum(float(entry["error"].abs().sum()) for entry in mine["powersgd"]["memory"].values()))
+
+
+def test_gather_then_scatter_restores_an_outer_averagers_per_rank_memory():
+    results = run(_gather_scatter_outer_averager, WORLD)
+    assert [result[:3] for result in results] == [({"rank": rank, "world_size": WORLD}, True, True)
+                                                  for rank in range(WORLD)]
+    errors = [result[3] for result in results]
+    assert min(errors) > 0 and errors[0] != errors[1]  # each rank got its own, non-trivial memory back
