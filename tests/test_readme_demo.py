@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -120,3 +121,35 @@ def test_the_readme_quotes_no_unsettled_row_as_a_figure() -> None:
         assert f"{label} (" in text or label.split()[0] in text
         assert "unsettled" in text and "over seeds 0-4" in text
     assert marked == ["multi r=1"]
+
+
+def test_the_mark_falls_on_the_rows_that_move_between_machines() -> None:
+    """Measured curves (tests/data/demo_curves.json): seed 0 on this machine and with the kernels' instruction
+    sets changed, as on another CPU, and seeds 1-4. The rows whose accuracy moved between those "machines"
+    are marked in every run, on every seed; the rows that did not move are marked in none."""
+    runs = json.loads((Path(__file__).parent / "data" / "demo_curves.json").read_text())["runs"]
+    machines = [label for label in runs if label.startswith("seed 0")]
+    assert len(machines) == 3
+    moved = []
+    for method in runs[machines[0]]:
+        finals = [runs[label][method][-1][2] for label in machines]
+        marks = [not demo.settled([{"step": step, "test_loss": loss, "metric": accuracy}
+                                   for step, loss, accuracy in runs[label][method]]) for label in runs]
+        if max(finals) - min(finals) > 0.01:
+            moved.append(method)
+            assert all(marks), (method, marks)
+        else:
+            assert not any(marks), (method, marks)
+    assert moved == ["multi:1"]
+
+
+def test_the_note_says_how_an_unsettled_classifier_still_moves() -> None:
+    points = [(2.3, 0.1)] + [(1.0, 0.6)] * 11 + [(0.9, 0.7), (1.0, 0.55), (0.95, 0.8), (0.92, 0.6)]
+    curve = [{"step": 20 * i, "test_loss": loss, "metric": accuracy} for i, (loss, accuracy) in enumerate(points)]
+    assert not demo.settled(curve) and demo.settled(curve, "perplexity")  # perplexity: the loss rule alone
+    summary = {**_fake_summary(), "workers": 2, "backend": "gloo", "ranks_agree": True,
+               "config": {"start_iter": 30}}
+    summary["methods"] = {"multi:1": {**summary["methods"]["allreduce"], "label": "multi r=1", "curve": curve,
+                                      "settled": False}}
+    (note,) = [line for line in demo._notes(summary) if line.startswith("! unsettled")]
+    assert "multi r=1: test accuracy 55.0-80.0% from step 240 on" in note
