@@ -127,8 +127,8 @@ def test_user_factory_in_current_folder(capsys, monkeypatch, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("model, message", [
-    ("resnet19", "unknown model 'resnet19'; choose from resnet18-cifar, resnet50, gpt2, lstm-wikitext2, or "
-                 "module.path:factory"),
+    ("resnet19", "unknown model 'resnet19'; choose from resnet18-cifar, resnet50, gpt2, lstm-wikitext2, the "
+                 "demo's tasks digits, charlm, charlm-wide, gpt, gpt-wide, or module.path:factory"),
     ("no_such_module_xyz:build", "cannot import module 'no_such_module_xyz'"),
     ("user_models:missing", "module 'user_models' has no attribute 'missing'"),
     ("user_models:NOT_CALLABLE", "'NOT_CALLABLE' is an object of type int, not a callable factory"),
@@ -239,3 +239,52 @@ def test_docs_workers_per_node_example_is_what_the_command_prints(capsys) -> Non
                          r"\.\.\.\n(.*?)```", docs, re.S)
     code, out, _ = run(capsys, "--model", "resnet18-cifar", "--rank", "1", "--workers", "4", "--workers-per-node", "2")
     assert code == 0 and out.endswith("\n" + tail)
+
+
+def gpt_parameters(vocab: int, context: int, layers: int, d: int) -> int:
+    """A GPT with a tied head: embeddings, blocks (two norms, qkv, projection, 4x MLP), final norm."""
+    return vocab * d + context * d + layers * (4 * d + 3 * d * d + 3 * d + d * d + d + 8 * d * d + 5 * d) + 2 * d
+
+
+@pytest.mark.parametrize("name, layers, d", [("gpt", 4, 128), ("gpt-wide", 4, 256)])
+def test_demo_task_models(capsys, name: str, layers: int, d: int) -> None:
+    from gradpress.workloads.tasks import CHARSET, SEQUENCE, get_task
+
+    report = inspect_json(capsys, "--model", name, "--rank", "4")
+    named = list(get_task(name).model(seed=0).named_parameters())
+    assert [layer["name"] for layer in report["layers"]] == [n for n, _ in named]
+    assert "lm_head.weight" not in [layer["name"] for layer in report["layers"]]  # tied: the embedding's
+    assert report["totals"]["parameters"] == gpt_parameters(len(CHARSET), SEQUENCE, layers, d)
+    plan = gradpress.make_plan([p.shape for _, p in named], 4, 2)
+    assert report["totals"]["floats_per_step"] == {"allreduce": plan.numel, "powersgd": plan.numel_sent}
+    # The demo's setting: its default 4 workers, the task's batch and training windows.
+    windows = len(get_task(name).load(0).y_train)
+    assert (report["epoch"]["workers"], report["epoch"]["batch_size"], report["epoch"]["dataset_size"]) == \
+        (4, 16, windows)
+    assert report["epoch"]["steps"] == windows // 64
+    assert f"gradpress demo --task {name}" in report["epoch"]["source"]
+
+
+@pytest.mark.parametrize("name", ["digits", "charlm", "charlm-wide"])
+def test_every_demo_task_is_a_model(capsys, name: str) -> None:
+    from gradpress.workloads.tasks import get_task
+
+    report = inspect_json(capsys, "--model", name, "--rank", "1", "--dataset-size", "1000")
+    assert report["totals"]["parameters"] == sum(p.numel() for p in get_task(name).model(seed=0).parameters())
+    assert report["epoch"]["batch_size"] == get_task(name).batch_size
+
+
+def test_demo_task_with_dataset_size_does_not_load_the_data(capsys, monkeypatch) -> None:
+    import dataclasses
+
+    from gradpress.workloads import tasks
+
+    def missing(seed: int) -> None:
+        raise RuntimeError("the data's package is missing")
+
+    monkeypatch.setitem(tasks.TASKS, "gpt", dataclasses.replace(tasks.TASKS["gpt"], load=missing))
+    report = inspect_json(capsys, "--model", "gpt", "--rank", "1", "--dataset-size", "640")
+    assert report["epoch"]["steps"] == 640 // (4 * 16)
+    code, out, err = run(capsys, "--model", "gpt", "--rank", "1")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "--model gpt: the data's package is missing; or give --dataset-size" in err

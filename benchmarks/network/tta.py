@@ -10,6 +10,13 @@ iproute2. Not part of CI.
         --methods allreduce,fp16,powersgd:4,localsgd:8 --target 6.0 \\
         --json benchmarks/network/tta-charlm.json --plot benchmarks/network/tta-charlm.png
 
+``--task`` is any of the demo's tasks (``gradpress demo --help``): ``charlm-wide`` and ``gpt-wide`` are the
+models whose fp32 gradients take longer than their compute on a 100 Mbit/s link, e.g.
+
+    sudo python3 benchmarks/network/tta.py --rates 100mbit,1gbit --task gpt-wide --steps 400 --evals 20 \
+        --methods allreduce,fp16,powersgd:4,localsgd:8 --target 5.0 \
+        --json benchmarks/network/tta-gpt-wide.json --plot benchmarks/network/tta-gpt-wide.png
+
 Per method and rate: the training time (rank 0's loop, evaluations excluded, as ``time_s`` in the
 curve) at which the held-out metric first reaches ``--target`` (linear interpolation between the two
 evaluations around the crossing; "not reached" otherwise), the final metric, ms per step and bytes per
@@ -134,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Time-to-accuracy over rate-limited links (needs root).")
     parser.add_argument("--rates", default="100mbit,1gbit", help="comma-separated tc rates (default: %(default)s)")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--task", default="charlm")
+    from gradpress.workloads.tasks import task_names
+
+    parser.add_argument("--task", default="charlm", choices=task_names(),
+                        help="a demo task (default: %(default)s)")
     parser.add_argument("--methods", default=DEFAULT_METHODS, help="default: %(default)s")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--start-iter", type=int, default=None, help="default: a tenth of --steps, as the demo")

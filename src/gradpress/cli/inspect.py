@@ -1,5 +1,7 @@
 """``gradpress inspect``: what PowerSGD compresses in a model, and how many bytes it sends.
 
+``--model`` names a built-in model of :mod:`gradpress.zoo`, a model of ``gradpress demo``'s tasks
+(``--model gpt`` is the demo's ``--task gpt`` model) or ``module.path:factory``.
 The model is built on the meta device (:func:`gradpress.zoo.build_model`), so nothing is allocated, and
 its gradient shapes (``model.parameters()`` that require grad, tied weights once, as DDP's hooks see
 them) go through :func:`gradpress.powersgd.make_plan`, the plan the hooks and the aggregator use. Whether
@@ -27,16 +29,18 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..hooks.hierarchical import assign_shares
 from ..powersgd import make_plan
-from ..zoo import build_model, import_from_current_folder, model_names
+from ..workloads.tasks import TASKS
+from ..zoo import MODELS, build_model, import_from_current_folder, model_names
 from .args import float_at_least, int_at_least
 from .table import format_table
 
-__all__ = ["GENERIC_SETTING", "SETTINGS", "Setting", "compression_report", "format_report", "hierarchical_traffic",
-           "register", "run"]
+__all__ = ["DEMO_WORKERS", "GENERIC_SETTING", "SETTINGS", "Setting", "build_named_model", "compression_report",
+           "format_report", "hierarchical_traffic", "register", "run", "task_setting"]
 
 MIB = 1 << 20
 
@@ -61,6 +65,36 @@ SETTINGS: dict[str, Setting] = {
 }
 #: Defaults for ``module:factory`` models.
 GENERIC_SETTING = Setting(16, 128, 50_000, "generic default: 16 workers x 128 samples, 50,000 samples")
+#: Workers of the per-epoch figures of a demo task's model: ``gradpress demo``'s default ``--workers``.
+DEMO_WORKERS = 4
+
+
+def _valid_models() -> str:
+    return (f"{', '.join(model_names())}, the demo's tasks {', '.join(TASKS)}, or module.path:factory for your "
+            "own model")
+
+
+def build_named_model(name: str) -> nn.Module:
+    """The model ``--model name`` means, on the meta device: a demo task's model (a key of
+    :data:`gradpress.workloads.tasks.TASKS`), else :func:`gradpress.zoo.build_model`'s. ``ValueError``
+    naming the valid names for a name that is neither (nor ``module.path:factory``)."""
+    if name in TASKS and name not in MODELS:
+        with torch.device("meta"):
+            return TASKS[name].build()
+    if name not in MODELS and ":" not in name:
+        raise ValueError(f"unknown model {name!r}; choose from {_valid_models()}")
+    return build_model(name)
+
+
+def task_setting(name: str) -> Setting:
+    """The per-epoch setting of demo task ``name``: the demo's default workers, the task's batch size and
+    its training set (loaded to count it: ``RuntimeError`` if the data's package is missing)."""
+    task = TASKS[name]
+    samples = len(task.load(0).y_train)
+    unit = "images" if task.metric == "accuracy" else "windows"
+    return Setting(DEMO_WORKERS, task.batch_size, samples,
+                   f"gradpress demo --task {name}: {DEMO_WORKERS} workers x {task.batch_size} {unit}, "
+                   f"{samples:,} training {unit}")
 
 
 def _reason(numel: int, ndim: int, compressed: bool) -> str:
@@ -227,12 +261,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                     "parameter, its matrix view, whether it is compressed and the floats it sends per step; "
                     "then totals: floats, bytes per step and MB (2^20 bytes) per epoch, allreduce vs PowerSGD. "
                     "Nothing is allocated: the model is built on the meta device.",
-        epilog=f"--workers/--batch-size/--dataset-size defaults per model ({defaults}); "
+        epilog=f"--workers/--batch-size/--dataset-size defaults per model ({defaults}); for the demo's "
+               f"tasks: {DEMO_WORKERS} workers (the demo's default), the task's batch size and training set; "
                f"for module:factory: {GENERIC_SETTING.workers}/{GENERIC_SETTING.batch_size}/"
                f"{GENERIC_SETTING.dataset_size:,}.")
     parser.add_argument("--model", required=True, metavar="NAME",
-                        help=f"{', '.join(model_names())}, or module.path:factory (a function taking no "
-                             "arguments that returns an nn.Module; the current folder is importable)")
+                        help=f"{', '.join(model_names())}; a model of gradpress demo's tasks: {', '.join(TASKS)}; "
+                             "or module.path:factory (a function taking no arguments that returns an nn.Module; "
+                             "the current folder is importable)")
     parser.add_argument("--rank", type=int_at_least(1), required=True, metavar="R",
                         help="PowerSGD matrix approximation rank (integer >= 1)")
     parser.add_argument("--min-compression-rate", type=float_at_least(0), default=2.0, metavar="X",
@@ -265,10 +301,19 @@ def run(args: argparse.Namespace) -> int:
     if ":" in args.model:
         import_from_current_folder()
     try:
-        model = build_model(args.model)
+        model = build_named_model(args.model)
     except ValueError as exc:
         return _fail(f"--model: {exc}")
     default = SETTINGS.get(args.model, GENERIC_SETTING)
+    if args.model in TASKS and args.model not in SETTINGS:
+        if args.dataset_size is None:
+            try:
+                default = task_setting(args.model)
+            except RuntimeError as exc:
+                return _fail(f"--model {args.model}: {exc}; or give --dataset-size")
+        else:  # the training set is not needed: no need to load it
+            task = TASKS[args.model]
+            default = Setting(DEMO_WORKERS, task.batch_size, args.dataset_size, f"gradpress demo --task {args.model}")
     given = (args.workers, args.batch_size, args.dataset_size)
     setting = Setting(default.workers if args.workers is None else args.workers,
                       default.batch_size if args.batch_size is None else args.batch_size,

@@ -1,0 +1,173 @@
+"""The demo's transformer tasks ``gpt`` and ``gpt-wide``: the model's contract (causal, shapes, tied head,
+parameter count by the architecture's formula), its data, and training it with DDP and PowerSGD."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import run
+from gradpress.cli.main import main
+from gradpress.workloads.tasks import CHARSET, SEQUENCE, get_task, task_names
+
+VOCAB = len(CHARSET)
+
+# (task, layers, width, heads): the sizes the task descriptions promise.
+SIZES = [("gpt", 4, 128, 4), ("gpt-wide", 4, 256, 8)]
+
+
+def formula(vocab: int, context: int, layers: int, d: int) -> int:
+    """Parameters of a GPT with a tied head, counted from its parts."""
+    layer_norm = 2 * d  # weight and bias
+    block = (2 * layer_norm + (d * 3 * d + 3 * d) + (d * d + d)  # two norms, fused qkv, attention projection
+             + (d * 4 * d + 4 * d) + (4 * d * d + d))  # MLP up and down
+    return vocab * d + context * d + layers * block + layer_norm  # embeddings, blocks, final norm; head: none
+
+
+def build(name: str, device: str = "cpu") -> nn.Module:
+    with torch.device(device):
+        return get_task(name).model(seed=0)
+
+
+@pytest.mark.parametrize("name, layers, d, heads", SIZES)
+def test_parameter_count_is_the_architectures(name: str, layers: int, d: int, heads: int) -> None:
+    model = build(name, "meta")
+    assert sum(p.numel() for p in model.parameters()) == formula(VOCAB, SEQUENCE, layers, d)
+    assert (len(model.blocks), model.wte.weight.shape[1], model.blocks[0].n_heads) == (layers, d, heads)
+    assert model.wpe.weight.shape == (SEQUENCE, d)
+
+
+def test_the_two_sizes() -> None:
+    assert formula(VOCAB, SEQUENCE, 4, 128) == 813_952
+    assert formula(VOCAB, SEQUENCE, 4, 256) == 3_200_768
+
+
+@pytest.mark.parametrize("name", ["gpt", "gpt-wide"])
+def test_head_is_the_token_embedding(name: str) -> None:
+    model = build(name, "meta")
+    assert model.lm_head.weight is model.wte.weight
+    names = [n for n, _ in model.named_parameters()]
+    assert "wte.weight" in names and "lm_head.weight" not in names
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert shapes.count((VOCAB, model.wte.weight.shape[1])) == 1
+    assert len(list(model.parameters())) == len({id(p) for p in model.parameters()})
+
+
+def test_forward_shape_and_causality() -> None:
+    model = build("gpt").eval()
+    tokens = torch.randint(0, VOCAB, (3, SEQUENCE), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(tokens)
+        assert logits.shape == (3, SEQUENCE, VOCAB) and logits.dtype == torch.float32
+        for t in (0, 20, SEQUENCE - 2):
+            changed = tokens.clone()
+            changed[:, t + 1] = (changed[:, t + 1] + 1) % VOCAB
+            after = model(changed)
+            torch.testing.assert_close(after[:, : t + 1], logits[:, : t + 1], rtol=0, atol=0)
+            # ... while the changed position and the ones after it do see the change.
+            assert not torch.allclose(after[:, t + 1], logits[:, t + 1])
+            assert not torch.allclose(after[:, -1], logits[:, -1])
+        # Shorter inputs than the context work too (positions 0..length-1).
+        assert model(tokens[:, :10]).shape == (3, 10, VOCAB)
+
+
+@pytest.mark.parametrize("name", ["gpt", "gpt-wide"])
+def test_initial_prediction_is_near_uniform(name: str) -> None:
+    # GPT-2's small initialisation: the untrained model's held-out perplexity is of the order of the
+    # vocabulary size, as an uninformed guess's. (Somewhat below it: through the tied head each position
+    # slightly favours repeating its own character, and the text repeats spaces. PyTorch's default N(0, 1)
+    # embedding, read through the tied head, would give logits of std sqrt(width) and a perplexity of
+    # thousands.)
+    task = get_task(name)
+    data = task.load(0)
+    loss, _, count = task.evaluate(task.model(seed=0), data.x_test, data.y_test)
+    assert 0.5 * VOCAB < math.exp(loss / count) < 1.5 * VOCAB
+
+
+def test_same_text_and_windows_as_charlm() -> None:
+    gpt, charlm = get_task("gpt").load(0), get_task("charlm").load(0)
+    for field in ("x_train", "y_train", "x_test", "y_test"):
+        assert torch.equal(getattr(gpt, field), getattr(charlm, field))
+    assert gpt.x_train.shape[1] == SEQUENCE
+    assert torch.equal(gpt.x_train[:, 1:], gpt.y_train[:, :-1])  # targets are the next characters
+    assert {"gpt", "gpt-wide"} <= set(task_names())
+    assert get_task("gpt").metric == get_task("gpt-wide").metric == "perplexity"
+
+
+def test_models_differ_by_seed_and_repeat_with_it() -> None:
+    task = get_task("gpt")
+    a, b, c = task.model(seed=0), task.model(seed=0), task.model(seed=1)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.wte.weight, c.wte.weight)
+
+
+def _train_ddp(rank: int, world_size: int, method: str, steps: int) -> dict:
+    """``steps`` SGD steps of gpt on this rank's own batches under DDP with ``method``'s hook."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradpress import PowerSGDState, allreduce_hook, powerSGD_hook
+
+    task = get_task("gpt")
+    model = task.model(seed=0)
+    ddp = DistributedDataParallel(model)
+    if method == "allreduce":
+        ddp.register_comm_hook(None, allreduce_hook)
+    else:  # "powersgd:R"; R = 128 is full rank for every matrix of gpt (min(n, m) <= 128)
+        rank_r = int(method.split(":")[1])
+        state = PowerSGDState(None, matrix_approximation_rank=rank_r, start_powerSGD_iter=2,
+                              min_compression_rate=0 if rank_r >= 128 else 2, random_seed=0)
+        ddp.register_comm_hook(state, powerSGD_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=task.lr, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + rank)  # different data on each rank
+    losses = []
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (4, SEQUENCE + 1), generator=gen)
+        optimizer.zero_grad(set_to_none=True)
+        loss = task.loss(ddp, tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    tied = model.lm_head.weight is model.wte.weight
+    return {"params": [p.detach().clone() for p in model.parameters()], "tied": tied, "losses": losses}
+
+
+def test_ddp_with_powersgd_keeps_ranks_identical_and_the_head_tied() -> None:
+    initial = [p.detach() for p in get_task("gpt").model(seed=0).parameters()]
+    results = run(_train_ddp, 2, "powersgd:2", 5)
+    for r in results:
+        assert r["tied"] and all(torch.isfinite(p).all() for p in r["params"])
+    for p, q in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(p, q)
+    assert all(not torch.equal(p, q) for p, q in zip(results[0]["params"], initial))  # every tensor trained
+    # Different data on the two ranks: their losses differ, their models do not.
+    assert results[0]["losses"] != results[1]["losses"]
+
+
+def test_full_rank_powersgd_matches_allreduce() -> None:
+    # At full rank PowerSGD's approximation is exact, so it applies the same mean gradient as allreduce
+    # (the shared embedding/head gradient included), up to rounding.
+    exact = run(_train_ddp, 2, "allreduce", 4)
+    full = run(_train_ddp, 2, "powersgd:128", 4)
+    for p, q in zip(exact[0]["params"], full[0]["params"], strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)
+
+
+def test_demo_trains_gpt_on_two_workers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["demo", "--task", "gpt", "--workers", "2", "--steps", "6", "--start-iter", "2",
+                 "--methods", "allreduce,powersgd:2", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert report["task"] == "gpt" and report["metric_name"] == "perplexity"
+    for spec in ("allreduce", "powersgd:2"):
+        entry = report["methods"][spec]
+        assert entry["ranks_agree"]
+        assert entry["numel"] == formula(VOCAB, SEQUENCE, 4, 128)  # the tied weight sent once
+        assert entry["metric"] == pytest.approx(math.exp(entry["test_loss"]))
+        assert entry["metric"] < entry["curve"][0]["metric"]  # six steps already lower the perplexity
+    assert report["methods"]["powersgd:2"]["counted"]["ok"]
