@@ -84,7 +84,9 @@ def _own_script(tmp_path: Path, *args: str) -> dict:
 def test_own_script_saves_on_rank_0_only_and_resumes_as_if_never_stopped(tmp_path: Path) -> None:
     whole = _own_script(tmp_path / "whole", "--max-iters", "40")
     # Accumulation: the hook ran on the synchronizing micro-step only, once per optimizer step.
-    assert whole["hook_iter"] == whole["iter_num"] == 40 and whole["compression"] > 1
+    assert whole["hook_iter"] == whole["iter_num"] == 40
+    plan = gradpress.make_plan([p.shape for p in _own_gpt().parameters()], 4, 2)
+    assert whole["compression"] == pytest.approx(plan.compression_rate) and plan.compression_rate > 1
     assert whole["saved_at"] == [10, 20, 30]
     files = sorted(p.name for p in (tmp_path / "whole" / "out").iterdir())
     assert files == ["ckpt.pt"]  # one file, written by rank 0
@@ -125,12 +127,12 @@ def _state_bytes(model, rank: int) -> int:
 
 
 def test_own_script_compiled_either_way_runs_the_hook_and_resumes(tmp_path: Path) -> None:
-    eager = _own_script(tmp_path / "eager", "--max-iters", "20")
-    # torch.compile(DDP(model)): the hook still compresses every optimizer step, and only those.
+    # torch.compile(DDP(model)): the hook still compresses every optimizer step, and only those, as planned.
     ddp_compiled = _own_script(tmp_path / "ddp", "--max-iters", "20", "--compile", "ddp")
     assert ddp_compiled["hook_iter"] == ddp_compiled["iter_num"] == 20
-    assert ddp_compiled["compression"] == eager["compression"] > 1
-    assert ddp_compiled["saved_at"] == eager["saved_at"] == [10]
+    plan = gradpress.make_plan([p.shape for p in _own_gpt().parameters()], 4, 2)
+    assert ddp_compiled["compression"] == pytest.approx(plan.compression_rate) and plan.compression_rate > 1
+    assert ddp_compiled["saved_at"] == [10]
     # DDP(torch.compile(model)), nanoGPT's order, stopped after its checkpoint and resumed: the checkpoint
     # holds the uncompiled model's keys, and the run ends bitwise where the other order ends (the model
     # fits one DDP bucket, so both orders compile the same graph).
