@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .averaging import broadcast_parameters
+from .comm import broadcast_parameters
 from .checkpoint import check_placement, placement
 from .comm import Communicator, check_process_group, make_communicator
 from .diagnostics import (ApproximationSummary, check_measure_every, parameter_names, relative_errors,

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .checkpoint import check_placement, placement
-from .comm import collective_error, describe_collective
+from .comm import all_reduce, average_tensors_, broadcast_parameters, flat_groups
 
 __all__ = ["HierarchicalModelAverager", "ModelAverager", "OuterOptimizerAverager", "PeriodicModelAverager",
            "PostLocalSGDOptimizer", "average_parameters", "broadcast_parameters"]
@@ -82,71 +82,6 @@ def tensors_to_average(params: Params, average_buffers: bool = False) -> list[Te
                                 f"{type(item).__name__}")
     seen: set[int] = set()
     return [t for t in out if not (id(t) in seen or seen.add(id(t)))]  # type: ignore[func-returns-value]
-
-
-def _flat_groups(tensors: list[Tensor], wire_dtype: torch.dtype | None = None) -> Iterator[tuple[list[Tensor], Tensor]]:
-    """For each (device, dtype) group of ``tensors``: ``(members, flat)`` where ``flat`` is their
-    concatenation (in ``wire_dtype`` if given); after the caller resumes, ``flat`` is copied back."""
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    with torch.no_grad():
-        for (_, dtype), members in groups.items():
-            flat = torch.cat([t.detach().reshape(-1) for t in members]).to(wire_dtype or dtype)
-            yield members, flat
-            offset = 0
-            for t in members:
-                t.detach().copy_(flat[offset: offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-
-def average_tensors_(tensors: list[Tensor], process_group: dist.ProcessGroup | None = None,
-                     wire_dtype: torch.dtype | None = None, issuer: str = "average_tensors_") -> int:
-    """Replace each tensor by its mean over ``process_group``, in place; return the bytes sent.
-
-    One allreduce per (device, dtype) group, in that dtype (or ``wire_dtype``), of ``tensor / size``.
-    A failed collective raises :class:`gradpress.comm.CollectiveError` naming it and ``issuer``.
-    """
-    size = dist.get_world_size(process_group)
-    if size == 1 or not tensors:
-        return 0
-    sent = 0
-    for _, flat in _flat_groups(tensors, wire_dtype):
-        flat.div_(size)
-        all_reduce(flat, process_group, issuer)
-        sent += flat.numel() * flat.element_size()
-    return sent
-
-
-def all_reduce(flat: Tensor, process_group: dist.ProcessGroup | None, issuer: str) -> None:
-    """``dist.all_reduce`` (sum), with a failure described as a :class:`gradpress.comm.CollectiveError`."""
-    try:
-        dist.all_reduce(flat, group=process_group)
-    except RuntimeError as error:
-        what = describe_collective("allreduce (sum)", flat, dist.get_world_size(process_group), issuer)
-        raise collective_error(what, error) from error
-
-
-def broadcast_parameters(params: nn.Module | Iterable[Tensor], process_group: dist.ProcessGroup | None = None,
-                         src: int = 0) -> None:
-    """Overwrite ``params`` on every worker, in place, with their values on ``src`` (a rank *within*
-    ``process_group``; ``None``: the default group), as ``DistributedDataParallel`` does at construction.
-
-    A collective: every worker of the group calls it with tensors of the same shapes and dtypes. One
-    broadcast per (device, dtype). For a module, all its parameters (frozen ones too) and buffers. Nothing
-    happens when ``torch.distributed`` is not initialised or the group has one worker.
-
-    >>> broadcast_parameters(model)          # after init_process_group, on every rank  # doctest: +SKIP
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
-        return
-    if isinstance(params, nn.Module):
-        tensors = list(params.parameters()) + list(params.buffers())
-    else:
-        tensors = list(params)
-    global_src = src if process_group is None else dist.get_global_rank(process_group, src)
-    for _, flat in _flat_groups(tensors):
-        dist.broadcast(flat, src=global_src, group=process_group)
 
 
 def average_parameters(params: Params, process_group: dist.ProcessGroup | None = None) -> None:

@@ -1,19 +1,27 @@
-"""The one place that talks to a process group: asynchronous sum-allreduce of a flat buffer.
+"""The one place that talks to a process group: every ``torch.distributed`` collective gradpress issues.
 
 The engine only sees the :class:`Communicator` protocol, so it can run under DDP hooks, under the
-standalone aggregator, or with no ``torch.distributed`` at all (:class:`LocalCommunicator`).
+standalone aggregator, or with no ``torch.distributed`` at all (:class:`LocalCommunicator`). The rest of
+the package calls the functions below: blocking collectives (:func:`all_reduce`, :func:`broadcast`,
+:func:`barrier`, the object collectives), asynchronous ones returning a :class:`Work` (whose ``wait()``
+describes a failure as a :class:`CollectiveError`), and the parameter-level helpers built on them
+(:func:`broadcast_parameters`, :func:`average_tensors_`).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["CollectiveError", "Communicator", "Handle", "LocalCommunicator", "ProcessGroupCommunicator",
-           "check_process_group", "collective_error", "gather_objects", "make_communicator", "scatter_objects"]
+__all__ = ["CollectiveError", "Communicator", "Handle", "LocalCommunicator", "ProcessGroupCommunicator", "Work",
+           "all_gather_async", "all_gather_objects", "all_reduce", "all_reduce_async", "average_tensors_", "barrier",
+           "broadcast", "broadcast_parameters", "check_process_group", "collective_error", "describe_collective",
+           "flat_groups", "gather_objects", "is_distributed", "make_communicator", "reduce_scatter_async",
+           "scatter_objects"]
 
 
 class CollectiveError(RuntimeError):
@@ -156,11 +164,9 @@ class ProcessGroupCommunicator:
         if self.comm_device is not None and buffer.device != self.comm_device:
             staging = buffer.to(self.comm_device)
         try:
-            work = dist.all_reduce(buffer if staging is None else staging,
-                                   op=op, group=self.process_group, async_op=True)
+            work = _start(dist.all_reduce, buffer if staging is None else staging, op=op, group=self.process_group)
         except RuntimeError as error:
             raise collective_error(self._describe(op, buffer), error) from error
-        assert work is not None
         return _Pending(work, buffer, staging, self, op)
 
     def _describe(self, op: dist.ReduceOp, buffer: Tensor) -> str:
@@ -204,3 +210,184 @@ def scatter_objects(objs: list[object] | None, src: int = 0, process_group: dist
     except RuntimeError as error:
         raise collective_error(f"scatter of one object per rank from rank {src} over {world} ranks", error) from error
     return out[0]
+
+
+# -- the collectives the rest of the package issues --------------------------------------------------
+
+_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def is_distributed() -> bool:
+    """Whether ``torch.distributed`` is available and a default process group is initialized."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _op(op: str) -> dist.ReduceOp:
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
+    return getattr(dist.ReduceOp, _OPS[op])
+
+
+def _start(collective: Any, *args: Any, **kwargs: Any) -> Any:
+    """``collective(*args, async_op=True, **kwargs)``: its ``dist.Work``, never ``None``."""
+    work = collective(*args, async_op=True, **kwargs)
+    assert work is not None
+    return work
+
+
+def _global_rank(process_group: dist.ProcessGroup | None, rank: int) -> int:
+    return rank if process_group is None else dist.get_global_rank(process_group, rank)
+
+
+class Work:
+    """An in-flight collective started by this module: ``wait()`` blocks until ``result`` holds the
+    outcome and returns it; a failure is raised as a :class:`CollectiveError` saying ``what`` failed.
+    ``get_future()`` is the backend's future (for DDP hooks); :meth:`error` describes an exception taken
+    from it the same way."""
+
+    __slots__ = ("work", "result", "what")
+
+    def __init__(self, work: Any, result: Tensor, what: str) -> None:
+        self.work = work
+        self.result = result
+        self.what = what
+
+    def wait(self) -> Tensor:
+        try:
+            self.work.wait()
+        except RuntimeError as error:
+            raise collective_error(self.what, error) from error
+        return self.result
+
+    def get_future(self) -> torch.futures.Future:
+        return self.work.get_future()
+
+    def error(self, error: BaseException) -> CollectiveError:
+        """``error`` (from this collective's future) as a :class:`CollectiveError` naming it."""
+        return collective_error(self.what, error)
+
+
+def _described(what: str, collective: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return _start(collective, *args, **kwargs)
+    except RuntimeError as error:
+        raise collective_error(what, error) from error
+
+
+def all_reduce_async(tensor: Tensor, process_group: dist.ProcessGroup | None = None, issuer: str = "gradpress",
+                     op: str = "sum", what: str | None = None) -> Work:
+    """Start reducing ``tensor`` in place over ``process_group`` (``op``: ``"sum"``, ``"max"``, ``"min"``).
+    ``what`` replaces the default description (``"allreduce (sum) of N <dtype> values over W ranks in
+    <issuer>"``) in a :class:`CollectiveError`."""
+    what = what or describe_collective(f"allreduce ({op})", tensor, dist.get_world_size(process_group), issuer)
+    return Work(_described(what, dist.all_reduce, tensor, op=_op(op), group=process_group), tensor, what)
+
+
+def all_reduce(tensor: Tensor, process_group: dist.ProcessGroup | None = None, issuer: str = "gradpress",
+               op: str = "sum") -> Tensor:
+    """Reduce ``tensor`` in place over ``process_group`` and return it; a failure is a
+    :class:`CollectiveError` naming the collective, its size, the world size and ``issuer``."""
+    return all_reduce_async(tensor, process_group, issuer, op).wait()
+
+
+def broadcast(tensor: Tensor, src: int = 0, process_group: dist.ProcessGroup | None = None,
+              issuer: str = "gradpress") -> Tensor:
+    """Overwrite ``tensor`` in place with its value on ``src`` (a rank *within* ``process_group``)."""
+    what = describe_collective(f"broadcast from rank {src}", tensor, dist.get_world_size(process_group), issuer)
+    return Work(_described(what, dist.broadcast, tensor, src=_global_rank(process_group, src), group=process_group),
+                tensor, what).wait()
+
+
+def all_gather_async(out: Tensor, tensor: Tensor, process_group: dist.ProcessGroup | None = None,
+                     issuer: str = "gradpress", what: str | None = None) -> Work:
+    """Start gathering every rank's ``tensor`` into ``out`` (``world_size * tensor.numel()`` values,
+    in rank order)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # name since torch 2.13
+    what = what or describe_collective("all-gather", tensor, dist.get_world_size(process_group), issuer)
+    return Work(_described(what, gather, out, tensor, group=process_group), out, what)
+
+
+def reduce_scatter_async(out: Tensor, tensor: Tensor, process_group: dist.ProcessGroup | None = None,
+                         issuer: str = "gradpress", what: str | None = None) -> Work:
+    """Start summing ``tensor`` over the ranks, ``out`` receiving this rank's chunk (rank order)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    what = what or describe_collective("reduce-scatter (sum)", tensor, dist.get_world_size(process_group), issuer)
+    return Work(_described(what, scatter, out, tensor, group=process_group), out, what)
+
+
+def barrier(process_group: dist.ProcessGroup | None = None, issuer: str = "gradpress") -> None:
+    """Wait until every rank of ``process_group`` reaches this call."""
+    try:
+        dist.barrier(group=process_group)
+    except RuntimeError as error:
+        raise collective_error(f"barrier over {dist.get_world_size(process_group)} ranks in {issuer}",
+                               error) from error
+
+
+def all_gather_objects(obj: object, process_group: dist.ProcessGroup | None = None,
+                       issuer: str = "gradpress") -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank of ``process_group``."""
+    world = dist.get_world_size(process_group)
+    everyone: list[Any] = [None] * world
+    try:
+        dist.all_gather_object(everyone, obj, group=process_group)
+    except RuntimeError as error:
+        raise collective_error(f"all-gather of one object per rank over {world} ranks in {issuer}", error) from error
+    return everyone
+
+
+# -- parameters: one collective per (device, dtype) ---------------------------------------------------
+
+def flat_groups(tensors: list[Tensor], wire_dtype: torch.dtype | None = None) -> Iterator[tuple[list[Tensor], Tensor]]:
+    """For each (device, dtype) group of ``tensors``: ``(members, flat)`` where ``flat`` is their
+    concatenation (in ``wire_dtype`` if given); after the caller resumes, ``flat`` is copied back."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    with torch.no_grad():
+        for (_, dtype), members in groups.items():
+            flat = torch.cat([t.detach().reshape(-1) for t in members]).to(wire_dtype or dtype)
+            yield members, flat
+            offset = 0
+            for t in members:
+                t.detach().copy_(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def average_tensors_(tensors: list[Tensor], process_group: dist.ProcessGroup | None = None,
+                     wire_dtype: torch.dtype | None = None, issuer: str = "average_tensors_") -> int:
+    """Replace each tensor by its mean over ``process_group``, in place; return the bytes sent.
+
+    One allreduce per (device, dtype) group, in that dtype (or ``wire_dtype``), of ``tensor / size``.
+    A failed collective raises :class:`CollectiveError` naming it and ``issuer``.
+    """
+    size = dist.get_world_size(process_group)
+    if size == 1 or not tensors:
+        return 0
+    sent = 0
+    for _, flat in flat_groups(tensors, wire_dtype):
+        flat.div_(size)
+        all_reduce(flat, process_group, issuer)
+        sent += flat.numel() * flat.element_size()
+    return sent
+
+
+def broadcast_parameters(params: nn.Module | Iterable[Tensor], process_group: dist.ProcessGroup | None = None,
+                         src: int = 0) -> None:
+    """Overwrite ``params`` on every worker, in place, with their values on ``src`` (a rank *within*
+    ``process_group``; ``None``: the default group), as ``DistributedDataParallel`` does at construction.
+
+    A collective: every worker of the group calls it with tensors of the same shapes and dtypes. One
+    broadcast per (device, dtype). For a module, all its parameters (frozen ones too) and buffers. Nothing
+    happens when ``torch.distributed`` is not initialised or the group has one worker.
+
+    >>> broadcast_parameters(model)          # after init_process_group, on every rank  # doctest: +SKIP
+    """
+    if not is_distributed() or dist.get_world_size(process_group) == 1:
+        return
+    if isinstance(params, nn.Module):
+        tensors = list(params.parameters()) + list(params.buffers())
+    else:
+        tensors = list(params)
+    for _, flat in flat_groups(tensors):
+        broadcast(flat, src, process_group, "broadcast_parameters")
