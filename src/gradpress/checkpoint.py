@@ -21,6 +21,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from .comm import gather_objects, scatter_objects
 
 __all__ = ["save", "load", "placement", "check_placement", "gather_state", "scatter_state", "state_nbytes",
            "to_cpu"]
@@ -105,8 +108,6 @@ def to_cpu(obj: Any) -> Any:
 def placement(process_group: Any = None) -> dict[str, int]:
     """``{"rank": r, "world_size": w}`` of this process in ``process_group`` (``0``/``1`` when
     ``torch.distributed`` is not initialized): stored in every per-rank state_dict."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return {"rank": dist.get_rank(process_group), "world_size": dist.get_world_size(process_group)}
     return {"rank": 0, "world_size": 1}
@@ -145,10 +146,6 @@ def gather_state(state: Any, dst: int = 0, process_group: Any = None) -> dict[st
     ...     if rank == 0:
     ...         torch.save({"model": model.module.state_dict(), "powersgd": hooks}, "ckpt.pt")
     """
-    import torch.distributed as dist
-
-    from .comm import gather_objects
-
     entry = to_cpu(state.state_dict())
     gathered = gather_objects(entry, dst, process_group)
     if gathered is None:
@@ -165,10 +162,6 @@ def scatter_state(state: Any, gathered: dict[str, Any] | None, src: int = 0, pro
     same ``ValueError`` (the other ranks do not wait for a timeout). Each entry then goes through
     ``state.load_state_dict``, which checks the options, shapes, rank and world size as usual.
     """
-    import torch.distributed as dist
-
-    from .comm import scatter_objects
-
     world = dist.get_world_size(process_group)
     objs = None
     if dist.get_rank(process_group) == src:

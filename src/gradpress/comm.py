@@ -287,15 +287,23 @@ def all_reduce(tensor: Tensor, process_group: dist.ProcessGroup | None = None, i
                op: str = "sum") -> Tensor:
     """Reduce ``tensor`` in place over ``process_group`` and return it; a failure is a
     :class:`CollectiveError` naming the collective, its size, the world size and ``issuer``."""
-    return all_reduce_async(tensor, process_group, issuer, op).wait()
+    try:
+        dist.all_reduce(tensor, op=_op(op), group=process_group)
+    except RuntimeError as error:
+        what = describe_collective(f"allreduce ({op})", tensor, dist.get_world_size(process_group), issuer)
+        raise collective_error(what, error) from error
+    return tensor
 
 
 def broadcast(tensor: Tensor, src: int = 0, process_group: dist.ProcessGroup | None = None,
               issuer: str = "gradpress") -> Tensor:
     """Overwrite ``tensor`` in place with its value on ``src`` (a rank *within* ``process_group``)."""
-    what = describe_collective(f"broadcast from rank {src}", tensor, dist.get_world_size(process_group), issuer)
-    return Work(_described(what, dist.broadcast, tensor, src=_global_rank(process_group, src), group=process_group),
-                tensor, what).wait()
+    try:
+        dist.broadcast(tensor, src=_global_rank(process_group, src), group=process_group)
+    except RuntimeError as error:
+        what = describe_collective(f"broadcast from rank {src}", tensor, dist.get_world_size(process_group), issuer)
+        raise collective_error(what, error) from error
+    return tensor
 
 
 def all_gather_async(out: Tensor, tensor: Tensor, process_group: dist.ProcessGroup | None = None,

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm import check_process_group, collective_error, describe_collective
+from ..comm import all_reduce_async, check_process_group
 from .bucket import CastBucket, check_hook, future_tensor
 
 __all__ = ["allreduce_hook", "allreduce_mean_future", "bf16_compress_hook", "bf16_compress_wrapper",
@@ -36,22 +36,19 @@ def allreduce_mean_future(buffer: Tensor, process_group: dist.ProcessGroup | Non
     device = buffer.device if comm_device is None else torch.device(comm_device)
     wire = buffer.to(device=device, dtype=wire_dtype or buffer.dtype, copy=False)
     wire.div_(world_size)
-    try:
-        fut = dist.all_reduce(wire, group=process_group, async_op=True).get_future()  # type: ignore[union-attr]
-    except RuntimeError as error:
-        raise collective_error(describe_collective("allreduce (sum)", wire, world_size, issuer), error) from error
+    work = all_reduce_async(wire, process_group, issuer)
 
     def done(f: torch.futures.Future) -> Tensor:
         try:
             result = future_tensor(f.value())
         except RuntimeError as error:  # described here, where the bucket and the hook are known
-            raise collective_error(describe_collective("allreduce (sum)", wire, world_size, issuer), error) from error
+            raise work.error(error) from error
         if wire is buffer:
             return result
         buffer.copy_(result)
         return buffer
 
-    return fut.then(done)
+    return work.get_future().then(done)
 
 
 def _check_group(process_group: Any, hook: str, wrapper: str | None = None) -> None:

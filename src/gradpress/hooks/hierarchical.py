@@ -28,16 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..comm import all_gather_async, all_gather_objects, reduce_scatter_async
 from .bucket import DenseBucket, check_hook, future_tensor
 
 __all__ = ["HierarchicalHook", "ShareBucket", "assign_shares", "hierarchical_wrapper"]
 
 Hook = Callable[[Any, Any], torch.futures.Future]
 _UNCHECKED = object()
-
-# torch 2.13 renamed these two (the old names still work, with a FutureWarning); torch>=2.4 has the old ones.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def assign_shares(sizes: Sequence[int], num_shares: int) -> list[list[int]]:
@@ -188,8 +185,7 @@ class HierarchicalHook:
         world = dist.get_world_size()
         # A rank only sees its own node; a 3 + 1 split looks fine from the node of 1. Every rank checks
         # every node, so all of them raise the same error (rather than some hanging in a collective).
-        nodes: list[Any] = [None] * world
-        dist.all_gather_object(nodes, node)
+        nodes = all_gather_objects(node, issuer="hierarchical_wrapper")
         problem = _check_nodes(nodes)
         if problem is not None:
             shown = ", ".join(str(list(n)) for n in dict.fromkeys(map(tuple, nodes)))
@@ -253,7 +249,7 @@ class HierarchicalHook:
         layout = self._layout(bucket, buffer)
         packed = layout.pack(buffer, self.workers_per_node)
         share = packed.new_empty(layout.chunk)
-        work = _reduce_scatter(share, packed, group=self.intra_group, async_op=True)
+        work = reduce_scatter_async(share, packed, self.intra_group, issuer=self.__name__)
         entry = _Entry(bucket, buffer, layout, packed, share, work)
         self._entries.append(entry)
         if layout.shares[self.local_rank]:
@@ -289,7 +285,7 @@ class HierarchicalHook:
             if entry.inner is not None:
                 self._take_result(entry)
             gathered = entry.share.new_empty(entry.layout.chunk * self.workers_per_node)
-            work = _all_gather(gathered, entry.share, group=self.intra_group, async_op=True)
+            work = all_gather_async(gathered, entry.share, self.intra_group, issuer=self.__name__)
             if in_flight is not None:
                 self._unpack(*in_flight)
             in_flight = (entry, gathered, work)

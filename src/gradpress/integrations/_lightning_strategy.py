@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from ..comm import gather_objects
 from ..diagnostics import approximation_error_metrics
 from . import _common
 
@@ -213,7 +214,7 @@ class GradpressStrategyMixin:
         else:
             gathered: list[Any] | None = [None] * world if rank == 0 else None
             if world > 1:
-                dist.gather_object(entry, gathered, dst=0)  # a collective: every rank saves (Lightning's rule)
+                gathered = gather_objects(entry, dst=0)  # a collective: every rank saves (Lightning's rule)
             else:
                 gathered = [entry]
             header["ranks"] = gathered

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
 
@@ -10,9 +9,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..averaging import ModelAverager, Params, _check_int, average_tensors_, tensors_to_average
+from ..averaging import ModelAverager, OuterStep, Params, tensors_to_average
 from ..checkpoint import check_placement, placement
-from ..comm import collective_error
+from ..checks import check_int, check_number
+from ..comm import Work, all_gather_async, all_reduce_async, average_tensors_
 from .compress import Compressor
 from .fragments import fragment_offsets, split_by_size
 
@@ -20,12 +20,6 @@ __all__ = ["StreamingDiLoCoAverager"]
 
 Compression = Union[None, str, Compressor]
 FragmentSpec = Union[nn.Module, Iterable[Tensor]]
-
-
-def _check_number(name: str, value: Any, ok: bool, allowed: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok:
-        raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
-    return float(value)
 
 
 def _sync_seed(seed: int, rank: int, fragment: int, count: int) -> int:
@@ -38,11 +32,6 @@ def _sync_seed(seed: int, rank: int, fragment: int, count: int) -> int:
     return mixed
 
 
-def _all_gather_async(out: Tensor, payload: Tensor, group: dist.ProcessGroup | None) -> Any:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # name since torch 2.13
-    return gather(out, payload, group=group, async_op=True)
-
-
 def _device_groups(tensors: Sequence[Tensor]) -> list[list[int]]:
     """Positions of ``tensors`` grouped by (device, dtype), groups in first-seen order (as
     :func:`gradpress.averaging.average_tensors_` groups them)."""
@@ -53,43 +42,42 @@ def _device_groups(tensors: Sequence[Tensor]) -> list[list[int]]:
 
 
 class _Fragment:
-    """Per-fragment state: the anchor (global parameters at its last sync, identical on every rank),
-    its outer optimizer (momentum), this rank's error-feedback residual, and counters."""
+    """Per-fragment state: its outer step (the anchor: global parameters at its last sync, identical on
+    every rank; and the outer optimizer's momentum), this rank's error-feedback residual, and counters."""
 
-    __slots__ = ("index", "offset", "positions", "anchor", "outer", "residual", "syncs", "bytes_sent")
+    __slots__ = ("index", "offset", "positions", "outer", "residual", "syncs", "bytes_sent")
 
     def __init__(self, index: int, offset: int) -> None:
         self.index = index
         self.offset = offset
         self.positions: list[int] = []
-        self.anchor: list[Tensor] | None = None
-        self.outer: torch.optim.SGD | None = None
+        self.outer: OuterStep | None = None
         self.residual: Tensor | None = None
         self.syncs = 0          # outer syncs started: seeds the stochastic rounding
         self.bytes_sent = 0
+
+    @property
+    def anchor(self) -> list[Tensor] | None:
+        return None if self.outer is None else self.outer.anchor
 
 
 class _InFlight:
     """An outer gradient sent and not yet applied: the collectives' handles (``works``, empty once
     waited on), their output ``buffers``, and the residual this rank keeps if the result is finite."""
 
-    __slots__ = ("fragment", "due", "works", "buffers", "residual", "what")
+    __slots__ = ("fragment", "due", "works", "buffers", "residual")
 
-    def __init__(self, fragment: int, due: int, works: list[Any], buffers: list[Tensor],
-                 residual: Tensor | None, what: str = "") -> None:
+    def __init__(self, fragment: int, due: int, works: list[Work], buffers: list[Tensor],
+                 residual: Tensor | None) -> None:
         self.fragment = fragment
         self.due = due
-        self.works = works
+        self.works = works  # each names the fragment's outer gradient in a CollectiveError
         self.buffers = buffers
         self.residual = residual
-        self.what = what  # the collectives, for a CollectiveError
 
     def wait(self) -> None:
         for work in self.works:
-            try:
-                work.wait()
-            except RuntimeError as error:
-                raise collective_error(self.what, error) from error
+            work.wait()
         self.works = []
 
 
@@ -195,8 +183,8 @@ class StreamingDiLoCoAverager(ModelAverager):
                  outer_momentum: float = 0.9, nesterov: bool = True, compression: Compression = None,
                  average_buffers: bool = False) -> None:
         super().__init__(process_group, average_buffers)
-        self.sync_every = _check_int("sync_every", sync_every, 1)
-        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
+        self.sync_every = check_int("sync_every", sync_every, 1)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self._explicit: dict[int, int] | None = None
         if fragments is not None:
             if num_fragments is not None:
@@ -220,12 +208,12 @@ class StreamingDiLoCoAverager(ModelAverager):
             num_fragments = len(fragments)
         elif num_fragments is None:
             num_fragments = 1
-        self.num_fragments = _check_int("num_fragments", num_fragments, 1, sync_every)
-        self.fragment_sync_delay = _check_int("fragment_sync_delay", fragment_sync_delay, 0, sync_every - 1)
-        self.fragment_update_alpha = _check_number("fragment_update_alpha", fragment_update_alpha,
+        self.num_fragments = check_int("num_fragments", num_fragments, 1, sync_every)
+        self.fragment_sync_delay = check_int("fragment_sync_delay", fragment_sync_delay, 0, sync_every - 1)
+        self.fragment_update_alpha = check_number("fragment_update_alpha", fragment_update_alpha,
                                                    0 <= fragment_update_alpha <= 1, "in [0, 1]")
-        self.outer_lr = _check_number("outer_lr", outer_lr, outer_lr > 0, "> 0")
-        self.outer_momentum = _check_number("outer_momentum", outer_momentum, 0 <= outer_momentum < 1, "in [0, 1)")
+        self.outer_lr = check_number("outer_lr", outer_lr, outer_lr > 0, "> 0")
+        self.outer_momentum = check_number("outer_momentum", outer_momentum, 0 <= outer_momentum < 1, "in [0, 1)")
         self.nesterov = bool(nesterov) and outer_momentum > 0
         if not (compression is None or compression in ("fp16", "bf16") or isinstance(compression, Compressor)):
             raise ValueError(f"compression must be None, 'fp16', 'bf16', QuantizeInt8(...), QuantizeInt4(...) or "
@@ -323,13 +311,13 @@ class StreamingDiLoCoAverager(ModelAverager):
         if fr.anchor is None:  # first sync: plain average, sets the anchor
             with torch.no_grad():
                 sent = average_tensors_(members, self.process_group, issuer=self._issuer())
-                fr.anchor = [t.clone() for t in members]
-            self._make_outer(fr)
+                fr.outer = self._outer_step([t.clone() for t in members])
             self._count(fr, sent)
             self.num_averages += 1
             return
+        assert fr.anchor is not None
         rank, world = self._world()
-        works: list[Any] = []
+        works: list[Work] = []
         residual = None
         with torch.no_grad():
             if not isinstance(self.compression, Compressor):
@@ -340,9 +328,11 @@ class StreamingDiLoCoAverager(ModelAverager):
                     flat = torch.cat([deltas[i].reshape(-1) for i in group]).to(wire or deltas[group[0]].dtype)
                     if world > 1:
                         flat.div_(world)
-                        works.append(dist.all_reduce(flat, group=self.process_group, async_op=True))
                     buffers.append(flat)
                 sent = sum(b.numel() * b.element_size() for b in buffers)
+                if world > 1:
+                    what = self._describe_sync(fr, "allreduce (sum)", sent, world)
+                    works = [all_reduce_async(flat, self.process_group, what=what) for flat in buffers]
             else:
                 dtype, device = self._work_dtype(fr), fr.anchor[0].device
                 outer_grad = torch.cat([(a.to(dtype) - t.to(dtype)).reshape(-1).to(device)
@@ -355,28 +345,29 @@ class StreamingDiLoCoAverager(ModelAverager):
                         _sync_seed(self.compression.seed, rank, fr.index, fr.syncs))
                 payload = self.compression.encode(outer_grad, generator)
                 residual = outer_grad - self.compression.decode(payload.unsqueeze(0), outer_grad.numel(), dtype)[0]
+                sent = payload.numel()
                 if world > 1:
                     gathered = payload.new_empty(world * payload.numel())
-                    works.append(_all_gather_async(gathered, payload, self.process_group))
+                    what = self._describe_sync(fr, "all-gather", sent, world)
+                    works = [all_gather_async(gathered, payload, self.process_group, what=what)]
                 else:
                     gathered = payload
                 buffers = [gathered]
-                sent = payload.numel()
         fr.syncs += 1
         self._count(fr, sent)
-        op = "allreduce (sum)" if not isinstance(self.compression, Compressor) else "all-gather"
-        what = (f"{op} of fragment {fr.index}'s outer gradient ({sent:,} bytes per rank) over {world} ranks in "
+        self._in_flight.append(_InFlight(fr.index, self.step + self.fragment_sync_delay, works, buffers, residual))
+
+    def _describe_sync(self, fr: _Fragment, op: str, sent: int, world: int) -> str:
+        """The collective of one sync, as a :class:`gradpress.comm.CollectiveError` names it."""
+        return (f"{op} of fragment {fr.index}'s outer gradient ({sent:,} bytes per rank) over {world} ranks in "
                 f"{self._issuer()}")
-        self._in_flight.append(_InFlight(fr.index, self.step + self.fragment_sync_delay, works, buffers, residual,
-                                         what))
 
     def _count(self, fr: _Fragment, sent: int) -> None:
         fr.bytes_sent += sent
         self.bytes_sent += sent
 
-    def _make_outer(self, fr: _Fragment) -> None:
-        assert fr.anchor is not None
-        fr.outer = torch.optim.SGD(fr.anchor, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
+    def _outer_step(self, anchor: list[Tensor]) -> OuterStep:
+        return OuterStep(anchor, self.outer_lr, self.outer_momentum, self.nesterov)
 
     def _mean_outer_grads(self, fr: _Fragment, pending: _InFlight) -> tuple[list[Tensor], Tensor]:
         """Per anchor tensor, the averaged outer gradient ``Δ`` (in the anchor's dtype), and a 0-dim
@@ -412,22 +403,11 @@ class StreamingDiLoCoAverager(ModelAverager):
         pending.wait()
         with torch.no_grad():
             means, finite = self._mean_outer_grads(fr, pending)
-            # A non-finite Δ must not move the anchor nor the momentum: keep both, select on the device.
-            before = [a.clone() for a in fr.anchor]
-            buffers_before = [fr.outer.state.get(a, {}).get("momentum_buffer") for a in fr.anchor]
-            buffers_before = [None if b is None else b.clone() for b in buffers_before]
-            for a, mean in zip(fr.anchor, means):
-                a.grad = mean
-        fr.outer.step()
+        # A non-finite Δ must not move the anchor nor the momentum: decided on the device.
+        fr.outer.step(means, finite)
         with torch.no_grad():
             for i, a in enumerate(fr.anchor):
-                a.grad = None
                 ok = finite.to(a.device)
-                torch.where(ok, a, before[i], out=a)
-                buffer = fr.outer.state.get(a, {}).get("momentum_buffer")
-                if buffer is not None:  # the first step's buffer is Δ itself: zero is "no momentum yet"
-                    old = buffers_before[i] if buffers_before[i] is not None else torch.zeros_like(buffer)
-                    torch.where(ok, buffer, old, out=buffer)
                 if self.fragment_update_alpha == 0:
                     members[i].copy_(a)
                 else:  # α · local + (1 - α) · global; on a skipped step, the anchor
@@ -447,8 +427,7 @@ class StreamingDiLoCoAverager(ModelAverager):
         state["compression"] = repr(self.compression)
         state["layout"] = None if self._layout is None else list(self._layout)
         state["fragments"] = [{
-            "anchor": None if fr.anchor is None else [a.detach().clone() for a in fr.anchor],
-            "outer": None if fr.outer is None else copy.deepcopy(fr.outer.state_dict()),
+            **(fr.outer.state_dict() if fr.outer is not None else {"anchor": None, "outer": None}),
             "residual": None if fr.residual is None else fr.residual.clone(),
             "syncs": fr.syncs, "bytes_sent": fr.bytes_sent} for fr in self._fragments]
         in_flight = []
@@ -477,12 +456,8 @@ class StreamingDiLoCoAverager(ModelAverager):
         super().load_state_dict(state)
         self._layout = None if state["layout"] is None else [int(f) for f in state["layout"]]
         for fr, item in zip(self._fragments, saved):
-            fr.anchor = None if item["anchor"] is None else [a.detach().clone() for a in item["anchor"]]
-            fr.outer = None
-            if fr.anchor is not None:
-                self._make_outer(fr)
-                assert fr.outer is not None
-                fr.outer.load_state_dict(copy.deepcopy(item["outer"]))
+            fr.outer = None if item["anchor"] is None else \
+                OuterStep.restore(item, self.outer_lr, self.outer_momentum, self.nesterov)
             fr.residual = None if item["residual"] is None else item["residual"].clone()
             fr.syncs = int(item["syncs"])
             fr.bytes_sent = int(item["bytes_sent"])

@@ -32,16 +32,11 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from ..checks import check_int
+
 __all__ = ["Compressor", "QuantizeInt4", "QuantizeInt8", "TopK"]
 
 _ROUNDINGS = ("nearest", "stochastic")
-
-
-def _check_int(owner: str, name: str, value: object, minimum: int, maximum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum \
-            or (maximum is not None and value > maximum):
-        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
-        raise ValueError(f"{owner}: {name} must be an integer {bound}, got {value!r}")
 
 
 def _check_rounding(owner: str, rounding: object) -> None:
@@ -106,9 +101,9 @@ class _Quantize(Compressor):
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
-        _check_int(owner, "chunk_size", self.chunk_size, 1)
+        check_int("chunk_size", self.chunk_size, 1, owner=owner)
         _check_rounding(owner, self.rounding)
-        _check_int(owner, "seed", self.seed, 0)
+        check_int("seed", self.seed, 0, owner=owner)
 
     @property
     def levels(self) -> int:
@@ -215,17 +210,17 @@ class TopK(Compressor):
     error_decay: float = 1.0
 
     def __post_init__(self) -> None:
-        _check_int("TopK", "chunk_size", self.chunk_size, 1, 2 ** 31 - 1)
+        check_int("chunk_size", self.chunk_size, 1, 2 ** 31 - 1, owner="TopK")
         if isinstance(self.error_decay, bool) or not isinstance(self.error_decay, (int, float)) \
                 or not 0 < self.error_decay <= 1:
             raise ValueError(f"TopK: error_decay must be a number in (0, 1], got {self.error_decay!r}")
         if self.k is not None:
-            _check_int("TopK", "k", self.k, 1, self.chunk_size)
+            check_int("k", self.k, 1, self.chunk_size, owner="TopK")
         elif isinstance(self.density, bool) or not isinstance(self.density, (int, float)) \
                 or not 0 < self.density <= 1:
             raise ValueError(f"TopK: density must be a number in (0, 1], got {self.density!r}")
         _check_rounding("TopK", self.rounding)
-        _check_int("TopK", "seed", self.seed, 0)
+        check_int("seed", self.seed, 0, owner="TopK")
 
     @property
     def k_per_chunk(self) -> int:

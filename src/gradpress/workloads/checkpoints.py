@@ -18,9 +18,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
-
 from .. import checkpoint
+from ..comm import all_gather_objects
 
 __all__ = ["checkpoint_path", "load", "load_everywhere", "newest_common_step", "prune", "run_directory", "save", "steps_saved"]
 
@@ -55,8 +54,7 @@ def newest_common_step(directory: str, rank: int, world_size: int) -> int | None
     mine = steps_saved(directory, rank)
     everyone: list[Any] = [mine]
     if world_size > 1:
-        everyone = [None] * world_size
-        dist.all_gather_object(everyone, mine)
+        everyone = all_gather_objects(mine, issuer="newest_common_step")
     common = set(everyone[0]).intersection(*everyone[1:])
     return max(common) if common else None
 
@@ -98,8 +96,7 @@ def load_everywhere(directory: str, step: int, rank: int, world_size: int,
         error = str(exc)
     errors: list[Any] = [error]
     if world_size > 1:
-        errors = [None] * world_size
-        dist.all_gather_object(errors, error)
+        errors = all_gather_objects(error, issuer="load_everywhere")
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         raise ValueError("; ".join(f"rank {r}: {e}" for r, e in failed))

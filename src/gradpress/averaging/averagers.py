@@ -1,0 +1,138 @@
+"""Model averagers: the step counter, periodic averaging, and hierarchical averaging in subgroups."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..checks import check_int
+from ..comm import average_tensors_
+from .tensors import Params, tensors_to_average
+
+__all__ = ["HierarchicalModelAverager", "ModelAverager", "PeriodicModelAverager"]
+
+
+class ModelAverager(ABC):
+    """Base of the averagers: a step counter and ``average_parameters(params)`` called once per step."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, average_buffers: bool = False) -> None:
+        self.process_group = process_group
+        self.average_buffers = bool(average_buffers)
+        self.step = 0
+        self.bytes_sent = 0
+        self.num_averages = 0
+
+    @abstractmethod
+    def average_parameters(self, params: Params) -> None:
+        """Average ``params`` if this step is an averaging step; advance the step counter."""
+
+    def _issuer(self) -> str:
+        """Names this averager's collectives in a :class:`gradpress.comm.CollectiveError`."""
+        return f"{type(self).__name__}.average_parameters, step {self.step}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "bytes_sent": self.bytes_sent, "num_averages": self.num_averages}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.bytes_sent = int(state.get("bytes_sent", 0))
+        self.num_averages = int(state.get("num_averages", 0))
+
+
+class PeriodicModelAverager(ModelAverager):
+    """Average every ``period`` steps after ``warmup_steps`` steps (PyTorch's name and semantics).
+
+    Step ``s`` (counting calls from 0) averages iff ``s >= warmup_steps`` and
+    ``(s - warmup_steps) % period == 0``.
+
+    >>> averager = PeriodicModelAverager(period=4, warmup_steps=100)      # doctest: +SKIP
+    >>> averager.average_parameters(model.parameters())   # after optimizer.step(), every step
+    """
+
+    def __init__(self, period: int, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None,
+                 *, average_buffers: bool = False) -> None:
+        super().__init__(process_group, average_buffers)
+        self.period = check_int("period", period, 1)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+
+    def is_averaging_step(self, step: int) -> bool:
+        return step >= self.warmup_steps and (step - self.warmup_steps) % self.period == 0
+
+    def average_parameters(self, params: Params) -> None:
+        if self.is_averaging_step(self.step):
+            self._average(tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module)))
+        self.step += 1
+
+    def _average(self, tensors: list[Tensor]) -> None:
+        self.bytes_sent += average_tensors_(tensors, self.process_group, issuer=self._issuer())
+        self.num_averages += 1
+
+
+class HierarchicalModelAverager(ModelAverager):
+    """Average within groups of different sizes at different periods (PyTorch's name and arguments).
+
+    ``period_group_size_dict`` maps periods (increasing) to group sizes (increasing, each dividing the
+    next, the last equal to the size of ``process_group``): at step ``s`` past warm-up, the largest
+    period ``p`` with ``(s - warmup_steps) % p == 0`` wins and parameters are averaged within groups of
+    consecutive ranks of its size. E.g. ``{2: 2, 8: 4}`` on 4 ranks: ranks {0,1} and {2,3} every 2nd
+    step, all 4 every 8th. The subgroups are created here: every rank must construct the averager.
+
+    >>> HierarchicalModelAverager(OrderedDict([(2, 2), (8, 4)]), warmup_steps=100)   # doctest: +SKIP
+    """
+
+    def __init__(self, period_group_size_dict: Mapping[int, int] | None = None, warmup_steps: int = 0,
+                 process_group: dist.ProcessGroup | None = None, *, average_buffers: bool = False) -> None:
+        super().__init__(process_group, average_buffers)
+        if not period_group_size_dict:
+            raise ValueError("period_group_size_dict must map at least one period to a group size")
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        items = list(period_group_size_dict.items())
+        for period, size in items:
+            check_int("period_group_size_dict: every period", period, 1)
+            check_int("period_group_size_dict: every group size", size, 1)
+        if [p for p, _ in items] != sorted({p for p, _ in items}):
+            raise ValueError(f"period_group_size_dict: periods must be strictly increasing, got {[p for p, _ in items]}")
+        world = dist.get_world_size(process_group)
+        if items[-1][1] != world:
+            raise ValueError(f"period_group_size_dict: the last group size must be the size of the process group "
+                             f"({world}), got {items[-1][1]}")
+        for (_, small), (_, large) in zip(items, items[1:]):
+            if large % small or large <= small:
+                raise ValueError(f"period_group_size_dict: group sizes must increase and each divide the next "
+                                 f"and the world size {world}; {small} then {large} does not")
+        self.period_group_size_dict = OrderedDict(items)
+        ranks = dist.get_process_group_ranks(process_group) if process_group is not None \
+            else list(range(world))
+        me = dist.get_rank()
+        self._groups: dict[int, dist.ProcessGroup | None] = {}
+        for period, size in items:
+            if size == world:
+                self._groups[period] = process_group
+                continue
+            for start in range(0, world, size):
+                members = ranks[start: start + size]
+                group = dist.new_group(members)  # every rank of the default group must call new_group
+                if me in members:
+                    self._groups[period] = group
+
+    def group_for_step(self, step: int) -> tuple[int, dist.ProcessGroup | None] | None:
+        """``(period, group)`` that averages at ``step``, or ``None``."""
+        if step < self.warmup_steps:
+            return None
+        for period in reversed(self.period_group_size_dict):
+            if (step - self.warmup_steps) % period == 0:
+                return period, self._groups[period]
+        return None
+
+    def average_parameters(self, params: Params) -> None:
+        found = self.group_for_step(self.step)
+        if found is not None:
+            tensors = tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module))
+            self.bytes_sent += average_tensors_(tensors, found[1], issuer=self._issuer())
+            self.num_averages += 1
+        self.step += 1

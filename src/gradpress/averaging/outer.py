@@ -1,0 +1,202 @@
+"""DiLoCo's outer step: an anchor identical on every rank, an outer SGD on it, and a guard that never
+applies a non-finite outer gradient (:class:`OuterStep`, shared with streaming DiLoCo), and the averager
+that takes it every ``period`` steps (:class:`OuterOptimizerAverager`)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..aggregator import Config, PowerSGD
+from ..checkpoint import check_placement, placement
+from ..checks import check_number
+from ..comm import average_tensors_
+from .averagers import PeriodicModelAverager
+
+__all__ = ["OuterOptimizerAverager", "OuterStep"]
+
+logger = logging.getLogger("gradpress.averaging")
+
+
+class OuterStep:
+    """DiLoCo's outer step on one list of tensors: the anchor ``x`` (the parameters at the last
+    synchronization, identical on every rank) and an outer SGD on it (Nesterov momentum by default).
+
+    :meth:`step` takes the averaged outer gradient ``Δ = mean_i(x - x_i)`` and moves ``x``; the caller
+    then copies ``x`` (or a mix of it) into the parameters. Used by :class:`OuterOptimizerAverager` (all
+    tensors at once) and by :class:`gradpress.StreamingDiLoCoAverager` (one per fragment), so that one
+    fragment with no delay reproduces the former bit for bit.
+    """
+
+    __slots__ = ("anchor", "optimizer")
+
+    def __init__(self, anchor: list[Tensor], lr: float, momentum: float, nesterov: bool) -> None:
+        self.anchor = anchor
+        self.optimizer = torch.optim.SGD(anchor, lr=lr, momentum=momentum, nesterov=nesterov)
+
+    def matches(self, tensors: list[Tensor]) -> bool:
+        """Whether ``tensors`` have the anchor's count and shapes."""
+        return len(self.anchor) == len(tensors) and all(a.shape == t.shape for a, t in zip(self.anchor, tensors))
+
+    def step(self, grads: list[Tensor], finite: Tensor | None = None) -> None:
+        """One outer SGD step on the anchor with gradient ``grads`` (cast to the anchor's dtypes).
+
+        ``finite``: ``None`` applies the step. A 0-dim bool tensor decides on the device, with no host
+        read: where it is false, the anchor and the momentum end exactly as before (a momentum buffer the
+        step creates is then zero, which the next step reads as "no momentum yet"). A caller that decided
+        on the host that ``grads`` are not finite does not call this at all.
+        """
+        before: list[Tensor] = []
+        momentum_before: list[Tensor | None] = []
+        with torch.no_grad():
+            if finite is not None:
+                before = [a.clone() for a in self.anchor]
+                momentum_before = [self._momentum(a) for a in self.anchor]
+                momentum_before = [None if m is None else m.clone() for m in momentum_before]
+            for a, grad in zip(self.anchor, grads):
+                a.grad = grad.to(a.dtype)
+        self.optimizer.step()
+        with torch.no_grad():
+            for i, a in enumerate(self.anchor):
+                a.grad = None
+                if finite is None:
+                    continue
+                ok = finite.to(a.device)
+                torch.where(ok, a, before[i], out=a)
+                momentum = self._momentum(a)
+                if momentum is not None:
+                    old = momentum_before[i]
+                    torch.where(ok, momentum, old if old is not None else torch.zeros_like(momentum), out=momentum)
+
+    def _momentum(self, anchor: Tensor) -> Tensor | None:
+        return self.optimizer.state.get(anchor, {}).get("momentum_buffer")
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"anchor": [tensors], "outer": the outer SGD's state_dict}`` (copies)."""
+        return {"anchor": [a.detach().clone() for a in self.anchor],
+                "outer": copy.deepcopy(self.optimizer.state_dict())}
+
+    @classmethod
+    def restore(cls, state: Mapping[str, Any], lr: float, momentum: float, nesterov: bool) -> OuterStep:
+        """An outer step from :meth:`state_dict`'s ``anchor`` and ``outer`` (copied, not kept)."""
+        outer = cls([a.detach().clone() for a in state["anchor"]], lr, momentum, nesterov)
+        outer.optimizer.load_state_dict(copy.deepcopy(state["outer"]))
+        return outer
+
+
+class OuterOptimizerAverager(PeriodicModelAverager):
+    """DiLoCo-style outer optimization: every ``period`` steps, average the change since the last
+    synchronization and apply it with an outer SGD (Nesterov momentum by default).
+
+    With ``x`` the parameters at the last synchronization (identical on every rank) and ``x_i`` rank
+    i's parameters now, the outer gradient is ``Δ = mean_i(x - x_i)``; the outer optimizer takes a step
+    on ``x`` with gradient ``Δ`` and every rank continues from the new ``x``. The first averaging step
+    (at ``warmup_steps``) is plain averaging and sets ``x``. ``outer_lr=1, outer_momentum=0`` is plain
+    periodic averaging. ``compression``: ``None``, ``"fp16"``, ``"bf16"`` (cast Δ for the allreduce), or
+    a :class:`gradpress.Config` to send Δ through PowerSGD (with its own error feedback).
+
+    A non-finite averaged Δ (a rank's parameters overflowed to inf/NaN since the last synchronization;
+    the mean carries it to every rank) is never applied: the outer step is skipped, ``x`` and the outer
+    momentum stay as they were, the PowerSGD memory too (compressed variant), and every rank goes back
+    to ``x``, so all ranks stay identical and finite. ``num_skipped`` counts such synchronizations (a
+    warning is logged); they do not count in ``num_averages``. Deciding reads one flag on the host per
+    synchronization. The first synchronization sets ``x`` by plain averaging: it has nothing to go back to.
+
+    >>> averager = OuterOptimizerAverager(period=50, outer_lr=0.7, outer_momentum=0.9)     # doctest: +SKIP
+    >>> optimizer = PostLocalSGDOptimizer(torch.optim.AdamW(model.parameters()), averager)  # doctest: +SKIP
+    """
+
+    def __init__(self, period: int, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None, *,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
+                 compression: Any = None, average_buffers: bool = False) -> None:
+        super().__init__(period, warmup_steps, process_group, average_buffers=average_buffers)
+        self.outer_lr = check_number("outer_lr", outer_lr, outer_lr > 0, "> 0")
+        self.outer_momentum = check_number("outer_momentum", outer_momentum, 0 <= outer_momentum < 1, "in [0, 1)")
+        if not (compression is None or compression in ("fp16", "bf16") or isinstance(compression, Config)):
+            raise ValueError(f"compression must be None, 'fp16', 'bf16' or a gradpress.Config, got {compression!r}")
+        self.nesterov = bool(nesterov) and outer_momentum > 0
+        self.compression = compression
+        self._outer: OuterStep | None = None
+        self._powersgd: PowerSGD | None = None
+        self.num_skipped = 0
+
+    def _average(self, tensors: list[Tensor]) -> None:
+        with torch.no_grad():
+            if self._outer is None:
+                super()._average(tensors)
+                self._start(OuterStep([t.detach().clone() for t in tensors], self.outer_lr, self.outer_momentum,
+                                      self.nesterov))
+                return
+            if not self._outer.matches(tensors):
+                raise ValueError("OuterOptimizerAverager: the parameters changed since the last synchronization")
+            deltas = [a - t.detach() for a, t in zip(self._outer.anchor, tensors)]
+            if isinstance(self.compression, str):
+                wire = torch.float16 if self.compression == "fp16" else torch.bfloat16
+                self.bytes_sent += average_tensors_(deltas, self.process_group, wire_dtype=wire, issuer=self._issuer())
+            elif self._powersgd is not None:
+                self._powersgd.aggregate_(deltas)
+                self.bytes_sent = self._powersgd.total_bytes_sent
+            else:
+                self.bytes_sent += average_tensors_(deltas, self.process_group, issuer=self._issuer())
+            # The averaged deltas are the same on every rank, so every rank takes the same branch.
+            finite = _all_finite(deltas)
+            if self._powersgd is not None and self._powersgd.finite is not None:
+                finite = finite and bool(self._powersgd.finite)  # then its memory is as before, too
+        if finite:
+            self._outer.step(deltas)
+        with torch.no_grad():
+            for anchor, t in zip(self._outer.anchor, tensors):
+                t.detach().copy_(anchor)  # on a skipped step, back to the last synchronized parameters
+        if finite:
+            self.num_averages += 1
+        else:
+            self.num_skipped += 1
+            logger.warning("OuterOptimizerAverager: the averaged change at step %s is not finite; the outer "
+                           "step is skipped and every rank goes back to the last synchronized parameters",
+                           self.step)
+
+    def _start(self, outer: OuterStep) -> None:
+        """Take ``outer`` (and, compressed, a PowerSGD aggregator over its anchor, as a fresh one)."""
+        self._outer = outer
+        self._powersgd = None
+        if self.compression is not None and not isinstance(self.compression, str):
+            self._powersgd = PowerSGD(outer.anchor, self.compression, process_group=self.process_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["num_skipped"] = self.num_skipped
+        if self._outer is not None:
+            state.update(self._outer.state_dict())
+            if self._powersgd is not None:
+                state["powersgd"] = self._powersgd.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_other_rank: bool = False) -> None:
+        """Restore :meth:`state_dict`'s output. The compressed variant's error memory is per rank: a
+        checkpoint saved on another rank or world size raises ``ValueError`` here (unless
+        ``allow_other_rank=True``); older checkpoints without that record are accepted."""
+        if isinstance(state.get("powersgd"), Mapping):
+            check_placement(state["powersgd"].get("placement"), placement(self.process_group),
+                            "OuterOptimizerAverager", allow_other_rank)
+        super().load_state_dict(state)
+        self.num_skipped = int(state.get("num_skipped", 0))
+        if "anchor" not in state:
+            self._outer = self._powersgd = None
+            return
+        self._start(OuterStep.restore(state, self.outer_lr, self.outer_momentum, self.nesterov))
+        if self._powersgd is not None and "powersgd" in state:
+            self._powersgd.load_state_dict(state["powersgd"], allow_other_rank=True)  # checked above
+
+
+def _all_finite(tensors: list[Tensor]) -> bool:
+    """Whether every value of ``tensors`` is finite: one host read per device."""
+    flags: dict[torch.device, list[Tensor]] = {}
+    for t in tensors:
+        flags.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(group).all()) for group in flags.values())
