@@ -3,6 +3,7 @@ and the allowed range (house rule 8: errors speak, at construction)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["check_int", "check_number"]
@@ -19,9 +20,9 @@ def check_int(name: str, value: Any, minimum: int, maximum: int | None = None, o
     return value
 
 
-def check_number(name: str, value: Any, ok: bool, allowed: str) -> float:
-    """``float(value)`` if it is an int or float (not a bool) and ``ok`` (the caller's range test),
-    else a ``ValueError`` saying ``name`` must be a number ``allowed`` (e.g. ``"> 0"``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok:
+def check_number(name: str, value: Any, ok: Callable[[float], bool], allowed: str) -> float:
+    """``float(value)`` if it is an int or float (not a bool) and ``ok(value)`` (the range test, only
+    run on a number), else a ``ValueError`` saying ``name`` must be a number ``allowed`` (e.g. ``"> 0"``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
         raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
     return float(value)

@@ -10,7 +10,7 @@ describes a failure as a :class:`CollectiveError`), and the parameter-level help
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -104,28 +104,6 @@ class LocalCommunicator:
         return _Done(buffer)
 
 
-class _Pending:
-    __slots__ = ("work", "buffer", "staging", "owner", "op")
-
-    def __init__(self, work: dist.Work, buffer: Tensor, staging: Tensor | None,
-                 owner: ProcessGroupCommunicator, op: dist.ReduceOp) -> None:
-        self.work = work
-        self.buffer = buffer
-        self.staging = staging
-        self.owner = owner  # described only if it fails: no string building on the hot path
-        self.op = op
-
-    def wait(self) -> Tensor:
-        try:
-            self.work.wait()
-        except RuntimeError as error:
-            raise collective_error(self.owner._describe(self.op, self.buffer), error) from error
-        if self.staging is not None:
-            self.buffer.copy_(self.staging)
-            self.staging = None
-        return self.buffer
-
-
 class ProcessGroupCommunicator:
     """Sum-allreduce over ``process_group`` (``None``: the default group).
 
@@ -167,7 +145,7 @@ class ProcessGroupCommunicator:
             work = _start(dist.all_reduce, buffer if staging is None else staging, op=op, group=self.process_group)
         except RuntimeError as error:
             raise collective_error(self._describe(op, buffer), error) from error
-        return _Pending(work, buffer, staging, self, op)
+        return Work(work, buffer, lambda: self._describe(op, buffer), staging)
 
     def _describe(self, op: dist.ReduceOp, buffer: Tensor) -> str:
         name = f"allreduce ({'sum' if op == dist.ReduceOp.SUM else 'max'})"
@@ -241,22 +219,36 @@ def _global_rank(process_group: dist.ProcessGroup | None, rank: int) -> int:
 
 class Work:
     """An in-flight collective started by this module: ``wait()`` blocks until ``result`` holds the
-    outcome and returns it; a failure is raised as a :class:`CollectiveError` saying ``what`` failed.
+    outcome and returns it; a failure is raised as a :class:`CollectiveError` saying what failed.
     ``get_future()`` is the backend's future (for DDP hooks); :meth:`error` describes an exception taken
-    from it the same way."""
+    from it the same way.
 
-    __slots__ = ("work", "result", "what")
+    ``what`` describes the collective: a string, or a function making it, called only on failure (no
+    string building on the hot path). ``staging``: where the collective really runs (e.g. a CPU copy
+    of a CUDA ``result`` for gloo), copied into ``result`` by ``wait()``.
+    """
 
-    def __init__(self, work: Any, result: Tensor, what: str) -> None:
+    __slots__ = ("work", "result", "_what", "staging")
+
+    def __init__(self, work: Any, result: Tensor, what: str | Callable[[], str],
+                 staging: Tensor | None = None) -> None:
         self.work = work
         self.result = result
-        self.what = what
+        self._what = what
+        self.staging = staging
+
+    @property
+    def what(self) -> str:
+        return self._what if isinstance(self._what, str) else self._what()
 
     def wait(self) -> Tensor:
         try:
             self.work.wait()
         except RuntimeError as error:
-            raise collective_error(self.what, error) from error
+            raise self.error(error) from error
+        if self.staging is not None:
+            self.result.copy_(self.staging)
+            self.staging = None
         return self.result
 
     def get_future(self) -> torch.futures.Future:
@@ -267,11 +259,11 @@ class Work:
         return collective_error(self.what, error)
 
 
-def _described(what: str, collective: Any, *args: Any, **kwargs: Any) -> Any:
+def _described(what: str | Callable[[], str], collective: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         return _start(collective, *args, **kwargs)
     except RuntimeError as error:
-        raise collective_error(what, error) from error
+        raise collective_error(what if isinstance(what, str) else what(), error) from error
 
 
 def all_reduce_async(tensor: Tensor, process_group: dist.ProcessGroup | None = None, issuer: str = "gradpress",
@@ -279,8 +271,9 @@ def all_reduce_async(tensor: Tensor, process_group: dist.ProcessGroup | None = N
     """Start reducing ``tensor`` in place over ``process_group`` (``op``: ``"sum"``, ``"max"``, ``"min"``).
     ``what`` replaces the default description (``"allreduce (sum) of N <dtype> values over W ranks in
     <issuer>"``) in a :class:`CollectiveError`."""
-    what = what or describe_collective(f"allreduce ({op})", tensor, dist.get_world_size(process_group), issuer)
-    return Work(_described(what, dist.all_reduce, tensor, op=_op(op), group=process_group), tensor, what)
+    described = what or (lambda: describe_collective(f"allreduce ({op})", tensor, dist.get_world_size(process_group),
+                                                     issuer))
+    return Work(_described(described, dist.all_reduce, tensor, op=_op(op), group=process_group), tensor, described)
 
 
 def all_reduce(tensor: Tensor, process_group: dist.ProcessGroup | None = None, issuer: str = "gradpress",
@@ -311,16 +304,17 @@ def all_gather_async(out: Tensor, tensor: Tensor, process_group: dist.ProcessGro
     """Start gathering every rank's ``tensor`` into ``out`` (``world_size * tensor.numel()`` values,
     in rank order)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # name since torch 2.13
-    what = what or describe_collective("all-gather", tensor, dist.get_world_size(process_group), issuer)
-    return Work(_described(what, gather, out, tensor, group=process_group), out, what)
+    described = what or (lambda: describe_collective("all-gather", tensor, dist.get_world_size(process_group), issuer))
+    return Work(_described(described, gather, out, tensor, group=process_group), out, described)
 
 
 def reduce_scatter_async(out: Tensor, tensor: Tensor, process_group: dist.ProcessGroup | None = None,
                          issuer: str = "gradpress", what: str | None = None) -> Work:
     """Start summing ``tensor`` over the ranks, ``out`` receiving this rank's chunk (rank order)."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    what = what or describe_collective("reduce-scatter (sum)", tensor, dist.get_world_size(process_group), issuer)
-    return Work(_described(what, scatter, out, tensor, group=process_group), out, what)
+    described = what or (lambda: describe_collective("reduce-scatter (sum)", tensor,
+                                                     dist.get_world_size(process_group), issuer))
+    return Work(_described(described, scatter, out, tensor, group=process_group), out, described)
 
 
 def barrier(process_group: dist.ProcessGroup | None = None, issuer: str = "gradpress") -> None:

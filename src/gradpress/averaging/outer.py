@@ -40,6 +40,14 @@ class OuterStep:
         self.anchor = anchor
         self.optimizer = torch.optim.SGD(anchor, lr=lr, momentum=momentum, nesterov=nesterov)
 
+    @staticmethod
+    def check_options(outer_lr: Any, outer_momentum: Any, nesterov: Any) -> tuple[float, float, bool]:
+        """``(lr, momentum, nesterov)`` checked (``ValueError`` naming ``outer_lr`` or ``outer_momentum``);
+        Nesterov only with momentum."""
+        lr = check_number("outer_lr", outer_lr, lambda v: v > 0, "> 0")
+        momentum = check_number("outer_momentum", outer_momentum, lambda v: 0 <= v < 1, "in [0, 1)")
+        return lr, momentum, bool(nesterov) and momentum > 0
+
     def matches(self, tensors: list[Tensor]) -> bool:
         """Whether ``tensors`` have the anchor's count and shapes."""
         return len(self.anchor) == len(tensors) and all(a.shape == t.shape for a, t in zip(self.anchor, tensors))
@@ -116,11 +124,9 @@ class OuterOptimizerAverager(PeriodicModelAverager):
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                  compression: Any = None, average_buffers: bool = False) -> None:
         super().__init__(period, warmup_steps, process_group, average_buffers=average_buffers)
-        self.outer_lr = check_number("outer_lr", outer_lr, outer_lr > 0, "> 0")
-        self.outer_momentum = check_number("outer_momentum", outer_momentum, 0 <= outer_momentum < 1, "in [0, 1)")
+        self.outer_lr, self.outer_momentum, self.nesterov = OuterStep.check_options(outer_lr, outer_momentum, nesterov)
         if not (compression is None or compression in ("fp16", "bf16") or isinstance(compression, Config)):
             raise ValueError(f"compression must be None, 'fp16', 'bf16' or a gradpress.Config, got {compression!r}")
-        self.nesterov = bool(nesterov) and outer_momentum > 0
         self.compression = compression
         self._outer: OuterStep | None = None
         self._powersgd: PowerSGD | None = None

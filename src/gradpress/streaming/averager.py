@@ -211,10 +211,8 @@ class StreamingDiLoCoAverager(ModelAverager):
         self.num_fragments = check_int("num_fragments", num_fragments, 1, sync_every)
         self.fragment_sync_delay = check_int("fragment_sync_delay", fragment_sync_delay, 0, sync_every - 1)
         self.fragment_update_alpha = check_number("fragment_update_alpha", fragment_update_alpha,
-                                                   0 <= fragment_update_alpha <= 1, "in [0, 1]")
-        self.outer_lr = check_number("outer_lr", outer_lr, outer_lr > 0, "> 0")
-        self.outer_momentum = check_number("outer_momentum", outer_momentum, 0 <= outer_momentum < 1, "in [0, 1)")
-        self.nesterov = bool(nesterov) and outer_momentum > 0
+                                                   lambda v: 0 <= v <= 1, "in [0, 1]")
+        self.outer_lr, self.outer_momentum, self.nesterov = OuterStep.check_options(outer_lr, outer_momentum, nesterov)
         if not (compression is None or compression in ("fp16", "bf16") or isinstance(compression, Compressor)):
             raise ValueError(f"compression must be None, 'fp16', 'bf16', QuantizeInt8(...), QuantizeInt4(...) or "
                              f"TopK(...), got {compression!r}")
