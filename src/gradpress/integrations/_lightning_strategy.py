@@ -23,8 +23,6 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-import torch.distributed as dist
-
 from ..comm import gather_objects
 from ..diagnostics import approximation_error_metrics
 from . import _common
