@@ -24,6 +24,11 @@ What differs from PyTorch (each has a test):
 * no ``torch.cuda.synchronize()``;
 * :class:`HierarchicalModelAverager` counts its periods from the end of warm-up, like
   :class:`PeriodicModelAverager` (PyTorch's counts from step 0).
+
+Modules: ``tensors`` (what is averaged), ``averagers`` (periodic and hierarchical), ``outer`` (the
+outer step, shared with :mod:`gradpress.streaming`, and the outer-optimizer averager), ``optimizer``
+(the optimizer wrapper). The collectives themselves (:func:`broadcast_parameters`,
+:func:`average_tensors_`) live in :mod:`gradpress.comm` and are re-exported here.
 """
 
 from ..comm import all_reduce, average_tensors_, broadcast_parameters, flat_groups

@@ -14,6 +14,7 @@ __all__ = ["Params", "average_parameters", "tensors_to_average"]
 
 Params = Union[nn.Module, Iterable[Tensor], Iterable[Mapping[str, Any]], Iterable[tuple[str, Tensor]]]
 
+
 def tensors_to_average(params: Params, average_buffers: bool = False) -> list[Tensor]:
     """The tensors :func:`average_parameters` averages: trainable parameters (of a module, of parameter
     groups, of ``named_parameters()``, or a plain list), and with ``average_buffers`` (or a module) its
