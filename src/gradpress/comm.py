@@ -11,6 +11,7 @@ describes a failure as a :class:`CollectiveError`), and the parameter-level help
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -141,11 +142,10 @@ class ProcessGroupCommunicator:
         staging = None
         if self.comm_device is not None and buffer.device != self.comm_device:
             staging = buffer.to(self.comm_device)
-        try:
-            work = _start(dist.all_reduce, buffer if staging is None else staging, op=op, group=self.process_group)
-        except RuntimeError as error:
-            raise collective_error(self._describe(op, buffer), error) from error
-        return Work(work, buffer, lambda: self._describe(op, buffer), staging)
+        describe = partial(self._describe, op, buffer)  # called only if the collective fails
+        work = _described(describe, dist.all_reduce, buffer if staging is None else staging, op=op,
+                          group=self.process_group)
+        return Work(work, buffer, describe, staging)
 
     def _describe(self, op: dist.ReduceOp, buffer: Tensor) -> str:
         name = f"allreduce ({'sum' if op == dist.ReduceOp.SUM else 'max'})"
