@@ -20,9 +20,9 @@ from torch import Tensor, nn
 
 __all__ = ["CollectiveError", "Communicator", "Handle", "LocalCommunicator", "ProcessGroupCommunicator", "Work",
            "all_gather_async", "all_gather_objects", "all_reduce", "all_reduce_async", "average_tensors_", "barrier",
-           "broadcast", "broadcast_parameters", "check_process_group", "collective_error", "describe_collective",
-           "flat_groups", "gather_objects", "is_distributed", "make_communicator", "reduce_scatter_async",
-           "scatter_objects"]
+           "broadcast", "broadcast_async", "broadcast_parameters", "check_process_group", "collective_error",
+           "describe_collective", "flat_groups", "gather_objects", "is_distributed", "make_communicator",
+           "reduce_scatter_async", "scatter_objects"]
 
 
 class CollectiveError(RuntimeError):
@@ -209,7 +209,8 @@ def _op(op: str) -> dist.ReduceOp:
 def _start(collective: Any, *args: Any, **kwargs: Any) -> Any:
     """``collective(*args, async_op=True, **kwargs)``: its ``dist.Work``, never ``None``."""
     work = collective(*args, async_op=True, **kwargs)
-    assert work is not None
+    if work is None:  # torch's answer to a rank outside the group: nothing to wait on, nothing received
+        raise RuntimeError("this rank is not a member of the process group")
     return work
 
 
@@ -294,9 +295,21 @@ def broadcast(tensor: Tensor, src: int = 0, process_group: dist.ProcessGroup | N
     try:
         dist.broadcast(tensor, src=_global_rank(process_group, src), group=process_group)
     except RuntimeError as error:
-        what = describe_collective(f"broadcast from rank {src}", tensor, dist.get_world_size(process_group), issuer)
-        raise collective_error(what, error) from error
+        raise collective_error(_describe_broadcast(tensor, src, process_group, issuer), error) from error
     return tensor
+
+
+def broadcast_async(tensor: Tensor, src: int = 0, process_group: dist.ProcessGroup | None = None,
+                    issuer: str = "gradpress") -> Work:
+    """Start overwriting ``tensor`` in place with its value on ``src`` (a rank *within* ``process_group``;
+    ``torch.distributed.get_group_rank`` turns a global rank into one)."""
+    described = partial(_describe_broadcast, tensor, src, process_group, issuer)
+    return Work(_described(described, dist.broadcast, tensor, src=_global_rank(process_group, src),
+                           group=process_group), tensor, described)
+
+
+def _describe_broadcast(tensor: Tensor, src: int, process_group: dist.ProcessGroup | None, issuer: str) -> str:
+    return describe_collective(f"broadcast from rank {src}", tensor, dist.get_world_size(process_group), issuer)
 
 
 def all_gather_async(out: Tensor, tensor: Tensor, process_group: dist.ProcessGroup | None = None,
