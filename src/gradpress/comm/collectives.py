@@ -1,0 +1,207 @@
+"""The collectives gradpress issues, each a thin wrapper of its ``torch.distributed`` namesake whose
+failure is a :class:`~gradpress.comm.errors.CollectiveError` naming it: blocking ones, asynchronous ones
+returning a :class:`Work`, and the object collectives."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .errors import CollectiveError, collective_error, describe_collective
+
+__all__ = ["Work", "all_gather_async", "all_gather_objects", "all_reduce", "all_reduce_async", "barrier", "broadcast",
+           "broadcast_async", "gather_objects", "is_distributed", "reduce_scatter_async", "scatter_objects",
+           "start_described"]
+
+_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+
+_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def is_distributed() -> bool:
+    """Whether ``torch.distributed`` is available and a default process group is initialized."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _op(op: str) -> dist.ReduceOp:
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
+    return getattr(dist.ReduceOp, _OPS[op])
+
+
+def _global_rank(process_group: dist.ProcessGroup | None, rank: int) -> int:
+    return rank if process_group is None else dist.get_global_rank(process_group, rank)
+
+
+class Work:
+    """An in-flight collective started by this module: ``wait()`` blocks until ``result`` holds the
+    outcome and returns it; a failure is raised as a :class:`CollectiveError` saying what failed.
+    ``get_future()`` is the backend's future (for DDP hooks); :meth:`error` describes an exception taken
+    from it the same way.
+
+    ``what`` describes the collective: a string, or a function making it, called only on failure (no
+    string building on the hot path). ``staging``: where the collective really runs (e.g. a CPU copy
+    of a CUDA ``result`` for gloo), copied into ``result`` by ``wait()``.
+    """
+
+    __slots__ = ("work", "result", "_what", "staging")
+
+    def __init__(self, work: Any, result: Tensor, what: str | Callable[[], str],
+                 staging: Tensor | None = None) -> None:
+        self.work = work
+        self.result = result
+        self._what = what
+        self.staging = staging
+
+    @property
+    def what(self) -> str:
+        return self._what if isinstance(self._what, str) else self._what()
+
+    def wait(self) -> Tensor:
+        try:
+            self.work.wait()
+        except RuntimeError as error:
+            raise self.error(error) from error
+        if self.staging is not None:
+            self.result.copy_(self.staging)
+            self.staging = None
+        return self.result
+
+    def get_future(self) -> torch.futures.Future:
+        return self.work.get_future()
+
+    def error(self, error: BaseException) -> CollectiveError:
+        """``error`` (from this collective's future) as a :class:`CollectiveError` naming it."""
+        return collective_error(self.what, error)
+
+
+def start_described(what: str | Callable[[], str], collective: Any, *args: Any, **kwargs: Any) -> Any:
+    """``collective(*args, async_op=True, **kwargs)``: its ``dist.Work``. A failure to start (or a rank
+    outside the group, to which torch answers ``None``) is a :class:`CollectiveError` saying ``what``
+    (a string, or a function making it) failed."""
+    try:
+        work = collective(*args, async_op=True, **kwargs)
+        if work is None:  # nothing to wait on, nothing received
+            raise RuntimeError("this rank is not a member of the process group")
+    except RuntimeError as error:
+        raise collective_error(what if isinstance(what, str) else what(), error) from error
+    return work
+
+
+def all_reduce_async(tensor: Tensor, process_group: dist.ProcessGroup | None = None, issuer: str = "gradpress",
+                     op: str = "sum", what: str | None = None) -> Work:
+    """Start reducing ``tensor`` in place over ``process_group`` (``op``: ``"sum"``, ``"max"``, ``"min"``).
+    ``what`` replaces the default description (``"allreduce (sum) of N <dtype> values over W ranks in
+    <issuer>"``) in a :class:`CollectiveError`."""
+    described = what or (lambda: describe_collective(f"allreduce ({op})", tensor, dist.get_world_size(process_group),
+                                                     issuer))
+    return Work(start_described(described, dist.all_reduce, tensor, op=_op(op), group=process_group), tensor,
+                described)
+
+
+def all_reduce(tensor: Tensor, process_group: dist.ProcessGroup | None = None, issuer: str = "gradpress",
+               op: str = "sum") -> Tensor:
+    """Reduce ``tensor`` in place over ``process_group`` and return it; a failure is a
+    :class:`CollectiveError` naming the collective, its size, the world size and ``issuer``."""
+    try:
+        dist.all_reduce(tensor, op=_op(op), group=process_group)
+    except RuntimeError as error:
+        what = describe_collective(f"allreduce ({op})", tensor, dist.get_world_size(process_group), issuer)
+        raise collective_error(what, error) from error
+    return tensor
+
+
+def broadcast(tensor: Tensor, src: int = 0, process_group: dist.ProcessGroup | None = None,
+              issuer: str = "gradpress") -> Tensor:
+    """Overwrite ``tensor`` in place with its value on ``src`` (a rank *within* ``process_group``)."""
+    try:
+        dist.broadcast(tensor, src=_global_rank(process_group, src), group=process_group)
+    except RuntimeError as error:
+        raise collective_error(_describe_broadcast(tensor, src, process_group, issuer), error) from error
+    return tensor
+
+
+def broadcast_async(tensor: Tensor, src: int = 0, process_group: dist.ProcessGroup | None = None,
+                    issuer: str = "gradpress") -> Work:
+    """Start overwriting ``tensor`` in place with its value on ``src`` (a rank *within* ``process_group``;
+    ``torch.distributed.get_group_rank`` turns a global rank into one)."""
+    described = partial(_describe_broadcast, tensor, src, process_group, issuer)
+    return Work(start_described(described, dist.broadcast, tensor, src=_global_rank(process_group, src),
+                           group=process_group), tensor, described)
+
+
+def _describe_broadcast(tensor: Tensor, src: int, process_group: dist.ProcessGroup | None, issuer: str) -> str:
+    return describe_collective(f"broadcast from rank {src}", tensor, dist.get_world_size(process_group), issuer)
+
+
+def all_gather_async(out: Tensor, tensor: Tensor, process_group: dist.ProcessGroup | None = None,
+                     issuer: str = "gradpress", what: str | None = None) -> Work:
+    """Start gathering every rank's ``tensor`` into ``out`` (``world_size * tensor.numel()`` values,
+    in rank order)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # name since torch 2.13
+    described = what or (lambda: describe_collective("all-gather", tensor, dist.get_world_size(process_group), issuer))
+    return Work(start_described(described, gather, out, tensor, group=process_group), out, described)
+
+
+def reduce_scatter_async(out: Tensor, tensor: Tensor, process_group: dist.ProcessGroup | None = None,
+                         issuer: str = "gradpress", what: str | None = None) -> Work:
+    """Start summing ``tensor`` over the ranks, ``out`` receiving this rank's chunk (rank order)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    described = what or (lambda: describe_collective("reduce-scatter (sum)", tensor,
+                                                     dist.get_world_size(process_group), issuer))
+    return Work(start_described(described, scatter, out, tensor, group=process_group), out, described)
+
+
+def barrier(process_group: dist.ProcessGroup | None = None, issuer: str = "gradpress") -> None:
+    """Wait until every rank of ``process_group`` reaches this call."""
+    try:
+        dist.barrier(group=process_group)
+    except RuntimeError as error:
+        raise collective_error(f"barrier over {dist.get_world_size(process_group)} ranks in {issuer}",
+                               error) from error
+
+
+def all_gather_objects(obj: object, process_group: dist.ProcessGroup | None = None,
+                       issuer: str = "gradpress") -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank of ``process_group``."""
+    world = dist.get_world_size(process_group)
+    everyone: list[Any] = [None] * world
+    try:
+        dist.all_gather_object(everyone, obj, group=process_group)
+    except RuntimeError as error:
+        raise collective_error(f"all-gather of one object per rank over {world} ranks in {issuer}", error) from error
+    return everyone
+
+
+def gather_objects(obj: object, dst: int = 0, process_group: dist.ProcessGroup | None = None) -> list[object] | None:
+    """Every rank's ``obj`` (picklable) on rank ``dst`` of ``process_group``, in rank order; ``None`` on the
+    other ranks. A collective: every rank of the group calls it. Failures are :class:`CollectiveError`."""
+    world = dist.get_world_size(process_group)
+    mine = dist.get_rank(process_group)
+    gathered: list[object] | None = [None] * world if mine == dst else None
+    try:
+        dist.gather_object(obj, gathered, dst=dist.get_global_rank(process_group, dst) if process_group else dst,
+                           group=process_group)
+    except RuntimeError as error:
+        raise collective_error(f"gather of one object per rank to rank {dst} over {world} ranks", error) from error
+    return gathered
+
+
+def scatter_objects(objs: list[object] | None, src: int = 0, process_group: dist.ProcessGroup | None = None) -> object:
+    """Rank ``src`` hands ``objs[r]`` to rank ``r`` of ``process_group`` (the others pass ``None``); returns
+    this rank's object. A collective: every rank of the group calls it."""
+    world = dist.get_world_size(process_group)
+    out: list[object] = [None]
+    try:
+        dist.scatter_object_list(out, objs if dist.get_rank(process_group) == src else None,
+                                 src=dist.get_global_rank(process_group, src) if process_group else src,
+                                 group=process_group)
+    except RuntimeError as error:
+        raise collective_error(f"scatter of one object per rank from rank {src} over {world} ranks", error) from error
+    return out[0]
