@@ -16,7 +16,7 @@ __all__ = ["COMMANDS", "ArgumentParser", "build_parser", "main"]
 
 #: Subcommand modules (of :mod:`gradpress.cli`), in the order ``gradpress --help`` lists them. Imported
 #: when the parser is built, not before: ``gradpress --version`` must not wait for torch.
-COMMANDS = ("demo", "inspect", "bench")
+COMMANDS = ("demo", "inspect", "bench", "check")
 
 
 class ArgumentParser(argparse.ArgumentParser):

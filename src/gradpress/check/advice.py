@@ -1,0 +1,136 @@
+"""Which method will train fastest: predicted step time per method from the model's arithmetic and the link.
+
+The model is the floor of ``benchmarks/network/run.py``: no overlap of communication with the backward
+pass is assumed, so a step costs
+
+    predicted = compute step + the hook's own compute + Link.allreduce_seconds(bytes, collectives)
+
+with a ring allreduce ``latency * 2 (n - 1)`` per collective plus ``bytes * 2 (n - 1) / n / busbw``.
+Bytes per step: allreduce sends every gradient in fp32, the cast hooks in 2 bytes, PowerSGD what
+:func:`gradpress.make_plan` says (``numel_sent x bytes_per_weight``, two collectives per bucket, and on an
+fp16 wire one more tiny one per phase for the scale), local SGD and DiLoCo all parameters once every
+``H`` steps (averaged over the H steps). Local SGD and DiLoCo change the optimization (fewer
+synchronizations), so the fastest step is not always the fastest to a given loss; the report says so.
+
+>>> from gradpress.check.link import Link
+>>> link = Link(world_size=2, latency_s=1e-4, busbw=12.5e6)          # 100 Mbit/s
+>>> rows = predict(candidate_methods([(512, 512), (512,)]), link, step_ms=20.0)
+>>> rows[0].name != "allreduce"
+True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..powersgd import make_plan
+from .link import Link
+
+__all__ = ["BUCKET_BYTES", "Method", "Prediction", "candidate_methods", "predict", "recommend"]
+
+#: DDP's default bucket size (``bucket_cap_mb=25``): one collective (per phase) per bucket.
+BUCKET_BYTES = 25 * 1024 * 1024
+
+#: PowerSGD's recommended configuration (docs/tuning.md: rank 22 on an fp16 wire, measured on charlm).
+RECOMMENDED_POWERSGD = (22, 2)
+
+
+@dataclass(frozen=True)
+class Method:
+    """A candidate: ``bytes_per_step`` and ``collectives_per_step`` averaged over steps; ``config`` says how
+    to use it; ``changes_optimization`` for methods that synchronize less often than every step."""
+
+    name: str
+    config: str
+    bytes_per_step: float
+    collectives_per_step: float
+    changes_optimization: bool = False
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One method's predicted step, in milliseconds, and its parts."""
+
+    name: str
+    config: str
+    step_ms: float
+    hook_ms: float
+    comm_ms: float
+    bytes_per_step: float
+    changes_optimization: bool
+
+    @property
+    def predicted_ms(self) -> float:
+        return self.step_ms + self.hook_ms + self.comm_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "predicted_ms": self.predicted_ms}
+
+
+def candidate_methods(shapes: Sequence[Sequence[int]], local_sgd_period: int = 8, diloco_period: int = 64,
+                      powersgd_ranks: Sequence[int] = (4,)) -> list[Method]:
+    """The candidates for a model whose gradients have ``shapes`` (fp32 gradients)."""
+    if local_sgd_period < 1 or diloco_period < 1:
+        raise ValueError(f"local_sgd_period={local_sgd_period} and diloco_period={diloco_period} must be >= 1")
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    numel = sum(math.prod(s) for s in shapes)
+    if numel == 0:
+        raise ValueError("shapes: the model has no parameters that take gradients")
+    buckets = max(1, math.ceil(numel * 4 / BUCKET_BYTES))
+    methods = [
+        Method("allreduce", "allreduce_hook (DDP's default)", numel * 4, buckets),
+        Method("fp16", "fp16_compress_hook", numel * 2, buckets),
+    ]
+    configs = [(r, 4) for r in powersgd_ranks] + [RECOMMENDED_POWERSGD]
+    for rank, bytes_per_weight in dict.fromkeys(configs):
+        plan = make_plan(shapes, rank, min_compression_rate=2)
+        phases = 2 * buckets * (2 if bytes_per_weight == 2 else 1)  # an fp16 wire max-reduces its scale first
+        wire = "fp16" if bytes_per_weight == 2 else "fp32"
+        methods.append(Method(f"powersgd-r{rank}-{wire}",
+                              f"PowerSGDState(pg, matrix_approximation_rank={rank}, bytes_per_weight={bytes_per_weight})",
+                              plan.numel_sent * bytes_per_weight, phases))
+    methods.append(Method(f"local-sgd-h{local_sgd_period}", f"PeriodicModelAverager(period={local_sgd_period})",
+                          numel * 4 / local_sgd_period, 1 / local_sgd_period, True))
+    methods.append(Method(f"diloco-h{diloco_period}", f"OuterOptimizerAverager(period={diloco_period})",
+                          numel * 4 / diloco_period, 1 / diloco_period, True))
+    return methods
+
+
+def predict(methods: Sequence[Method], link: Link, step_ms: float,
+            hook_ms: Mapping[str, float] | None = None) -> list[Prediction]:
+    """Predicted step per method, fastest first. ``hook_ms``: measured hook compute by method name (0 if absent)."""
+    if not step_ms >= 0:
+        raise ValueError(f"step_ms={step_ms} must be >= 0")
+    hook_ms = hook_ms or {}
+    rows = [Prediction(m.name, m.config, step_ms, float(hook_ms.get(m.name, 0.0)),
+                       1000 * link.allreduce_seconds(m.bytes_per_step, m.collectives_per_step), m.bytes_per_step,
+                       m.changes_optimization) for m in methods]
+    return sorted(rows, key=lambda row: row.predicted_ms)
+
+
+def recommend(rows: Sequence[Prediction]) -> tuple[Prediction, str]:
+    """The fastest method that synchronizes every step (same optimization as allreduce), and why, in one line.
+
+    Local SGD / DiLoCo are recommended only when even the best per-step method spends most of its step on
+    the link (they then say so: they change the optimization and need their own tuning).
+    """
+    by_name = {row.name: row for row in rows}
+    baseline = by_name["allreduce"]
+    every_step = [row for row in rows if not row.changes_optimization]
+    best = every_step[0]
+    link_text = (f"the link carries {baseline.bytes_per_step / 1e6:.3g} MB in {baseline.comm_ms:.3g} ms "
+                 f"against a {baseline.step_ms:.3g} ms step")
+    if best.name == "allreduce" or best.predicted_ms > 0.95 * baseline.predicted_ms:
+        return baseline, f"{link_text}: allreduce is enough (compression would save under 5%)"
+    periodic = [row for row in rows if row.changes_optimization]
+    if periodic and best.comm_ms > best.step_ms + best.hook_ms and periodic[0].predicted_ms < 0.5 * best.predicted_ms:
+        choice = periodic[0]
+        return choice, (f"{link_text}, and even {best.name} spends {best.comm_ms:.3g} ms on it: synchronize less "
+                        f"often ({choice.name}, {baseline.predicted_ms / choice.predicted_ms:.2g}x faster steps; "
+                        f"check its loss)")
+    verb = "compress" if best.name.startswith("powersgd") else "halve the bytes"
+    return best, (f"{link_text}: {verb} ({best.name}, {best.bytes_per_step / 1e6:.3g} MB, "
+                  f"{baseline.predicted_ms / best.predicted_ms:.2g}x faster steps)")

@@ -1,0 +1,109 @@
+"""``gradpress check``'s report: correctness, link, model and advice in one dict, and its text form.
+
+>>> report = collect("charlm", torch.device("cpu"))   # doctest: +SKIP  (on every rank of a process group)
+>>> print(format_report(report))                      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..cli.table import format_table
+from .advice import candidate_methods, predict, recommend
+from .compute import hook_compute_ms, load_model, step_ms
+from .correctness import _node_groups, run_correctness
+from .link import DEFAULT_SIZES, Link, measure_link
+
+__all__ = ["collect", "format_report"]
+
+
+def _slowest(value: float, device: torch.device) -> float:
+    buffer = torch.tensor([value], dtype=torch.float64, device=device)
+    return float(comm.all_reduce(buffer, issuer="gradpress check (slowest rank)", op="max"))
+
+
+def collect(model: str, device: torch.device, given_step_ms: float | None = None,
+            hooks: Mapping[str, Callable[..., Any]] | None = None, local_world_size: int | None = None,
+            sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 5, powersgd_ranks: Sequence[int] = (4,),
+            local_sgd_period: int = 8, diloco_period: int = 64) -> dict[str, Any]:
+    """Run every part of the check on every rank of the default group; the same report on every rank.
+
+    ``model``: as ``--model`` (``ValueError`` naming it if invalid, raised before any collective).
+    ``given_step_ms``: the compute step when the model has no example batch (``--step-ms``); a measured
+    step wins over it. ``hooks`` / ``local_world_size``: see :func:`~gradpress.check.correctness.run_correctness`.
+    """
+    module, batch, loss = load_model(model, device)
+    world = dist.get_world_size()
+    report: dict[str, Any] = {"world_size": world, "backend": dist.get_backend(), "device": str(device),
+                              "model": model}
+    items = run_correctness(device, hooks, local_world_size)
+    report["correctness"] = [{"name": i.name, "ok": i.ok, "reason": i.reason} for i in items]
+    link = measure_link(device, None, sizes, iters)
+    report["link"] = link.to_dict()
+    if local_world_size is not None and 1 < local_world_size < world:
+        intra, inter = _node_groups(local_world_size)
+        report["link_intra_node"] = measure_link(device, intra, sizes, iters, "inside a node").to_dict()
+        report["link_inter_node"] = measure_link(device, inter, sizes, iters, "between nodes").to_dict()
+    shapes = [tuple(p.shape) for p in module.parameters() if p.requires_grad]
+    hook_ms = {name: _slowest(ms, device) for name, ms in
+               hook_compute_ms(shapes, device, powersgd_ranks).items()}
+    if batch is not None:
+        measured, source = _slowest(step_ms(module, batch, loss, device), device), "measured (forward + backward)"
+    elif given_step_ms is not None:
+        measured, source = given_step_ms, "--step-ms"
+    else:
+        measured, source = 0.0, "unknown: the model has no example batch, give --step-ms"
+    report["model_info"] = {"parameters": sum(p.numel() for p in module.parameters() if p.requires_grad),
+                            "tensors": len(shapes), "step_ms": measured, "step_source": source,
+                            "hook_compute_ms": hook_ms}
+    methods = candidate_methods(shapes, local_sgd_period, diloco_period, powersgd_ranks)
+    rows = predict(methods, link, measured, hook_ms)
+    best, reason = recommend(rows)
+    report["predictions"] = [row.to_dict() for row in rows]
+    report["recommendation"] = {"method": best.name, "config": best.config, "reason": reason}
+    report["ok"] = all(item.ok for item in items)
+    return report
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes:g} B"
+
+
+def _link_lines(link: dict[str, Any]) -> list[str]:
+    head = (f"link ({link['scope']}, {link['world_size']} ranks): bus bandwidth {link['busbw_gbps']:.3g} Gbit/s, "
+            f"latency {link['latency_us']:.3g} us per hop")
+    rows = [[_size(r["bytes"]), f"{1000 * r['seconds']:.3g}", f"{r['algbw'] * 8 / 1e9:.3g}",
+             f"{r['busbw'] * 8 / 1e9:.3g}"] for r in link["sizes"]]
+    return [head] + ["  " + line for line in format_table(["size", "ms", "algbw Gbit/s", "busbw Gbit/s"], rows, ">>>>")]
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as printed by ``gradpress check``."""
+    lines = [f"gradpress check: {report['world_size']} ranks, {report['backend']}, {report['device']}", "",
+             "correctness"]
+    for item in report["correctness"]:
+        lines.append(f"  {'PASS' if item['ok'] else 'FAIL'}  {item['name']}: {item['reason']}")
+    lines.append("")
+    for key in ("link", "link_intra_node", "link_inter_node"):
+        if key in report:
+            lines += _link_lines(report[key])
+    info = report["model_info"]
+    lines += ["", f"model {report['model']}: {info['parameters']:,} parameters in {info['tensors']} tensors; "
+                  f"compute step {info['step_ms']:.3g} ms ({info['step_source']})"]
+    rows = [[p["name"], f"{p['bytes_per_step'] / 1e6:.3g}", f"{p['step_ms']:.3g}", f"{p['hook_ms']:.3g}",
+             f"{p['comm_ms']:.3g}", f"{p['predicted_ms']:.3g}",
+             "fewer syncs: check its loss" if p["changes_optimization"] else ""] for p in report["predictions"]]
+    lines += ["  " + line for line in format_table(
+        ["method", "MB/step", "step ms", "hook ms", "link ms", "predicted ms", "note"], rows, "<>>>>><")]
+    rec = report["recommendation"]
+    lines += ["", f"recommended: {rec['method']} = {rec['config']}", f"  because {rec['reason']}",
+              "", "all correctness checks passed" if report["ok"] else "SOME CORRECTNESS CHECKS FAILED"]
+    return "\n".join(lines)
