@@ -1,4 +1,4 @@
-"""The README's runnable snippets run as written and print what the README says they print."""
+"""The runnable snippets of the README and docs/ run as written and print what the page says they print."""
 
 import contextlib
 import io
@@ -6,15 +6,17 @@ import pathlib
 import re
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+DOCUMENTS = [README, *sorted((README.parent / "docs").glob("*.md"))]   # snippets moved out of the README
 
 
-def _blocks(lang):
-    return re.findall(rf"```{lang}\n(.*?)```", README.read_text(), flags=re.S)
+def _blocks(lang, documents=(README,)):
+    return [block for path in documents for block in re.findall(rf"```{lang}\n(.*?)```", path.read_text(), flags=re.S)]
 
 
-def _run_snippet(marker, documented_pattern):
-    """Run the one python block containing ``marker``; return (its printed lines, the documented output)."""
-    (snippet,) = [b for b in _blocks("python") if marker in b]
+def _run_snippet(marker, documented_pattern, documents=DOCUMENTS):
+    """Run the one python block of ``documents`` containing ``marker``; return (its printed lines, the
+    documented output)."""
+    (snippet,) = [b for b in _blocks("python", documents) if marker in b]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(snippet, "README.md", "exec"), {})
@@ -27,7 +29,7 @@ def test_plan_snippet_runs_and_prints_the_documented_numbers():
 
 
 def test_aggregator_snippet_runs_as_written_and_prints_the_documented_figures():
-    printed, documented = _run_snippet("optimizer_step(optimizer, powersgd)", r"# (\d+ [\d.]+ [\d.]+x)\n")
+    printed, documented = _run_snippet("optimizer_step(optimizer, powersgd)", r"# (\d+ [\d.]+ [\d.]+x)\n", (README,))
     assert printed[-1] == documented
 
 
