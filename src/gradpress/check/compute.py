@@ -78,13 +78,18 @@ def load_model(spec: str, device: torch.device) -> tuple[nn.Module, Any, Loss]:
     import_from_current_folder()
     module_name, _, attr = spec.partition(":")
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
+        factory: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            factory = getattr(factory, part)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"--model {spec!r}: cannot load {attr!r} from module {module_name!r} ({exc})") from None
     if not callable(factory):
         raise ValueError(f"--model {spec!r}: {attr!r} is not callable; give a function returning a module "
                          "or (module, example_batch)")
-    result = factory()
+    try:
+        result = factory()
+    except TypeError as exc:
+        raise ValueError(f"--model {spec!r}: calling {attr}() with no arguments failed ({exc})") from None
     model, batch = (result if isinstance(result, tuple) and len(result) == 2 else (result, None))
     if not isinstance(model, nn.Module):
         raise ValueError(f"--model {spec!r} returned {type(result).__name__}; expected an nn.Module or "

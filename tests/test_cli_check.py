@@ -1,0 +1,133 @@
+"""``gradpress check``: the correctness checks pass on gloo, a broken hook fails them, bad --model values
+are clear errors, and the advice's predicted times equal the ring formula on the model's arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import run
+from gradpress.check import Link, candidate_methods, predict, recommend, run_correctness
+from gradpress.check.advice import BUCKET_BYTES
+from gradpress.cli.main import main
+
+
+# --- correctness, on gloo ranks ------------------------------------------------------------------------------
+
+def _correctness(rank, world_size, local_world_size):
+    return [(i.name, i.ok, i.reason) for i in run_correctness(torch.device("cpu"), local_world_size=local_world_size)]
+
+
+def _unaveraged(state, bucket):
+    """A broken hook: hands back this rank's own gradient, never averaged."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def _broken(rank, world_size):
+    return [(i.name, i.ok, i.reason) for i in run_correctness(torch.device("cpu"), hooks={"powersgd": _unaveraged})]
+
+
+def test_every_correctness_item_passes_on_two_nodes_of_two_ranks():
+    items = run(_correctness, 4, 2)
+    assert all(result == items[0] for result in items)  # the same report on every rank
+    failed = [item for item in items[0] if not item[1]]
+    assert not failed, failed
+    names = [item[0] for item in items[0]]
+    assert any(name.startswith("hierarchical_wrapper") for name in names)
+    assert "non-finite step skipped on every rank" in names and len(names) == 9
+
+
+def test_a_hook_that_skips_the_averaging_fails_with_a_clear_line():
+    items = dict((name, (ok, reason)) for name, ok, reason in run(_broken, 2)[0])
+    ok, reason = items["full-rank PowerSGD equals allreduce"]
+    assert not ok and "max |hook - mean| / max |mean|" in reason and "> 1e-04" in reason
+    assert not items["compressed training keeps ranks identical"][0]
+    assert items["allreduce_hook equals the mean"][0]  # the other hooks are untouched
+
+
+def test_an_unknown_hook_role_is_rejected_before_any_collective():
+    with pytest.raises(ValueError, match="unknown role.*'powersdg'.*valid roles: powersgd"):
+        run_correctness(torch.device("cpu"), hooks={"powersdg": _unaveraged})
+
+
+# --- the CLI ----------------------------------------------------------------------------------------------
+
+def with_batch() -> tuple[nn.Module, torch.Tensor]:
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)), torch.randn(8, 32)
+
+
+@pytest.mark.parametrize("model, message", [
+    ("resnet19", "--model 'resnet19' is not a model name; give resnet18-cifar"),
+    ("no_such_module:f", "cannot load 'f' from module 'no_such_module'"),
+    ("user_models:NOT_CALLABLE", "'NOT_CALLABLE' is not callable"),
+    ("user_models:not_a_module", "returned dict; expected an nn.Module or (nn.Module, example_batch)"),
+    ("user_models:needs_arguments", "calling needs_arguments() with no arguments failed"),
+])
+def test_bad_model_values_are_clear_errors(capsys, model, message):
+    assert main(["check", "--model", model]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gradpress check: error: ") and message in err, err
+
+
+def test_one_process_report_with_a_user_batch(capsys, tmp_path):
+    path = tmp_path / "check.json"
+    assert main(["check", "--model", "test_cli_check:with_batch", "--iters", "1", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(path.read_text())
+    assert report["ok"] and report["world_size"] == 1 and "PASS  full-rank PowerSGD equals allreduce" in out
+    assert report["model_info"]["step_source"].startswith("measured")
+    assert {p["name"] for p in report["predictions"]} >= {"allreduce", "powersgd-r22-fp16", "local-sgd-h8"}
+    assert report["recommendation"]["method"] == "allreduce"  # one rank: nothing to send
+
+
+# --- the advice's arithmetic --------------------------------------------------------------------------------
+
+SHAPES = [(512, 256), (512,), (64, 64)]
+
+
+def test_predicted_times_equal_the_ring_formula():
+    link = Link(world_size=4, latency_s=50e-6, busbw=1e9)
+    hook = {"allreduce": 0.5, "powersgd-r4-fp32": 3.0, "powersgd-r22-fp16": 4.0}
+    rows = {row.name: row for row in predict(candidate_methods(SHAPES), link, 100.0, hook)}
+    numel = 512 * 256 + 512 + 64 * 64
+    # r (n + m) per compressed matrix, the vector exactly. The 64x64 matrix is compressed at rank 4
+    # (4096 / (4 * 128) = 8 >= min_compression_rate 2) but not at rank 22 (4096 / 2816 < 2): sent exactly.
+    powersgd_r4 = 4 * (512 + 256) + 512 + 4 * (64 + 64)
+    powersgd_r22 = 22 * (512 + 256) + 512 + 64 * 64
+    expected_bytes = {"allreduce": numel * 4, "fp16": numel * 2, "powersgd-r4-fp32": powersgd_r4 * 4,
+                      "powersgd-r22-fp16": powersgd_r22 * 2, "local-sgd-h8": numel * 4 / 8,
+                      "diloco-h64": numel * 4 / 64}
+    collectives = {"allreduce": 1, "fp16": 1, "powersgd-r4-fp32": 2, "powersgd-r22-fp16": 4,
+                   "local-sgd-h8": 1 / 8, "diloco-h64": 1 / 64}
+    for name, nbytes in expected_bytes.items():
+        row = rows[name]
+        assert row.bytes_per_step == pytest.approx(nbytes)
+        ring_ms = 1000 * (collectives[name] * 50e-6 * 2 * 3 + nbytes * 2 * 3 / 4 / 1e9)
+        assert row.predicted_ms == pytest.approx(100.0 + hook.get(name, 0.0) + ring_ms)
+    ordered = predict(candidate_methods(SHAPES), link, 100.0, hook)
+    assert [r.predicted_ms for r in ordered] == sorted(r.predicted_ms for r in ordered)
+
+
+def test_a_slow_link_recommends_compression_and_a_fast_one_allreduce():
+    shapes = [(2048, 2048)] * 4  # 64 MiB of fp32 gradients: three DDP buckets
+    assert math.ceil(4 * 2048 * 2048 * 4 / BUCKET_BYTES) == 3
+    slow = predict(candidate_methods(shapes), Link(2, 100e-6, 12.5e6), 100.0, {"powersgd-r4-fp32": 5.0})
+    best, reason = recommend(slow)
+    assert best.name.startswith("powersgd") and "compress" in reason and "MB in" in reason
+    fast = predict(candidate_methods(shapes), Link(2, 5e-6, 50e9), 100.0,
+                   {"powersgd-r4-fp32": 5.0, "powersgd-r22-fp16": 6.0})
+    best, reason = recommend(fast)
+    assert best.name == "allreduce" and "allreduce is enough" in reason
+
+
+def test_bad_link_and_step_values_are_rejected():
+    with pytest.raises(ValueError, match="busbw=0"):
+        Link(2, 1e-4, 0.0)
+    with pytest.raises(ValueError, match="step_ms=-1"):
+        predict(candidate_methods(SHAPES), Link(2, 1e-4, 1e9), -1.0)
