@@ -211,6 +211,7 @@ def test_bad_arguments(capsys, recorded, argv: list[str], message: str) -> None:
     assert message in err and err.count("\n") == 1 and not recorded
 
 
+@pytest.mark.slow
 def test_quick_run_measures_all_hooks(capsys, tmp_path: Path) -> None:
     """The real thing, small settings (about 6 s on 2 cores): one worker process via ``python -m``."""
     path = tmp_path / "bench.json"
@@ -256,6 +257,7 @@ def test_the_users_own_model_is_accepted_as_by_inspect(capsys, recorded) -> None
     assert len(recorded) == 1
 
 
+@pytest.mark.slow
 def test_a_user_model_is_measured(capsys, tmp_path: Path) -> None:
     path = tmp_path / "bench.json"
     assert main(["bench", "--models", "user_models:two_layer", "--rounds", "3", "--block", "1", "--warmup", "0",

@@ -34,6 +34,7 @@ def _floats_sent_by_hand(shapes: list[tuple[int, ...]], rank: int, min_rate: flo
     return models.floats_sent_by_hand(shapes, rank, min_rate)
 
 
+@pytest.mark.slow
 def test_demo_end_to_end_writes_three_files_consistent_with_the_plan(tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
@@ -97,6 +98,7 @@ def test_demo_end_to_end_writes_three_files_consistent_with_the_plan(tmp_path: P
         assert entry["modelled_time_s"] == pytest.approx(entry["wall_time_s"] + ring * entry["bytes_total"] / 12.5e6)
 
 
+@pytest.mark.slow
 def test_demo_streaming_and_compressed_diloco_methods_send_what_the_formulas_say(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 18's demo methods: bytes from the payload formulas (written out here), counted by the averager."""
@@ -155,6 +157,7 @@ def _check_figure(report: dict) -> None:
     plt.close(fig)
 
 
+@pytest.mark.slow
 def test_demo_char_language_model_task(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["demo", "--task", "charlm", "--workers", "2", "--steps", "4", "--start-iter", "2",
                  "--methods", "powersgd:1", "--out", str(tmp_path)])
@@ -236,6 +239,7 @@ def test_default_warm_up_scales_with_steps() -> None:
     assert DemoConfig().start_iter == default_start_iter(DemoConfig().steps)
 
 
+@pytest.mark.slow
 def test_short_run_on_one_worker_succeeds_and_reports_that_nothing_was_sent(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # --steps 10 without --start-iter (the warm-up scales down), and one worker: nothing crosses a wire.
@@ -271,6 +275,7 @@ def test_python_dash_m_gradpress() -> None:
     assert "--workers" in proc.stdout
 
 
+@pytest.mark.slow
 def test_worker_crash_stops_the_others_and_reports_the_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     # The demo builds its DemoConfig in the parent and ships it to the workers as a dict, so this makes
@@ -324,6 +329,7 @@ def test_demo_gives_no_warning_for_used_arguments(monkeypatch: pytest.MonkeyPatc
     assert "1 worker, 1 method x" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_ctrl_c_reports_and_writes_the_methods_that_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     class CtrlCDuringSecondMethod(demo.Progress):
@@ -365,6 +371,7 @@ def _no_process_left(pids: list[int]) -> bool:
 KILLED = "worker rank 1 was killed by SIGKILL"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, spec, issuer, words", [
     ("sigkill", "fp16", "71,754 float16 values over 2 ranks in fp16_compress_hook, bucket 0", KILLED),
     ("hang", "allreduce", "71,754 float32 values over 2 ranks in allreduce_hook, bucket 0",

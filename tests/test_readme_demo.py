@@ -78,6 +78,7 @@ def test_readme_counts_the_default_methods_the_same_way_everywhere() -> None:
     assert counts and set(counts.values()) == {len(_default_methods())}, counts
 
 
+@pytest.mark.slow
 def test_readme_rows_are_what_the_current_code_prints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Two rows of the default run, recomputed: the byte figures exactly, accuracy within a point (the
     last digits of float sums may differ between CPUs)."""
