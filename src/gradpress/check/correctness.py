@@ -26,6 +26,7 @@ from .. import comm
 from ..hooks import (PowerSGDState, allreduce_hook, bf16_compress_hook, bf16_compress_wrapper, fp16_compress_hook,
                      fp16_compress_wrapper, powerSGD_hook)
 from ..hooks.hierarchical import hierarchical_wrapper
+from .link import node_groups
 
 __all__ = ["DEFAULT_HOOKS", "Item", "TOLERANCES", "run_correctness"]
 
@@ -207,21 +208,6 @@ def _nonfinite_skipped(device: torch.device, hook: Callable[..., Any]) -> Item:
     return Item("non-finite step skipped on every rank", ok, reason)
 
 
-def _node_groups(local_world_size: int) -> tuple[Any, Any]:
-    """(this rank's node, the ranks with its local index on every node); every rank creates every group."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    intra = inter = None
-    for node in range(world // local_world_size):
-        group = dist.new_group(list(range(node * local_world_size, (node + 1) * local_world_size)))
-        if rank // local_world_size == node:
-            intra = group
-    for local in range(local_world_size):
-        group = dist.new_group(list(range(local, world, local_world_size)))
-        if rank % local_world_size == local:
-            inter = group
-    return intra, inter
-
-
 def run_correctness(device: torch.device, hooks: Mapping[str, Callable[..., Any]] | None = None,
                     local_world_size: int | None = None) -> list[Item]:
     """Run every check on ``device`` over the default process group; the same list on every rank.
@@ -257,7 +243,7 @@ def run_correctness(device: torch.device, hooks: Mapping[str, Callable[..., Any]
         ("non-finite step skipped on every rank", lambda: _nonfinite_skipped(device, chosen["powersgd"])),
     ]
     if local_world_size is not None and 1 < local_world_size < world:
-        intra, inter = _node_groups(local_world_size)
+        intra, inter = node_groups(local_world_size)
         name = f"hierarchical_wrapper(full-rank PowerSGD), {world // local_world_size} nodes x {local_world_size}"
         checks.append((name, lambda: _compare_to_mean(
             device, hierarchical_wrapper(chosen["powersgd"], intra), lambda: _full_rank_state(inter), name, fp32)))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .. import comm
 
-__all__ = ["DEFAULT_SIZES", "Link", "measure_link"]
+__all__ = ["DEFAULT_SIZES", "Link", "measure_link", "node_groups"]
 
 #: Message sizes in bytes (fp32 elements x 4): a latency-bound one, then up to 16 MiB.
 DEFAULT_SIZES = (4, 64 * 1024, 1024 * 1024, 16 * 1024 * 1024)
@@ -103,3 +103,19 @@ def measure_link(device: torch.device, group: Any = None, sizes: Sequence[int] =
         rows.append({"bytes": float(size), "seconds": seconds, "algbw": algbw, "busbw": algbw * 2 * (n - 1) / n})
     hops = 2 * (n - 1) if n > 1 else 1
     return Link(n, rows[0]["seconds"] / hops, max(rows[-1]["busbw"], 1.0), scope, rows)
+
+
+def node_groups(local_world_size: int) -> tuple[Any, Any]:
+    """``(this rank's node, the ranks with its local index on every node)`` for nodes of ``local_world_size``
+    consecutive ranks. A collective: every rank creates every group, in the same order."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    intra = inter = None
+    for node in range(world // local_world_size):
+        group = dist.new_group(list(range(node * local_world_size, (node + 1) * local_world_size)))
+        if rank // local_world_size == node:
+            intra = group
+    for local in range(local_world_size):
+        group = dist.new_group(list(range(local, world, local_world_size)))
+        if rank % local_world_size == local:
+            inter = group
+    return intra, inter

@@ -16,8 +16,8 @@ from .. import comm
 from ..cli.table import format_table
 from .advice import candidate_methods, predict, recommend
 from .compute import hook_compute_ms, load_model, step_ms
-from .correctness import _node_groups, run_correctness
-from .link import DEFAULT_SIZES, Link, measure_link
+from .correctness import run_correctness
+from .link import DEFAULT_SIZES, measure_link, node_groups
 
 __all__ = ["collect", "format_report"]
 
@@ -46,7 +46,7 @@ def collect(model: str, device: torch.device, given_step_ms: float | None = None
     link = measure_link(device, None, sizes, iters)
     report["link"] = link.to_dict()
     if local_world_size is not None and 1 < local_world_size < world:
-        intra, inter = _node_groups(local_world_size)
+        intra, inter = node_groups(local_world_size)
         report["link_intra_node"] = measure_link(device, intra, sizes, iters, "inside a node").to_dict()
         report["link_inter_node"] = measure_link(device, inter, sizes, iters, "between nodes").to_dict()
     shapes = [tuple(p.shape) for p in module.parameters() if p.requires_grad]
