@@ -85,7 +85,6 @@ import os
 import platform
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -99,6 +98,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from gradpress.launch import free_port
 
 MiB = 1 << 20
 START_POWERSGD_ITER = 2
@@ -571,12 +572,6 @@ def _worker(world_rank: int, args: argparse.Namespace, port: int, out: str) -> N
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # --------------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------------
@@ -711,7 +706,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = os.path.join(tmp, "report.json")
         crash = None
         try:
-            mp.spawn(_worker, args=(args, _free_port(), out), nprocs=args.world)
+            mp.spawn(_worker, args=(args, free_port(), out), nprocs=args.world)
         except mp.ProcessExitedException as exc:  # a worker died (a signal): report what was measured
             if not os.path.exists(out):
                 raise

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -44,6 +43,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradpress.launch import free_port
 
 VARIANTS = ("ddp+adam", "zero", "zero-overlap", "zero-overlap-interleaved", "powersgd+zero", "powersgd+zero-overlap")
 
@@ -137,12 +138,6 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zero_overlap", description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2, help="gloo processes (default: %(default)s)")
@@ -166,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python benchmarks/zero_overlap.py " + " ".join(sys.argv[1:] if argv is None else argv)
     out = f"/tmp/gradpress-zero-overlap-{os.getpid()}.json"
     started = time.perf_counter()
-    mp.spawn(_worker, args=(args, _free_port(), out), nprocs=args.world)
+    mp.spawn(_worker, args=(args, free_port(), out), nprocs=args.world)
     with open(out) as f:
         raw = json.load(f)
     os.unlink(out)

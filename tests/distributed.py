@@ -12,18 +12,13 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import socket
 import traceback
 from typing import Any, Callable
 
+from gradpress.launch import free_port
+
 _CTX = mp.get_context("spawn")
 DEFAULT_TIMEOUT = 180.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, once: bool) -> None:

@@ -61,7 +61,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -74,6 +73,7 @@ from torch import Tensor
 
 from .. import zoo
 from ..hooks.bucket import DenseBucket
+from ..launch import free_port, usable_cores
 
 __all__ = ["COMPARED", "MIN_ROUNDS_FOR_SPREAD", "MODELS", "FakeBucket", "iqr", "main", "make_buckets",
            "model_names", "model_parameters", "run_benchmark", "summarize", "trust_warnings", "usable_cores"]
@@ -353,13 +353,6 @@ MIN_ROUNDS_FOR_SPREAD = 3
 _TORCH_LABELS = {"torch_batched": "torch batched", "torch": "torch"}
 
 
-def usable_cores() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one, else ``os.cpu_count()``)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def _load_average() -> float | None:
     try:
         return os.getloadavg()[0]
@@ -482,12 +475,6 @@ def memory_rows(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def parse_args(argv: Sequence[str] | None, prog: str = "overhead") -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=prog, description="Per-step overhead of gradpress's vs PyTorch's PowerSGD hook over "
@@ -536,7 +523,7 @@ def _measure_all(configs: Sequence[tuple[str, int]], names: Sequence[str], round
     """Run :func:`measure` for every config in this process, over a private world-size-1 gloo group."""
     own_group = not dist.is_initialized()
     if own_group:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         group = make_group(gloo_threads)
         return [measure(model, rank, names, rounds, block, warmup, group) for model, rank in configs]

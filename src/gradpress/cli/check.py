@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from typing import Any
 
@@ -75,10 +74,10 @@ def _init(device: Any, backend: str) -> bool:
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(chosen)
     else:
-        with socket.socket() as sock:  # a free port for a group of this process alone
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        dist.init_process_group(chosen, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        from ..launch import free_port
+
+        # a group of this process alone
+        dist.init_process_group(chosen, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return True
 
 

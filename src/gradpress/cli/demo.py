@@ -21,7 +21,6 @@ import queue
 import re
 import shlex
 import signal
-import socket
 import sys
 import threading
 import time
@@ -31,7 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ..bench.overhead import usable_cores
+from ..launch import free_port, usable_cores
 from ..workloads.tasks import TASKS, get_task
 from ..workloads.training import METHOD_KINDS, DemoConfig, Method, ProgressFn, default_start_iter, parse_methods
 from .args import int_at_least, int_list, positive_float
@@ -145,13 +144,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 # --- workers ------------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
 
 def _worker(rank: int, world_size: int, port: int, config: dict[str, Any], methods: Sequence[Method],
             messages: Any, timeout: float) -> None:
