@@ -49,8 +49,6 @@ COLLECTIVES = frozenset({
 
 # Modules owned by work in progress elsewhere; each entry says why it is here. Empty them as they go.
 KNOWN_COLLECTIVE_CALLERS: dict[str, str] = {
-    "gradpress.workloads.training": "the metric sums, the barriers around checkpoints and the step-time max "
-                                    "call torch.distributed directly (comm.all_reduce(op=...), comm.barrier)",
     "gradpress.hooks.zero": "the ZeRO step's shard broadcasts call torch.distributed directly "
                             "(comm.broadcast_async, with src a rank within the group)",
 }

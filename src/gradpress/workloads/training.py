@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import comm
 from ..averaging import (ModelAverager, OuterOptimizerAverager, PeriodicModelAverager, PostLocalSGDOptimizer,
                          average_tensors_, tensors_to_average)
 from ..hooks import (PostLocalSGDState, PowerSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook,
@@ -348,7 +348,7 @@ def _evaluate(task: Any, model: nn.Module, x: Tensor, y: Tensor, device: torch.d
                              dtype=torch.float64)
     model.train()
     sums = sums.to(device)
-    dist.all_reduce(sums)
+    comm.all_reduce(sums, issuer="the demo's evaluation")
     loss_sum, correct, count = (float(v) for v in sums.cpu())
     return loss_sum / count, task.score(loss_sum, correct, count)
 
@@ -440,7 +440,7 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
         test_loss, metric = _evaluate(task, model, x_test, y_test, device)
         curve.append({"step": 0, "train_loss": None, "test_loss": test_loss, "metric": metric, "bytes": 0,
                       "time_s": 0.0})
-    dist.barrier()
+    comm.barrier(issuer="the demo's start")
     for step in range(first_step, config.steps + 1):
         start = time.perf_counter()
         if cursor + batch_size > len(order):
@@ -476,7 +476,7 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
                 "progress": {"running": running, "running_n": running_n, "sent": sent, "curve": curve,
                              "train_time": train_time},
             })
-            dist.barrier()  # every rank holds this step: the older files are no longer needed
+            comm.barrier(issuer="the demo's checkpoint")  # every rank holds this step: the older files are no longer needed
             checkpoints.prune(run_dir, rank, keep_from=step)
 
     syncs = config.steps
@@ -493,7 +493,7 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
             curve.append({**curve[-1], "test_loss": test_loss, "metric": metric, "bytes": sent,
                           "time_s": train_time})
     times = torch.tensor([train_time], dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    comm.all_reduce(times, issuer="the demo's timing", op="max")
     checksum, digest = param_checksum(model)
     tail = schedule[config.start_iter:]
     steady: float = sum(tail) / len(tail) if method.kind == "multi" and tail else schedule[-1]
