@@ -130,7 +130,7 @@ def _compare_to_mean(device: torch.device, hook: Callable[..., Any], make_state:
         worst = max(worst, _relative_error([p.grad for p in model.parameters()], want))
     ok = worst <= tolerance
     return Item(name, ok, f"max |hook - mean| / max |mean| = {worst:.2e} over {steps} steps "
-                          f"({'<=' if ok else '>'} {tolerance:.0e})")
+                          f"({'<=' if ok else '>'} {tolerance:.1e})")
 
 
 def _full_rank_state(group: Any = None) -> PowerSGDState:

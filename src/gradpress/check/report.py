@@ -92,8 +92,10 @@ def format_report(report: dict[str, Any]) -> str:
     for item in report["correctness"]:
         lines.append(f"  {'PASS' if item['ok'] else 'FAIL'}  {item['name']}: {item['reason']}")
     lines.append("")
+    if report["world_size"] == 1:
+        lines.append("link: one rank, nothing to measure (run it under torchrun with the ranks you train with)")
     for key in ("link", "link_intra_node", "link_inter_node"):
-        if key in report:
+        if key in report and report["world_size"] > 1:
             lines += _link_lines(report[key])
     info = report["model_info"]
     lines += ["", f"model {report['model']}: {info['parameters']:,} parameters in {info['tensors']} tensors; "
