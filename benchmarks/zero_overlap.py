@@ -19,7 +19,7 @@ are measured side by side in time. Reports the median step time per variant and 
 ``ddp+adam``, and the optimizer-state bytes per rank. PyTorch's own ``hook_with_zero_step`` is not in the
 table: it refuses gloo.
 
-    python benchmarks/zero_overlap.py --json benchmarks/zero-overlap-results.json
+    python benchmarks/zero_overlap.py --json benchmarks/results/zero-overlap-results.json
 
 About 2 minutes on a 2-core VM with the defaults.
 """
