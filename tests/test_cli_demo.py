@@ -268,6 +268,7 @@ def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
 
 
+@pytest.mark.slow
 def test_python_dash_m_gradpress() -> None:
     proc = subprocess.run([sys.executable, "-m", "gradpress", "demo", "--help"], capture_output=True,
                           text=True, timeout=60)
@@ -291,6 +292,7 @@ def test_worker_crash_stops_the_others_and_reports_the_traceback(tmp_path: Path,
     assert _demo_children() == []
 
 
+@pytest.mark.slow
 def test_run_workers_raises_worker_failure() -> None:
     with pytest.raises(WorkerFailure, match="injected failure on rank 0 at step 6"):
         run_workers(DemoConfig(steps=10, start_iter=4, fail_at_step=6, fail_rank=0), 2, timeout=60,
