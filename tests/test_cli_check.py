@@ -3,6 +3,7 @@ are clear errors, and the advice's predicted times equal the ring formula on the
 
 from __future__ import annotations
 
+import doctest
 import json
 import math
 
@@ -11,6 +12,8 @@ import torch
 from torch import nn
 
 from distributed import run
+import gradpress.check
+import gradpress.check.advice
 from gradpress.check import Link, candidate_methods, predict, recommend, run_correctness
 from gradpress.check.advice import BUCKET_BYTES
 from gradpress.cli.main import main
@@ -133,3 +136,9 @@ def test_bad_link_and_step_values_are_rejected():
         Link(2, 1e-4, 0.0)
     with pytest.raises(ValueError, match="step_ms=-1"):
         predict(candidate_methods(SHAPES), Link(2, 1e-4, 1e9), -1.0)
+
+
+@pytest.mark.parametrize("module", [gradpress.check, gradpress.check.advice])
+def test_the_documented_examples_run(module):
+    result = doctest.testmod(module)
+    assert result.attempted and not result.failed

@@ -1,6 +1,7 @@
 """``gradpress check``'s report: correctness, link, model and advice in one dict, and its text form.
+:func:`collect` is a collective: call it on every rank of the default process group.
 
->>> report = collect("charlm", torch.device("cpu"))   # doctest: +SKIP  (on every rank of a process group)
+>>> report = collect("charlm", torch.device("cpu"))   # doctest: +SKIP
 >>> print(format_report(report))                      # doctest: +SKIP
 """
 
