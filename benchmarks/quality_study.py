@@ -11,7 +11,7 @@ machine (OMP_NUM_THREADS=1, one torch thread each), one JSON per run in ``--out`
         --powersgd-options '{"num_iters_per_step": 2}' --label study-charlm-w2-powersgd8-iters2-lr2.0
     python3 benchmarks/quality_study.py --table [--out DIR] [--baseline LABEL]
 
-``--table`` reads every JSON in ``--out`` (this script's and ``benchmarks/quality_steps.py``'s) and prints
+``--table`` reads every JSON in ``--out`` (including the older records without ``config``) and prints
 a markdown table: perplexity at mid-run and at the end; the steps a run needs to reach the baseline's
 mid-run perplexity over the steps the baseline needs (interpolated linearly between evaluations), and
 the same on curves smoothed over 3 evaluations (one evaluation's swing moves a crossing by an eval
@@ -96,7 +96,7 @@ def tail_mean(curve: list[dict[str, Any]], n: int = 3) -> float:
 
 
 def normalize(record: dict[str, Any], name: str) -> dict[str, Any]:
-    """One run's JSON, this script's or ``quality_steps.py``'s, as the fields the table uses."""
+    """One run's JSON, this script's current or older layout, as the fields the table uses."""
     if "config" in record:  # this script's
         config = record["config"]
         return {"label": record["label"], "task": config["task"], "workers": record["workers"],
@@ -184,6 +184,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def powersgd_options(text: str | None) -> dict[str, Any] | None:
+    """``--powersgd-options`` as ``PowerSGDState`` keyword arguments: a JSON object, where
+    ``adaptive_rank`` may be given as the keyword arguments of :class:`gradpress.AdaptiveRank`.
+
+    >>> powersgd_options('{"adaptive_rank": {"low": 2, "high": 8, "every": 40}}')["adaptive_rank"].high
+    8
+    """
+    if not text:
+        return None
+    options = json.loads(text)
+    if not isinstance(options, dict):
+        raise ValueError(f"--powersgd-options must be a JSON object, got {text!r}")
+    if isinstance(options.get("adaptive_rank"), dict):
+        from gradpress import AdaptiveRank
+
+        options["adaptive_rank"] = AdaptiveRank(**options["adaptive_rank"])
+    return options
+
+
 def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -195,7 +214,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> Non
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.workers)
     config = DemoConfig(task=args.task, steps=args.steps, start_iter=args.start_iter, seed=args.seed,
                         lr=args.lr, momentum=args.momentum, evals=args.evals, warm_up_beta=args.warm_up_beta,
-                        powersgd_options=json.loads(args.powersgd_options) if args.powersgd_options else None)
+                        powersgd_options=powersgd_options(args.powersgd_options))
     method = parse_methods(args.methods, [1])
     if len(method) != 1:
         raise SystemExit(f"--methods must name one method, got {args.methods!r}")
@@ -234,24 +253,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=None, help="default: the task's")
     parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--methods", default="allreduce", help="one method, e.g. allreduce or powersgd:4")
-    parser.add_argument("--powersgd-options", default=None,
+    parser.add_argument("--methods", "--method", default="allreduce", help="one method, e.g. allreduce or powersgd:4")
+    parser.add_argument("--powersgd-options", "--options", default=None,
                         help='JSON object of further PowerSGDState arguments, e.g. \'{"num_iters_per_step": 2}\'')
     parser.add_argument("--warm-up-beta", type=float, default=None, help="PowerSGDState(warm_up_beta_factor=...)")
     parser.add_argument("--label", default=None, help="the run's name (its JSON is LABEL.json in --out)")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--table", action="store_true", help="print the markdown table of the runs in --out")
+    parser.add_argument("--match", default="", help="--table: only the runs whose label contains this")
     parser.add_argument("--baseline", default=None,
                         help="--table: comma-separated labels of the baselines, one per (task, workers, steps, "
                              "seed); the others: the allreduce run with the lowest final metric")
     args = parser.parse_args(argv)
     if args.table:
-        print(table(load(Path(args.out)), args.baseline))
+        print(table([run for run in load(Path(args.out)) if args.match in run["label"]], args.baseline))
         return 0
     if not args.label:
         parser.error("--label is required for a run")
-    if args.powersgd_options:
-        json.loads(args.powersgd_options)  # fail here, not in the workers
+    try:
+        powersgd_options(args.powersgd_options)  # fail here, not in the workers
+    except (ValueError, TypeError) as exc:
+        parser.error(f"--powersgd-options: {exc}")
     command = "python3 benchmarks/quality_study.py " + " ".join(
         a if a.replace("-", "").replace(".", "").replace("_", "").replace(":", "").replace("/", "").isalnum()
         else "'" + a + "'" for a in (argv if argv is not None else sys.argv[1:]))
