@@ -1,0 +1,255 @@
+"""``gradpress demo``: train one model on real data with several gradient-communication methods.
+
+The parent process spawns ``--workers`` local processes (gloo on CPU with one thread each; NCCL when
+there is one GPU per worker). Every worker runs :func:`gradpress.workloads.training.train` once per
+method, with the same seed, weights and data order, and sends progress, results or its traceback back
+through a queue. The parent shows progress bars, then prints a table (test metric, loss, bytes per
+step, compression, time) and writes ``demo.json``, ``demo.md`` and ``demo.png`` to ``--out``. It checks
+that every worker ended with identical parameters and that PowerSGD's counted bytes match the plan.
+
+If a worker fails, the parent stops the others, prints the failing worker's traceback and exits 1;
+it never waits longer than ``--timeout`` seconds.
+
+This module holds the arguments, the progress bars and the command; :mod:`.supervisor` the worker
+processes, :mod:`.report` the summary and tables, :mod:`.plot` the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ...launch import free_port, usable_cores
+from ...workloads.tasks import TASKS, get_task
+from ...workloads.training import METHOD_KINDS, DemoConfig, Method, default_start_iter, parse_methods
+from ..args import int_at_least, int_list, positive_float
+from .plot import make_figure, plot
+from .report import format_markdown, format_rate, format_report, plural, settled, summarize
+from .report import notes as _notes  # noqa: F401  (the README's tests read the notes and the table here)
+from .report import table as _table  # noqa: F401
+from .supervisor import DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_TIMEOUT, Interrupted, WorkerFailure, mp, run_workers
+
+__all__ = ["Interrupted", "WorkerFailure", "format_report", "free_port", "parse_bandwidth", "register", "run",
+           "run_workers", "summarize"]
+
+
+_DEFAULTS = DemoConfig()
+DEFAULT_METHODS = "allreduce,fp16,powersgd,multi,localsgd,diloco"
+DEFAULT_RANKS = (1, 2)
+
+
+# --- argument parsing ---------------------------------------------------------------------------------
+
+def _beta(text: str) -> float:
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
+_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_BANDWIDTH = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kKmMgGtT]?)(bit|bits|bps|bit/s|B/s|Bps|byte/s|bytes/s)\s*$")
+
+
+def parse_bandwidth(text: str) -> float:
+    """Link rate in **bytes** per second from ``"1gbit"``, ``"100mbit"``, ``"10Gbit/s"``, ``"125MB/s"``.
+
+    Decimal prefixes (k = 1000). ``bit``/``bps``/``bit/s`` are bits, ``B/s``/``Bps``/``byte/s`` bytes.
+
+    >>> parse_bandwidth("1gbit")
+    125000000.0
+    """
+    match = _BANDWIDTH.match(text)
+    if not match or not float(match.group(1)) > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive rate such as 1gbit, 100mbit, 10Gbit/s or "
+                                         f"125MB/s, got {text!r}")
+    value = float(match.group(1)) * _PREFIX[match.group(2).lower()]
+    unit = match.group(3)
+    return value if unit.startswith(("B", "byte")) else value / 8
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``demo`` subcommand to ``subparsers`` (an ``add_subparsers()`` result)."""
+    # argparse %-formats help strings: a literal "%" in a description must be doubled.
+    methods_help = "; ".join(f"{k}: {v}" for k, v in METHOD_KINDS.items()).replace("%", "%%")
+    tasks_help = "; ".join(f"{t.name}: {t.description}" for t in TASKS.values()).replace("%", "%%")
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "demo", help="train a model on real data with several methods and compare accuracy, bytes and time",
+        description="Train one model on real data that ships with scikit-learn or Python (nothing is "
+                    "downloaded) with DDP on local worker processes, once per communication method, same "
+                    "seed and data order; print accuracy, loss, bytes sent per step and time side by side, "
+                    "and write demo.json, demo.md and demo.png to --out.")
+    parser.add_argument("--workers", type=int_at_least(1), default=4, metavar="N",
+                        help="number of local worker processes (integer >= 1; default: %(default)s)")
+    parser.add_argument("--task", default=_DEFAULTS.task, metavar="NAME",
+                        help=f"what to train ({tasks_help}; default: %(default)s)")
+    parser.add_argument("--methods", default=DEFAULT_METHODS, metavar="LIST",
+                        help=f"comma-separated methods to compare ({methods_help}). powersgd and multi run "
+                             "once per --rank, or at one rank as powersgd:R (default: %(default)s)")
+    parser.add_argument("--rank", type=int_list(1), default=None, metavar="R[,R...]",
+                        help=f"PowerSGD approximation rank(s) for the methods given without one (powersgd, "
+                             f"multi) (integers >= 1; default: {','.join(map(str, DEFAULT_RANKS))})")
+    parser.add_argument("--steps", type=int_at_least(1), default=_DEFAULTS.steps, metavar="N",
+                        help="training steps per method (integer >= 1; default: %(default)s)")
+    parser.add_argument("--start-iter", type=int_at_least(2), default=None, metavar="N",
+                        help="plain-allreduce steps before PowerSGD, local SGD and DiLoCo start (integer >= 2, "
+                             "less than --steps; default: a tenth of --steps, at least 2: "
+                             f"{_DEFAULTS.start_iter} for {_DEFAULTS.steps} steps)")
+    parser.add_argument("--seed", type=int_at_least(0), default=_DEFAULTS.seed, metavar="S",
+                        help="seed for the split, initialisation and batch order (integer >= 0; "
+                             "default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=Path("gradpress-demo"), metavar="DIR",
+                        help="folder for demo.json, demo.md and demo.png (created; default: %(default)s)")
+    parser.add_argument("--bandwidth", type=parse_bandwidth, default=None, metavar="RATE",
+                        help="also report each method's MODELLED time on a link of this rate, e.g. 1gbit, "
+                             "100mbit, 10Gbit/s, 125MB/s: measured time + 2(n-1)/n x bytes sent / rate")
+    parser.add_argument("--warm-up-beta", type=_beta, default=None, metavar="BETA",
+                        help="PowerSGDState(warm_up_beta_factor=BETA) for the PowerSGD methods (in (0, 1])")
+    parser.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                        help="give up (and stop the workers) after this long (default: %(default)s)")
+    parser.add_argument("--collective-timeout", type=positive_float, default=DEFAULT_COLLECTIVE_TIMEOUT,
+                        metavar="SECONDS", help="a worker's collective waits this long for a dead or stuck peer, "
+                        "then fails naming the collective (default: %(default)s; at most --timeout)")
+    parser.set_defaults(func=run)
+    return parser
+
+
+class Progress:
+    """Progress bars on stderr: one line redrawn in place on a terminal, a line per milestone otherwise."""
+
+    def __init__(self, stream: Any = None, width: int = 24) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.width = width
+        self.started = time.perf_counter()
+        self.method_started: dict[str, float] = {}
+        self.milestones: dict[str, int] = {}
+
+    def __call__(self, label: str, step: int, steps: int, loss: float) -> None:
+        now = time.perf_counter()
+        began = self.method_started.setdefault(label, now)
+        filled = round(self.width * step / steps)
+        line = (f"  {label:<14} [{'#' * filled}{'.' * (self.width - filled)}] {step:>{len(str(steps))}}/{steps}"
+                f"  loss {loss:.4f}  {now - began:5.1f} s")
+        if self.tty:
+            self.stream.write("\r" + line + ("\n" if step == steps else ""))
+        else:
+            milestone = 2 * step // steps  # halfway and done
+            if milestone > self.milestones.get(label, 0):
+                self.milestones[label] = milestone
+                self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+# --- the command --------------------------------------------------------------------------------------
+
+def _fail(message: str, code: int = 2) -> int:
+    """Print ``gradpress demo: error: message`` on stderr; return ``code``."""
+    print(f"gradpress demo: error: {message}", file=sys.stderr)
+    return code
+
+
+def write_outputs(summary: dict[str, Any], out: Path) -> list[Path]:
+    """Write ``demo.json``, ``demo.png`` (if matplotlib is installed) and ``demo.md`` into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "demo.json"]
+    written[0].write_text(json.dumps(summary, indent=2) + "\n")
+    has_plot = plot(summary, out / "demo.png")
+    if has_plot:
+        written.append(out / "demo.png")
+    (out / "demo.md").write_text(format_markdown(summary, "demo.png" if has_plot else None))
+    written.append(out / "demo.md")
+    return written
+
+
+def _warn(message: str) -> None:
+    print(f"gradpress demo: warning: {message}", file=sys.stderr)
+
+
+def _start_iter(args: argparse.Namespace, methods: Sequence[Method]) -> int | str:
+    """The warm-up length, or an error message when the user's own --start-iter contradicts --steps."""
+    uses_warm_up = any(m.kind not in ("allreduce", "fp16", "bf16") for m in methods)
+    if args.start_iter is None:
+        start_iter = default_start_iter(args.steps)
+        if start_iter >= args.steps and uses_warm_up:
+            _warn(f"--steps {args.steps} is all warm-up ({start_iter} plain-allreduce steps come first): "
+                  "PowerSGD, local SGD and DiLoCo will not start; use --steps 3 or more to see them")
+        return start_iter
+    if args.start_iter >= args.steps and uses_warm_up:
+        return (f"--start-iter {args.start_iter} leaves no step for PowerSGD, local SGD or DiLoCo in "
+                f"--steps {args.steps}: use --start-iter {args.steps - 1} or less (>= 2), or --steps "
+                f"{args.start_iter + 1} or more, or leave --start-iter out (default: a tenth of --steps)")
+    return int(args.start_iter)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``gradpress demo``: 0 on success, 1 if a worker or a check failed, 2 for bad arguments, 130 when
+    interrupted (the methods that finished are still reported and written)."""
+    try:
+        task = get_task(args.task)
+        methods = parse_methods(args.methods, args.rank if args.rank is not None else DEFAULT_RANKS)
+    except ValueError as exc:
+        return _fail(str(exc))
+    start_iter = _start_iter(args, methods)
+    if isinstance(start_iter, str):
+        return _fail(start_iter)
+    out: Path = args.out
+    if out.exists() and not out.is_dir():
+        return _fail(f"--out: {str(out)!r} exists and is not a folder")
+    if args.rank is not None and parse_methods(args.methods, []) == methods:
+        _warn(f"--rank {','.join(map(str, args.rank))} is not used: no method in --methods takes it (only "
+              "powersgd and multi without ':R' run once per --rank)")
+    cores = usable_cores()
+    if args.workers > 2 * cores:
+        _warn(f"{args.workers} workers on {plural(cores, 'core')}: each worker gets a small share of a core, so "
+              f"the run is slow and its times mostly measure waiting; --workers {cores} to {2 * cores} fits "
+              "this machine")
+    config = DemoConfig(task=task.name, steps=args.steps, start_iter=start_iter, seed=args.seed,
+                        evals=min(15, args.steps), warm_up_beta=args.warm_up_beta)
+    argv = getattr(args, "argv", None)
+    command = " ".join(["gradpress", "demo", *map(shlex.quote, argv or [])])
+    print(f"gradpress demo: {task.name} ({task.description}), {plural(args.workers, 'worker')}, "
+          f"{plural(len(methods), 'method')} x {config.steps} steps: {', '.join(m.label for m in methods)}",
+          file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    interrupted = False
+    try:
+        results = run_workers(config, args.workers, timeout=args.timeout, methods=methods, on_progress=Progress(),
+                              collective_timeout=args.collective_timeout)
+    except WorkerFailure as exc:
+        return _fail(str(exc), code=1)
+    except Interrupted as exc:
+        if not exc.completed:
+            print("\ngradpress demo: interrupted before any method finished; nothing written", file=sys.stderr)
+            return 130
+        results, interrupted = exc.completed, True
+        print(f"\ngradpress demo: interrupted; reporting the {plural(len(results), 'method')} that finished",
+              file=sys.stderr)
+    wall_time = time.perf_counter() - start
+
+    summary = summarize(results, config, args.workers, wall_time, args.bandwidth, command)
+    if interrupted:
+        summary["interrupted"] = [m.label for m in methods]
+    print(format_report(summary))
+    print(f"total wall time: {wall_time:.1f} s (including starting {plural(args.workers, 'worker process')})")
+    try:
+        written = write_outputs(summary, out)
+    except OSError as exc:
+        return _fail(f"--out: could not write to {str(out)!r}: {exc}", code=1)
+    if not any(p.name == "demo.png" for p in written):
+        print("no demo.png: matplotlib is not installed (pip install 'gradpress[demo]')", file=sys.stderr)
+    print(f"wrote {', '.join(p.name for p in written)} to {out}/")
+    if interrupted:
+        return 130
+    if not summary["ranks_agree"]:
+        return _fail("workers ended with different parameters", code=1)
+    if not summary["bytes_check_ok"]:
+        return _fail("PowerSGD's counted bytes do not match the plan", code=1)
+    return 0
