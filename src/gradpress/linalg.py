@@ -34,7 +34,7 @@ def orthogonalize_(matrices: Tensor, epsilon: float = 0.0) -> Tensor:
     """Orthonormalize the columns of each matrix in a batch ``(B, n, r)``, in place; returns it.
 
     Contract:
-      * the computation runs in fp32 (fp64 stays fp64), whatever the input dtype (design rule 5);
+      * the computation runs in fp32 (fp64 stays fp64), whatever the input dtype (house rule "fp32 numerics");
       * the result is finite and has orthonormal columns for *every* input, including all-zero or
         rank-deficient matrices: Householder QR completes the basis instead of dividing by zero, so a
         vanishing gradient can never poison warm-start memory with NaN (PyTorch's Gram-Schmidt does

@@ -3,7 +3,7 @@
 A *task* is a generator: it computes, starts a collective, and yields the collective's handle; when it
 is resumed, that collective has completed. PowerSGD is such a task with two phases (P, then Q).
 
-Backends match collectives by the order in which they are issued (design rule 3). PyTorch's hook issues
+Backends match collectives by the order in which they are issued ("same order on every rank"). PyTorch's hook issues
 the Q allreduce from a future callback, on whatever thread finished the P allreduce, which can race with
 the next bucket's collective issued by the autograd thread. Here every collective is issued by the
 thread that calls :meth:`OrderedPipeline.submit` / :meth:`drain`, in an order that depends only on the

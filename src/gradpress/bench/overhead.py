@@ -163,7 +163,7 @@ def _nbytes(t: Tensor) -> int:
 
 def ours_state_bytes(state: Any) -> dict[str, int]:
     """``saved_factors``: the warm-start factors of the iteration in flight, put back if it is not finite
-    (issue 19.3); ``workspace``: the one scratch buffer the segments share (M of one shape group)."""
+    ("non-finite steps"); ``workspace``: the one scratch buffer the segments share (M of one shape group)."""
     out = {"work": 0, "phase1": 0, "q": 0, "saved_factors": 0}
     for seg in state._store.segments.values():
         out["work"] += _nbytes(seg.work)

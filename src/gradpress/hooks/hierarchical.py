@@ -100,7 +100,7 @@ class _Layout:
         for share, numel in zip(self.shares, self.share_numels):
             parts += [pieces[i] for i in share]
             parts.append(padding[: self.chunk - numel])
-        # Divide before the sum (design rule 5: fp16 buckets must not overflow in the reduction).
+        # Divide before the sum (house rule "fp32 numerics": fp16 buckets must not overflow in the reduction).
         return torch.cat(parts).div_(divisor)
 
     def unpack(self, packed: Tensor, buffer: Tensor) -> None:
@@ -239,7 +239,7 @@ class HierarchicalHook:
         """Start the intra-node reduce-scatter of ``bucket``; the future completes with ``bucket.buffer()``
         holding the mean over all ranks, once the last bucket of the backward pass has been handed over.
 
-        Every collective is issued from this (the hook's) thread in bucket order (design rule 3):
+        Every collective is issued from this (the hook's) thread in bucket order ("same order on every rank"):
         reduce-scatters as buckets arrive; the wrapped hook for this rank's previous non-empty share
         when the next one arrives (so that the share marked ``is_last()`` is known to be the last); after
         the last bucket, the all-gathers of every bucket.

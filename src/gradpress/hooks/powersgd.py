@@ -233,7 +233,7 @@ class PowerSGDState:
         self._saved_padded: dict[int, dict[str, Any]] = {}
         # Each bucket's hook only starts its first phase; every later phase runs when the last bucket drains
         # the pipeline, so the autograd thread never waits on the link mid-backward (measured on a real
-        # backward pass, issue 15: 7-11% faster steps than advancing on every submit; docs/design.md#ordering).
+        # backward pass: 7-11% faster steps than advancing on every submit; docs/design.md#ordering).
         self._pipeline = OrderedPipeline(advance_on_submit=False)
         # The buckets of the iteration in flight: their outputs and new memory are written at the last
         # bucket, the memory only if all are finite; ``_pending`` completes their futures after that.

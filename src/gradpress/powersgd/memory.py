@@ -48,7 +48,7 @@ def _mix(*parts: int) -> int:
 def seeded_normal(shape: Sequence[int], seed: int, key: int, draw: int) -> Tensor:
     """Standard normal fp32 values on the CPU, a pure function of ``(seed, key, draw)``.
 
-    Drawn on the CPU so every rank and every device gets the same numbers (design rule 4), and from a
+    Drawn on the CPU so every rank and every device gets the same numbers (house rule: identical randomness), and from a
     private generator so the user's global RNG stream is untouched.
     """
     generator = torch.Generator(device="cpu")
@@ -57,7 +57,7 @@ def seeded_normal(shape: Sequence[int], seed: int, key: int, draw: int) -> Tenso
 
 
 def work_dtype_for(grad_dtype: torch.dtype) -> torch.dtype:
-    """Error memory, P and Q are fp32 for fp16/bf16 gradients (design rule 5), else the gradient's dtype."""
+    """Error memory, P and Q are fp32 for fp16/bf16 gradients ("fp32 numerics"), else the gradient's dtype."""
     return torch.float32 if grad_dtype in (torch.float16, torch.bfloat16) else grad_dtype
 
 
@@ -156,7 +156,7 @@ class Segment:
         A step reads it and writes it only when the step is committed (:class:`~gradpress.powersgd.step.StepCommit`):
         M = g + e is built in the shared :class:`Workspace` for each product, and e' = M - P Q^T is
         written at the commit, only if the step is finite. So a step whose averages are not finite
-        leaves ``work`` bitwise as it was, with no second copy of the memory (issue 19.3). Each matrix
+        leaves ``work`` bitwise as it was, with no second copy of the memory ("non-finite steps"). Each matrix
         starts at a multiple of :data:`ALIGNMENT_BYTES` (zero padding between matrices, never read), so
         its numbers do not depend on its place in the bucket.
       * ``wire``: what is sent, ``[P | uncompressed | Q]`` (see :class:`~gradpress.powersgd.plan.Plan`);

@@ -70,7 +70,7 @@ class GroupPlan:
 class Plan:
     """The compression plan of one segment (a DDP bucket, or all parameters of an aggregator).
 
-    The engine sends from one buffer laid out ``[ all P | all uncompressed | all Q ]`` (design rule 2,
+    The engine sends from one buffer laid out ``[ all P | all uncompressed | all Q ]`` ("one collective per phase",
     one collective per phase), so that every phase is one contiguous slice:
       * classic PowerSGD: phase 1 ``[P | uncompressed]``, phase 2 ``[Q]``;
       * alternating (``num_iters_per_step``): the first iteration sends ``[P | uncompressed]`` or

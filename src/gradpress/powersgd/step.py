@@ -21,7 +21,7 @@ __all__ = ["StepCommit", "alternating_step", "compress_step", "power_step"]
 
 
 class StepCommit:
-    """The segments of one step, committed together once all of them have finished (issue 19.3).
+    """The segments of one step, committed together once all of them have finished (docs/design.md, "non-finite steps").
 
     Until its commit a step writes nothing that a later step reads: the error memory stays as it is
     (M = g + e is rebuilt in the segment's :class:`~gradpress.powersgd.memory.Workspace` for each
@@ -60,7 +60,7 @@ class StepCommit:
 
         Where reading a value is free (every flag on the CPU) the flag is read once, for the whole step,
         and each segment takes the finite or the non-finite path. Elsewhere the choice is made on the
-        device with ``torch.where``, with no host sync (design rule 6).
+        device with ``torch.where``, with no host sync ("no host reads on the hot path").
         """
         if not self._flags:
             return None
