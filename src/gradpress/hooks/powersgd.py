@@ -496,8 +496,10 @@ class PowerSGDState:
             "next_stats_report": self.next_stats_report,
             "param_shapes": [list(shape) for shape in self._key_shapes],
             "memory": {key: m.to_dict() for key, m in memory.items()},
-            "padded": {index: {"numel": numel, **seg.export(self._config)[-1 - index].to_dict()}
-                       for index, (numel, seg, _) in self._padded.items()},
+            # Buckets loaded from a checkpoint but not yet seen again keep their saved memory.
+            "padded": {**self._saved_padded,
+                       **{index: {"numel": numel, **seg.export(self._config)[-1 - index].to_dict()}
+                          for index, (numel, seg, _) in self._padded.items()}},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any], *, allow_other_rank: bool = False) -> None:
