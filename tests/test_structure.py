@@ -48,10 +48,7 @@ COLLECTIVES = frozenset({
 })
 
 # Modules owned by work in progress elsewhere; each entry says why it is here. Empty them as they go.
-KNOWN_COLLECTIVE_CALLERS: dict[str, str] = {
-    "gradpress.hooks.zero": "the ZeRO step's shard broadcasts call torch.distributed directly "
-                            "(comm.broadcast_async, with src a rank within the group)",
-}
+KNOWN_COLLECTIVE_CALLERS: dict[str, str] = {}
 KNOWN_PRIVATE_USES: dict[tuple[str, str], str] = {}
 KNOWN_CYCLES: dict[frozenset[str], str] = {}
 

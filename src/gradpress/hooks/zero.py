@@ -48,6 +48,7 @@ from torch import Tensor
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from ..comm import broadcast_async
 from . import _zero_internals as internals
 from .bucket import check_hook
 from .powersgd import PowerSGDState
@@ -159,7 +160,7 @@ class ZeroStepHook:
         self._lock = threading.Lock()
         self._local_index: dict[int, int] = {}
         self._num_local = 0
-        self._broadcasts: list[tuple[Tensor, int]] = []
+        self._broadcasts: list[tuple[Tensor, int]] = []  # (shard, its owner's rank within the group)
         self._bucket_bytes = int(getattr(ddp, "bucket_bytes_cap", 25 << 20))
 
     # -- checkpointing ---------------------------------------------------------------------------
@@ -187,7 +188,7 @@ class ZeroStepHook:
             # non-finite iteration can leave every bucket's memory as it was); stepping each shard as
             # its bucket completes needs each future at once. A GradScaler cannot skip a step taken
             # inside backward anyway, so committing bucket by bucket loses nothing here.
-            state._finish_each_bucket = True
+            state.commit_each_bucket()
         fut = self.hook(state, bucket)
         if not (callable(getattr(fut, "wait", None)) and callable(getattr(fut, "then", None))):
             raise TypeError(f"{self._name}: the wrapped hook must return a torch.futures.Future, "
@@ -218,13 +219,11 @@ class ZeroStepHook:
         in_buckets = {id(p) for ps in params_per_bucket for p in ps}
         if any(key not in in_buckets for key in self._local_index):
             raise RuntimeError(f"{self._name}: ZeRO assigned this rank parameters that no DDP bucket holds")
-        group_ranks = dist.get_process_group_ranks(self._group) if self._group is not dist.group.WORLD else None
         self._broadcasts = []
         for bucket_index in range(len(params_per_bucket)):
             for owner in sorted(ranks_per_bucket[bucket_index]):  # the same order on every rank
-                tensor = assignments[owner][bucket_index].tensor
-                src = owner if group_ranks is None else group_ranks[owner]
-                self._broadcasts.append((tensor, src))
+                # ``owner`` is a rank within the ZeRO group, which is what comm.broadcast_async takes.
+                self._broadcasts.append((assignments[owner][bucket_index].tensor, owner))
         if self._pending_state is not None:
             self.zero.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -258,8 +257,8 @@ class ZeroStepHook:
             value = fut.wait()
             if not stepped:
                 self._step_bucket(bucket, value)
-        handles = [dist.broadcast(tensor, src=src, group=self._group, async_op=True)
-                   for tensor, src in self._broadcasts]
+        group = None if self._group is dist.group.WORLD else self._group
+        handles = [broadcast_async(tensor, owner, group, issuer=self._name) for tensor, owner in self._broadcasts]
         for handle in handles:
             handle.wait()
         self.iterations += 1
