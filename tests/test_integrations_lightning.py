@@ -381,3 +381,17 @@ def test_the_strategy_logs_approximation_errors_by_name_after_each_measured_step
         assert {"powersgd/approximation_error/net.0.weight", "powersgd/approximation_error/overall",
                 "powersgd/approximation_error/worst"} <= set(last)
         assert last["powersgd/approximation_error/net.0.weight"] == result["final"]["net.0.weight"]
+
+
+def test_the_name_users_guess_gives_gradpress_strategy_in_both_packages():
+    from gradpress.integrations import lightning
+    from gradpress.integrations.lightning import DDPStrategy
+
+    assert DDPStrategy is GradpressDDPStrategy
+    assert issubclass(DDPStrategy, pl.strategies.DDPStrategy) and DDPStrategy is not pl.strategies.DDPStrategy
+    assert "DDPStrategy" in lightning.__all__
+    old = pytest.importorskip("pytorch_lightning")
+    from gradpress.integrations import pytorch_lightning
+
+    assert pytorch_lightning.DDPStrategy is pytorch_lightning.GradpressDDPStrategy
+    assert issubclass(pytorch_lightning.DDPStrategy, old.strategies.DDPStrategy)

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 
 from ._lightning_strategy import CHECKPOINT_KEY, GradpressStrategyMixin, rank_file
 
-__all__ = ["CHECKPOINT_KEY", "GradpressDDPStrategy", "rank_file"]
+__all__ = ["CHECKPOINT_KEY", "DDPStrategy", "GradpressDDPStrategy", "rank_file"]
 
 
-class GradpressDDPStrategy(GradpressStrategyMixin, DDPStrategy):
+class GradpressDDPStrategy(GradpressStrategyMixin, LightningDDPStrategy):
     """Lightning's ``DDPStrategy`` with gradpress's hooks on every device, model averaging and resumable state.
 
     Takes every argument of ``lightning.pytorch.strategies.DDPStrategy`` (``ddp_comm_state``,
@@ -88,3 +88,8 @@ class GradpressDDPStrategy(GradpressStrategyMixin, DDPStrategy):
     def __init__(self, *args: Any, model_averager: Any = None, comm_state_storage: str = "checkpoint",
                  **kwargs: Any) -> None:
         super().__init__(*args, model_averager=model_averager, comm_state_storage=comm_state_storage, **kwargs)
+
+
+#: The name users of Lightning reach for: ``from gradpress.integrations.lightning import DDPStrategy`` gives
+#: gradpress's strategy (Lightning's own drops communication hooks on CPU ranks), never Lightning's.
+DDPStrategy = GradpressDDPStrategy
