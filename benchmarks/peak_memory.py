@@ -35,7 +35,7 @@ Columns:
   reduces all buckets (the hook's per-step temporaries: PyTorch's clones each bucket).
 * ``persistent hook state``: the distinct tensor storages reachable from the hook's state after the
   step (:func:`held_bytes`: walks the state's attributes, so it counts whatever the implementation keeps:
-  gradpress's ``Segment.work``, ``wire`` (P, uncompressed, Q), ``saved_factors``, the shared
+  gradpress's ``Segment.error_memory``, ``wire`` (P, uncompressed, Q), ``saved_factors``, the shared
   workspace; PyTorch's ``error_dict``, ``p_memory_dict``, ``q_memory_dict``), parameters, gradients and
   DDP's buckets excluded. Checked by ``kept by a fresh state over its warm-up`` (malloc counter: bytes
   the reduction-alone state allocated over its warm-up steps and kept).

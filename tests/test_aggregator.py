@@ -66,7 +66,7 @@ def test_two_iterations_leave_exactly_the_two_sided_projection_residual():
     config = EngineConfig(rank=2, min_compression_rate=0, use_error_feedback=False, num_iters_per_step=2)
     segment = _segment((30, 20), config)
     segment.draw_q([0], config.random_seed, 0, with_p=True)
-    segment.unsent_q = []
+    segment.factors_to_draw = []
     q_hat, _ = torch.linalg.qr(segment.q_views[0].t().clone())
     p_hat, _ = torch.linalg.qr(target @ q_hat)
     grad = target.clone()

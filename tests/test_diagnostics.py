@@ -66,7 +66,7 @@ def test_the_error_equals_a_float64_computation_of_m_minus_the_applied_approxima
     for compressed_step in range(5):
         grads = _gradients(compressed_step)
         with_memory = config.use_error_feedback and (compressed_step + 1) % config.feedback_every_n_iters == 0
-        memory = {i: segment.work_views[j].double().clone() for j, i in enumerate(order)}
+        memory = {i: segment.error_views[j].double().clone() for j, i in enumerate(order)}
         compressed = {i: grads[i].double().view(segment.plan.tensors[i].matrix) + (memory[i] if with_memory else 0)
                       for i in order}
         _step(segment, grads, config, compressed_step)

@@ -70,12 +70,12 @@ def test_error_feedback_conserves_mass_in_float64():
         run_step(segment, grads, config, step)
         for acc, g in zip(total_out, grads):
             acc += g
-    errors = {i: segment.work_views[pos] for pos, i in enumerate(segment.compressed_order)}
+    errors = {i: segment.error_views[pos] for pos, i in enumerate(segment.compressed_order)}
     for i, shape in enumerate(shapes):
         residual = errors[i].reshape(shape) if i in errors else torch.zeros(shape, dtype=torch.float64)
         torch.testing.assert_close(total_out[i] + residual, total_in[i], atol=1e-10, rtol=0)
     # Compression did something: the rank-1 outputs are not the inputs.
-    assert segment.work.abs().max() > 1e-3
+    assert segment.error_memory.abs().max() > 1e-3
 
 
 def test_non_finite_gradient_never_enters_memory():
@@ -87,7 +87,7 @@ def test_non_finite_gradient_never_enters_memory():
     grads = [bad, torch.randn(8, 6)]
     run_step(segment, grads, config, 1)
     assert not torch.isfinite(grads[0]).all()  # the step itself reports the overflow (AMP skips it)
-    assert torch.isfinite(segment.work).all() and torch.isfinite(segment.q).all()
+    assert torch.isfinite(segment.error_memory).all() and torch.isfinite(segment.q).all()
     grads = [torch.randn(8, 6), torch.randn(8, 6)]
     run_step(segment, grads, config, 2)
     assert all(torch.isfinite(g).all() for g in grads)
@@ -111,7 +111,7 @@ def test_zero_gradient_does_not_stall_warm_start():
 def test_low_precision_gradients_use_fp32_memory_and_stay_accurate(dtype):
     config = EngineConfig(rank=64, min_compression_rate=0)
     segment = make_segment([(12, 10), (7,)], config, dtype)
-    assert segment.work.dtype == torch.float32 and segment.q.dtype == torch.float32
+    assert segment.error_memory.dtype == torch.float32 and segment.q.dtype == torch.float32
     grads = [torch.randn(12, 10).to(dtype) * 1000, torch.randn(7).to(dtype)]
     expected = [g.clone() for g in grads]
     run_step(segment, grads, config, 0)

@@ -137,13 +137,13 @@ def test_plan_counts_match_a_direct_computation(shapes, rank, rate):
     # Groups: one per (n, m, r) of the compressed tensors, in order of first appearance, laid out back to back.
     keys = list(dict.fromkeys((*row[1], row[2]) for row in rows if row[3]))
     assert [(g.n, g.m, g.rank) for g in plan.groups] == keys
-    work = p = q = 0
+    p = q = 0
     for group, (n, m, r) in zip(plan.groups, keys):
         members = tuple(i for i, row in enumerate(rows) if row[3] and (*row[1], row[2]) == (n, m, r))
         assert group.members == members and group.batch == len(members)
-        assert (group.work_offset, group.p_offset, group.q_offset) == (work, p, q)
-        work, p, q = work + len(members) * n * m, p + len(members) * n * r, q + len(members) * m * r
-    assert (plan.work_numel, plan.p_numel, plan.q_numel) == (work, p, q)
+        assert (group.p_offset, group.q_offset) == (p, q)
+        p, q = p + len(members) * n * r, q + len(members) * m * r
+    assert (plan.p_numel, plan.q_numel) == (p, q)
 
     assert plan.numel_sent == direct_sent(rows, 0, None) == plan.numel_sent_per_step(None)
     assert plan.mean_numel_sent(None) == plan.numel_sent
@@ -292,7 +292,7 @@ class World:
         """Worker's error memory per tensor index, as float64 tensors of the gradient's shape (zero for
         uncompressed tensors)."""
         segment = self.segments[worker]
-        memory = {index: segment.work_views[position]
+        memory = {index: segment.error_views[position]
                   for position, index in enumerate(segment.compressed_order)}
         return [memory[i].reshape(s).double() if i in memory else torch.zeros(s, dtype=torch.float64)
                 for i, s in enumerate(self.shapes)]
@@ -437,7 +437,7 @@ def test_alternating_low_precision_conserves_mass_to_working_precision():
         for _ in task:
             pass
         total_out += grad.double()
-    error = segment.work_views[0].double()
+    error = segment.error_views[0].double()
     torch.testing.assert_close(total_out + error, total_in, rtol=0, atol=1e-5)
 
 

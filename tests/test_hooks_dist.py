@@ -15,7 +15,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
 import models
-from gradpress.pipeline import OrderedPipeline
 from distributed import run, run_fresh
 
 WORLD = 2
@@ -47,7 +46,7 @@ def full_rank_matches_ddp(rank, world, hook_name, wrapper, bucket_cap_mb, jitter
     net = _ddp(models.make_model(), bucket_cap_mb=bucket_cap_mb)
     state = gradpress.PowerSGDState(None, matrix_approximation_rank=128, min_compression_rate=0,
                                     start_powerSGD_iter=2, num_iters_per_step=num_iters)
-    state._pipeline = OrderedPipeline(advance_on_submit=advance_on_submit)
+    state.session.pipeline.advance_on_submit = advance_on_submit
     hook = getattr(gradpress, hook_name)
     if wrapper:
         hook = getattr(gradpress, wrapper)(hook)

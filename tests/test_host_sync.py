@@ -124,7 +124,7 @@ def _memory_is_finite(segment, with_p, error_feedback=True):
     """Error memory (with error feedback; else ``work`` is scratch) and warm-start factors (Q; P too in
     the alternating scheme, where it is memory)."""
     factors = segment.q if not with_p else torch.cat([segment.phase1[:segment.plan.p_numel], segment.q])
-    return bool(torch.isfinite(factors).all()) and (not error_feedback or bool(torch.isfinite(segment.work).all()))
+    return bool(torch.isfinite(factors).all()) and (not error_feedback or bool(torch.isfinite(segment.error_memory).all()))
 
 
 def _run(segment, grads, config, compressed_step):
@@ -173,7 +173,7 @@ def test_aggregator_steps_read_nothing_on_the_host(num_iters):
     with as_on_an_accelerator(), no_host_reads():
         for step in range(4):
             powersgd.aggregate_(_gradients(step, bad=step == 2))
-    for segment in powersgd._store.segments.values():
+    for segment in powersgd.session.store.segments.values():
         assert _memory_is_finite(segment, num_iters is not None)
 
 
@@ -195,14 +195,14 @@ def test_on_the_cpu_a_step_reads_one_flag_and_writes_the_memory_in_place():
     config = EngineConfig(rank=2, min_compression_rate=0, num_iters_per_step=2)
     segment = _segment(config)
     _run(segment, _gradients(0, False), config, 0)
-    memory = segment.work.data_ptr()
-    before = [w.clone() for w in segment.work_views]
+    memory = segment.error_memory.data_ptr()
+    before = [w.clone() for w in segment.error_views]
     counter = _CountSyncingOps()
     with counter:
         _run(segment, _gradients(1, False), config, 1)
     assert counter.count == 1  # the step's all-finite flag: free on the CPU, and it saves a full pass
-    assert segment.work.data_ptr() == memory  # the same buffer, updated in place: no second memory
-    assert not all(torch.equal(a, b) for a, b in zip(before, segment.work_views))
+    assert segment.error_memory.data_ptr() == memory  # the same buffer, updated in place: no second memory
+    assert not all(torch.equal(a, b) for a, b in zip(before, segment.error_views))
 
 
 # --- a non-finite step: every buffer as before it -------------------------------------------------------
@@ -217,13 +217,13 @@ def test_a_non_finite_step_leaves_memory_and_factors_bitwise_as_before(name, pat
     segment = _segment(config, dtype)
     with as_on_an_accelerator() if path == "accelerator" else contextlib.nullcontext():
         _run(segment, _gradients(0, False, dtype), config, 0)
-        before = (segment.work.clone(), segment.wire.clone())
+        before = (segment.error_memory.clone(), segment.wire.clone())
         grads = _gradients(1, True, dtype)
         _run(segment, grads, config, 1)
     # The step reports the overflow (an AMP GradScaler skips it) ...
     assert not torch.isfinite(grads[BAD]).all()
     # ... and leaves the error memory and the warm-start factors exactly as they were.
-    assert torch.equal(segment.work, before[0])
+    assert torch.equal(segment.error_memory, before[0])
     assert torch.equal(segment.q, before[1][-segment.plan.q_numel:])
     if with_p:  # P is memory in the alternating scheme (in the classic one, scratch)
         assert torch.equal(segment.phase1[:p_numel], before[1][:p_numel])
@@ -244,8 +244,8 @@ def _non_finite_on_rank_0(rank, world, num_iters, accelerator_path):
         for step in range(3):
             grads = _gradients(step + 10 * rank, bad=step == 1 and rank == 0)
             powersgd.aggregate_(grads)
-            (segment,) = powersgd._store.segments.values()
-            out.append((segment.work.clone(), segment.wire.clone(), [g.clone() for g in grads],
+            (segment,) = powersgd.session.store.segments.values()
+            out.append((segment.error_memory.clone(), segment.wire.clone(), [g.clone() for g in grads],
                         bool(powersgd.finite)))
     return out
 
@@ -286,7 +286,7 @@ def _hook_steps(rank, world, hook_name, num_iters):
             for future in [hook(state, bucket) for bucket in buckets]:
                 future.wait()
     return all(_memory_is_finite(segment, num_iters is not None)
-               for segment in [*state._store.segments.values(), *(s for _, s, _ in state._padded.values())])
+               for segment in state.session.segments())
 
 
 @pytest.mark.parametrize("hook_name, num_iters", [("powerSGD_hook", None), ("powerSGD_hook", 2),

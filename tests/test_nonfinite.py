@@ -359,7 +359,7 @@ def _engine_step(segments, grads, config, compressed_step):
 
 def _engine_state(segments):
     """Error memory (matrix by matrix: the buffers hold alignment padding), Q and P of each segment."""
-    return [([w.clone() for w in s.work_views], s.q.clone(), s.phase1[:s.plan.p_numel].clone()) for s in segments]
+    return [([w.clone() for w in s.error_views], s.q.clone(), s.phase1[:s.plan.p_numel].clone()) for s in segments]
 
 
 def _equal_lists(a, b) -> bool:
@@ -426,12 +426,12 @@ def test_engine_reads_one_flag_per_step_on_the_cpu_and_keeps_no_second_memory():
     # shape group (plus alignment), not a second error memory.
     largest_group = max(g.batch * g.n * g.m for s in segments for g in s.plan.groups) * 4
     assert workspace.nbytes <= largest_group + 2 * ALIGNMENT_BYTES * max(g.batch for s in segments for g in s.plan.groups)
-    assert workspace.nbytes < sum(s.work.numel() for s in segments) * 4
+    assert workspace.nbytes < sum(s.error_memory.numel() for s in segments) * 4
     for segment in segments:
         held = [getattr(segment, name) for name in segment.__slots__]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in held if isinstance(t, torch.Tensor)}  # (views share their buffer's storage)
-        assert sum(storages.values()) == 4 * (segment.work.numel() + segment.wire.numel() + segment.plan.q_numel)
+        assert sum(storages.values()) == 4 * (segment.error_memory.numel() + segment.wire.numel() + segment.plan.q_numel)
 
 
 class _Tiny(nn.Module):

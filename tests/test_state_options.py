@@ -102,7 +102,7 @@ def record(rank, world, steps, options, lrs=None, dtype=torch.float64, scale=1.0
         net(*_gradients(rank, step, dtype, scale)).backward()
         if lrs is not None:
             Schedule.t += 1
-    return trace, state.bytes_stats(), state._last_lr, _digest(net)
+    return trace, state.bytes_stats(), state.session.last_lr, _digest(net)
 
 
 def _conservation_residual(trace, weighted):

@@ -123,8 +123,7 @@ def make_method(spec: str, model: nn.Module) -> tuple[DDP, Any, Any]:
         state = gradpress.PowerSGDState(None, matrix_approximation_rank=int(number), start_powerSGD_iter=START_ITER,
                                         num_iters_per_step=1 if kind.startswith("multi") else None)
         if kind.endswith(("-lazy", "-eager")):  # the two orders of the pipeline (lazy: the default since issue 15)
-            from gradpress.pipeline import OrderedPipeline
-            state._pipeline = OrderedPipeline(advance_on_submit=kind.endswith("-eager"))
+            state.session.pipeline.advance_on_submit = kind.endswith("-eager")
         hook = gradpress.powerSGD_hook
     elif kind in ("hier-powersgd", "hier-allreduce", "hier-noop"):  # issue 16: exact in the node, hook across
         if _GROUPS["intra"] is None:

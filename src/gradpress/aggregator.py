@@ -40,8 +40,9 @@ from .diagnostics import (ApproximationSummary, check_measure_every, parameter_n
 from .policy import RankPolicy, RankRules
 from .pipeline import OrderedPipeline, Task
 from .powersgd.config import EngineConfig
-from .powersgd.memory import ParamMemory, SegmentStore, work_dtype_for
+from .powersgd.memory import work_dtype_for
 from .powersgd.plan import Plan, make_plan
+from .powersgd.session import EngineSession, MemoryReport
 from .powersgd.step import StepCommit, compress_step
 
 __all__ = ["AllReduce", "Aggregator", "Config", "PowerSGD", "optimizer_step"]
@@ -296,13 +297,8 @@ class PowerSGD(Aggregator):
         self.process_group = process_group
         self.comm_device = comm_device
         self.step_counter = 0
-        self.total_numel = 0
-        self.total_floats_sent = 0
-        self.total_bytes_sent = 0
         self.lr_scheduler = lr_scheduler
-        self._last_lr: float | None = None  # the learning rate the error memory is expressed for
-        self._engine = config.engine_config()
-        self._store = SegmentStore(self._engine)
+        self._session = EngineSession(config.engine_config())
         self._index = {id(p): i for i, p in enumerate(self.params)}
         if not isinstance(init_sync, bool):
             raise TypeError(f"init_sync must be True or False, got {init_sync!r}")
@@ -323,6 +319,43 @@ class PowerSGD(Aggregator):
         return make_plan([p.shape for p in self.params], self.config.rank, self.config.min_compression_rate,
                          self._ranks_of(range(len(self.params))))
 
+    # --- counters, memory ---------------------------------------------------------------------------
+    @property
+    def total_numel(self) -> int:
+        """Gradient elements aggregated so far."""
+        return self._session.numel_in
+
+    @total_numel.setter
+    def total_numel(self, value: int) -> None:
+        self._session.numel_in = int(value)
+
+    @property
+    def total_floats_sent(self) -> int:
+        """Elements sent so far (factors and exactly averaged tensors)."""
+        return self._session.numel_sent
+
+    @total_floats_sent.setter
+    def total_floats_sent(self, value: int) -> None:
+        self._session.numel_sent = int(value)
+
+    @property
+    def total_bytes_sent(self) -> int:
+        """Bytes sent so far, at the wire's precision (``bytes_per_weight``)."""
+        return self._session.bytes_sent
+
+    @total_bytes_sent.setter
+    def total_bytes_sent(self, value: int) -> None:
+        self._session.bytes_sent = int(value)
+
+    @property
+    def session(self) -> EngineSession:
+        """The engine session this aggregator drives (see :mod:`gradpress.powersgd.session`)."""
+        return self._session
+
+    def memory_report(self) -> MemoryReport:
+        """The bytes of error memory, factors and scratch held (:class:`gradpress.powersgd.MemoryReport`)."""
+        return self._session.memory_report()
+
     @property
     def numel(self) -> int:
         """Elements of all parameters (what plain averaging sends per step)."""
@@ -341,7 +374,7 @@ class PowerSGD(Aggregator):
             indices = [i for i, p in enumerate(self.params) if p.dtype == dtype]
             plan = make_plan([self.params[i].shape for i in indices], self.config.rank,
                              self.config.min_compression_rate, self._ranks_of(indices))
-            wire = self._engine.wire_dtype(dtype, work_dtype_for(dtype))
+            wire = self._session.wire_dtype(dtype)
             total += plan.mean_numel_sent(self.config.num_iters_per_step) * wire.itemsize
         return total
 
@@ -364,9 +397,9 @@ class PowerSGD(Aggregator):
         comm = make_communicator(self.process_group, self.comm_device, issuer="gradpress.PowerSGD.aggregate_")
         compressed_step = self.step_counter - self.config.start_compressing_after_num_steps
         measure = should_measure(self.config.approximation_error_every_n_iters, compressed_step)
-        self._sync_lr()
-        pipeline = OrderedPipeline()
-        commit = StepCommit()
+        if self.lr_scheduler is not None:
+            self._session.rescale_to_lr(self.lr_scheduler.get_last_lr()[0])
+        session = self._session
         contexts = []
         try:
             for (device, dtype), group in _by_device_dtype(items).items():
@@ -375,23 +408,20 @@ class PowerSGD(Aggregator):
                 tensors = context.tensors
                 numel = sum(t.numel() for t in tensors)
                 if compressed_step < 0:
-                    task, sent = _average_task(tensors, comm, commit), numel
+                    task, sent = _average_task(tensors, comm, session.commit), numel
                     wire = dtype
                 else:
-                    wire = self._engine.wire_dtype(dtype, work_dtype_for(dtype))
+                    wire = session.wire_dtype(dtype)
                     keys = tuple(i for i, _ in group)
-                    segment = self._store.get((device, dtype), keys, [t.shape for t in tensors], device,
-                                              work_dtype_for(dtype), self._ranks_of(keys))
-                    task, sent = compress_step(segment, tensors, comm, self._engine, compressed_step, commit,
-                                               measure=measure)
-                pipeline.submit(task, lambda: None, lambda exc: None)
-                self.total_numel += numel
-                self.total_floats_sent += sent
-                self.total_bytes_sent += sent * wire.itemsize
-            pipeline.drain()
-            self.finite = commit.apply()
+                    segment = session.store.get((device, dtype), keys, [t.shape for t in tensors], device,
+                                                work_dtype_for(dtype), self._ranks_of(keys))
+                    task, sent = compress_step(segment, tensors, comm, session.config, compressed_step,
+                                               session.commit, measure=measure)
+                session.submit(task, _nothing, _ignore)
+                session.count(numel, sent, dtype, wire)
+            self.finite = session.finish()
         except BaseException:
-            commit.discard()
+            session.discard()
             raise
         finally:
             for context in contexts:
@@ -412,7 +442,7 @@ class PowerSGD(Aggregator):
         before = self._ranks
         self._names = names
         self._resolve_ranks()
-        if self._store.segments and self._ranks != before:
+        if self._session.store.segments and self._ranks != before:
             self._names, self._ranks = previous_names, before
             raise ValueError("these names give the rank_policy other ranks than the ones PowerSGD is compressing "
                              "with; name the parameters before the first compressed step")
@@ -426,24 +456,12 @@ class PowerSGD(Aggregator):
         worker's gradient plus error memory, P Q^T what every worker applied (see
         :mod:`gradpress.diagnostics`). Parameters are named as in ``named_parameters()`` when the
         aggregator knows the names, else ``"#i"`` for the i-th of ``params``. Reads the values on the host."""
-        return relative_errors(self._store.approximation_norms(), self._name)
+        return relative_errors(self._session.approximation_norms(), self._name)
 
     def approximation_error_summary(self) -> ApproximationSummary | None:
         """The errors of :meth:`approximation_error` in one :class:`~gradpress.diagnostics.ApproximationSummary`
         (``None`` before the first measurement)."""
-        return summarize(self._store.approximation_norms(), self._name)
-
-    def _sync_lr(self) -> None:
-        """If the learning rate changed since the last step, rescale the error memory to the new one."""
-        if self.lr_scheduler is None:
-            return
-        lr = float(self.lr_scheduler.get_last_lr()[0])
-        if not lr > 0:
-            raise ValueError(f"lr_scheduler.get_last_lr()[0] is {lr!r}; LR-aware error feedback needs a "
-                             "positive learning rate")
-        if self._last_lr is not None and lr != self._last_lr:
-            self._store.scale_errors(self._last_lr / lr)
-        self._last_lr = lr
+        return summarize(self._session.approximation_norms(), self._name)
 
     # --- checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -456,9 +474,9 @@ class PowerSGD(Aggregator):
             "total_numel": self.total_numel,
             "total_floats_sent": self.total_floats_sent,
             "total_bytes_sent": self.total_bytes_sent,
-            "last_lr": self._last_lr,
+            "last_lr": self._session.last_lr,
             "param_shapes": [list(p.shape) for p in self.params],
-            "memory": {key: m.to_dict() for key, m in self._store.export().items()},
+            "memory": self._session.memory_state(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any], *, allow_other_rank: bool = False) -> None:
@@ -491,8 +509,16 @@ class PowerSGD(Aggregator):
         self.total_numel = int(state_dict["total_numel"])
         self.total_floats_sent = int(state_dict["total_floats_sent"])
         self.total_bytes_sent = int(state_dict.get("total_bytes_sent", 0))
-        self._last_lr = state_dict.get("last_lr")
-        self._store.replace({int(key): ParamMemory.from_dict(m) for key, m in state_dict["memory"].items()})
+        self._session.last_lr = state_dict.get("last_lr")
+        self._session.load_memory_state(state_dict["memory"])
+
+
+def _nothing() -> None:
+    """What an aggregator task does when it ends: nothing (its outputs are written at the commit)."""
+
+
+def _ignore(error: BaseException) -> None:
+    """A failing task's error is raised by the pipeline itself."""
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, aggregator: Aggregator) -> bool:

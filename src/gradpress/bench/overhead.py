@@ -41,8 +41,9 @@ All variants communicate over one extra world-size-1 gloo group with ``buckets +
 callbacks, which run on gloo's worker threads (2 by default), and deadlocks as soon as more buckets are
 in flight than there are free threads (ResNet-18 has 3 buckets, ResNet-50 5).
 
-Memory: bytes of the tensors each state holds after the run (gradpress: ``work`` (error memory of the
-compressed matrices), ``phase1`` (P and the uncompressed tensors), ``q``; PyTorch: ``error_dict``,
+Memory: bytes of the tensors each state holds after the run (gradpress: its ``memory_report()``,
+``error_memory`` of the compressed matrices, ``p`` (P and the uncompressed tensors), ``q``, ...; PyTorch:
+``error_dict``,
 ``p_memory_dict``, ``q_memory_dict``), against the target "gradients + P + Q + one bucket".
 
     python -m gradpress.bench.overhead --models resnet18,resnet50 --ranks 1,2,4 --json out.json
@@ -162,17 +163,11 @@ def _nbytes(t: Tensor) -> int:
 
 
 def ours_state_bytes(state: Any) -> dict[str, int]:
-    """``saved_factors``: the warm-start factors of the iteration in flight, put back if it is not finite
-    ("non-finite steps"); ``workspace``: the one scratch buffer the segments share (M of one shape group)."""
-    out = {"work": 0, "phase1": 0, "q": 0, "saved_factors": 0}
-    for seg in state._store.segments.values():
-        out["work"] += _nbytes(seg.work)
-        out["phase1"] += _nbytes(seg.phase1)
-        out["q"] += _nbytes(seg.q)
-        out["saved_factors"] += _nbytes(seg.saved_factors) if seg.saved_factors is not None else 0
-    out["workspace"] = state._store.workspace.nbytes
-    out["total"] = sum(out.values())
-    return out
+    """From :meth:`gradpress.PowerSGDState.memory_report`: ``error_memory``, the factors ``p`` and ``q``,
+    ``saved_factors`` (the warm-start factors of the iteration in flight, put back if it is not finite:
+    "non-finite steps"), ``workspace`` (the one scratch buffer the segments share), ``total``."""
+    report = state.memory_report().as_dict()
+    return {key: report[key] for key in ("error_memory", "p", "q", "saved_factors", "workspace", "total")}
 
 
 def torch_state_bytes(state: Any) -> dict[str, int]:
@@ -243,9 +238,8 @@ def measure(model: str, rank: int, names: Sequence[str], rounds: int, block: int
             raise AssertionError(f"{name}: state.iter={state.iter}, expected {total_steps}")
         out["state_bytes"][name] = ours_state_bytes(state) if name == "ours" else torch_state_bytes(state)
         if name == "ours":
-            plans = [seg.plan for seg in state._store.segments.values()]
-            out["plan"] = {"sent": sum(p.numel_sent for p in plans), "p": sum(p.p_numel for p in plans),
-                           "q": sum(p.q_numel for p in plans)}
+            report = state.memory_report()
+            out["plan"] = {"sent": report.sent, "p": report.p_numel, "q": report.q_numel}
     grad_numel = sum(p.numel() for p in params)
     out["params"] = grad_numel
     out["buckets"] = [b.buffer().numel() for b in buckets]

@@ -118,7 +118,7 @@ def register_fsdp_comm_hook(module: nn.Module, state: Any, hook: Hook) -> None:
     if isinstance(state, PowerSGDState):
         # FSDP reads each unit's result as soon as its hook returns: each unit commits its own memory
         # (a non-finite unit keeps its memory; the others are not held back until the last unit).
-        state._finish_each_bucket = True
+        state.commit_each_bucket()
         # The units' parameters are the module's own (sharded) parameters: their names are known here,
         # for the approximation errors and a rank policy.
         state.name_parameters(module)
@@ -149,7 +149,7 @@ class _UnitHook:
         if isinstance(self.state, PowerSGDState):
             # The PowerSGD hooks queue their later phases in the state's ordered pipeline and complete
             # the future when it advances (on the next bucket in DDP). FSDP needs the result now.
-            self.state._pipeline.drain()
+            self.state.drain()
         result = future_tensor(fut.wait())
         if result.numel() != packed.numel():
             raise RuntimeError(f"the hook's future holds {result.numel()} elements, the bucket {packed.numel()}")

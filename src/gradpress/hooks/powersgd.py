@@ -19,7 +19,7 @@ Differences from PyTorch that users can rely on (each has a test):
 """
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -33,15 +33,15 @@ from ..linalg import as_matrix_shape
 from ..policy import RankPolicy, RankRules
 from ..diagnostics import (ApproximationSummary, check_measure_every, named_pairs, relative_errors,
                            should_measure, summarize)
-from ..pipeline import OrderedPipeline, Task
+from ..pipeline import Task
 from ..powersgd.config import EngineConfig
-from ..powersgd.memory import RESIZE_DRAW, ParamMemory, Segment, SegmentStore, work_dtype_for
-from ..powersgd.plan import make_plan, should_compress
+from ..powersgd.memory import RESIZE_DRAW, Segment, work_dtype_for
+from ..powersgd.plan import should_compress
+from ..powersgd.session import EngineSession, MemoryReport
 from ..powersgd.step import StepCommit, compress_step
 from .default import allreduce_mean_future
 
-__all__ = ["PowerSGDState", "batched_powerSGD_hook", "batched_powersgd_hook", "powerSGD_hook",
-           "powersgd_hook"]
+__all__ = ["PowerSGDState", "powerSGD_hook", "powersgd_hook"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,13 +136,11 @@ class PowerSGDState:
     """
 
     __slots__ = ("process_group", "start_powerSGD_iter", "compression_stats_logging_frequency",
-                 "batch_tensors_with_same_shape", "comm_device", "iter", "total_numel_before_compression",
-                 "total_numel_after_compression", "next_stats_report", "_config", "_store",
-                 "_keys", "_key_shapes", "_pipeline", "_comm", "_padded", "_saved_padded", "lr_scheduler",
-                 "total_bytes_before_compression", "total_bytes_after_compression", "_last_lr", "_lr_iter",
-                 "_commit", "_pending", "_finish_each_bucket", "_keys_closed", "_iteration_buckets",
-                 "approximation_error_every_n_iters", "_names", "last_measured_iter", "_policy", "_ranks",
-                 "_adaptive", "_adaptive_ranks", "_rank_limits", "_previous_norms", "__weakref__")
+                 "batch_tensors_with_same_shape", "comm_device", "iter", "next_stats_report", "_session",
+                 "_keys", "_key_shapes", "_comm", "lr_scheduler", "_lr_iter", "_keys_closed",
+                 "_iteration_buckets", "approximation_error_every_n_iters", "_names", "last_measured_iter",
+                 "_policy", "_ranks", "_adaptive", "_adaptive_ranks", "_rank_limits", "_previous_norms",
+                 "__weakref__")
 
     def __init__(
         self,
@@ -188,7 +186,7 @@ class PowerSGDState:
         if bytes_per_weight is None:
             raise ValueError("bytes_per_weight must be 2, 4 or 8, got None")
         check_measure_every(approximation_error_every_n_iters)
-        self._config = EngineConfig(
+        config = EngineConfig(
             rank=matrix_approximation_rank, min_compression_rate=min_compression_rate,
             use_error_feedback=use_error_feedback, warm_start=warm_start,
             orthogonalization_epsilon=orthogonalization_epsilon, random_seed=random_seed,
@@ -219,39 +217,27 @@ class PowerSGDState:
         self.batch_tensors_with_same_shape = bool(batch_tensors_with_same_shape)
         self.comm_device = comm_device
         self.iter = 0
-        self.total_numel_before_compression = 0
-        self.total_numel_after_compression = 0
         self.next_stats_report = 0
-        self._store = SegmentStore(self._config)
+        # Each bucket's hook only starts its first phase; every later phase runs when the last bucket drains
+        # the pipeline, so the autograd thread never waits on the link mid-backward (measured on a real
+        # backward pass: 7-11% faster steps than advancing on every submit; docs/design.md#ordering).
+        # The outputs and new memory of all buckets of an iteration are written at its last bucket, the
+        # memory only if all are finite.
+        self._session = EngineSession(config, advance_on_submit=False)
         self._keys: dict[int, tuple[Tensor, int]] = {}
         # One state serves one DDP model: after DDP's first iteration no unknown parameter may arrive,
         # and no bucket index may come twice in one iteration (see _note_bucket).
         self._keys_closed = False
         self._iteration_buckets: dict[int, int] = {}  # bucket index -> id of its first parameter
         self._key_shapes: list[tuple[int, ...]] = []
-        self._padded: dict[int, tuple[int, Segment, Tensor]] = {}
-        self._saved_padded: dict[int, dict[str, Any]] = {}
-        # Each bucket's hook only starts its first phase; every later phase runs when the last bucket drains
-        # the pipeline, so the autograd thread never waits on the link mid-backward (measured on a real
-        # backward pass: 7-11% faster steps than advancing on every submit; docs/design.md#ordering).
-        self._pipeline = OrderedPipeline(advance_on_submit=False)
-        # The buckets of the iteration in flight: their outputs and new memory are written at the last
-        # bucket, the memory only if all are finite; ``_pending`` completes their futures after that.
-        self._commit = StepCommit()
-        self._pending: list[Any] = []
-        # Set by wrappers that need each bucket's result when its task ends (FSDP, interleaved ZeRO).
-        self._finish_each_bucket = False
         self._comm: Communicator | None = None
         self.lr_scheduler = lr_scheduler
-        self.total_bytes_before_compression = 0
-        self.total_bytes_after_compression = 0
-        self._last_lr: float | None = None  # the learning rate the error memory is expressed for
         self._lr_iter = -1  # the iteration at which the learning rate was last read
         self.approximation_error_every_n_iters = approximation_error_every_n_iters
         self._names: dict[int, str] = {}  # id(parameter) -> name, from name_parameters
         #: The iteration whose measurement :meth:`approximation_error` shows (``None``: none yet).
         self.last_measured_iter: int | None = None
-        self._policy = None if rank_policy is None else RankPolicy(rank_policy, self._config.rank, "PowerSGDState")
+        self._policy = None if rank_policy is None else RankPolicy(rank_policy, config.rank, "PowerSGDState")
         self._ranks: dict[int, int | None] = {}  # parameter key -> its rank under the policy
         if isinstance(adaptive_rank, dict):  # the checkpoint form (unpickling)
             adaptive_rank = AdaptiveRank(**adaptive_rank)
@@ -266,53 +252,118 @@ class PowerSGDState:
     # --- configuration, read-only (the memory's meaning depends on it) -----------------------------
     @property
     def matrix_approximation_rank(self) -> int:
-        return self._config.rank
+        return self._session.config.rank
 
     @property
     def min_compression_rate(self) -> float:
-        return self._config.min_compression_rate
+        return self._session.config.min_compression_rate
 
     @property
     def use_error_feedback(self) -> bool:
-        return self._config.use_error_feedback
+        return self._session.config.use_error_feedback
 
     @property
     def warm_start(self) -> bool:
-        return self._config.warm_start
+        return self._session.config.warm_start
 
     @property
     def orthogonalization_epsilon(self) -> float:
-        return self._config.orthogonalization_epsilon
+        return self._session.config.orthogonalization_epsilon
 
     @property
     def random_seed(self) -> int:
-        return self._config.random_seed
+        return self._session.config.random_seed
 
     @property
     def num_iters_per_step(self) -> int | None:
-        return self._config.num_iters_per_step
+        return self._session.config.num_iters_per_step
 
     @property
     def error_feedback(self) -> bool:
-        return self._config.use_error_feedback
+        return self._session.config.use_error_feedback
 
     @property
     def bytes_per_weight(self) -> int:
-        assert self._config.bytes_per_weight is not None
-        return self._config.bytes_per_weight
+        assert self._session.config.bytes_per_weight is not None
+        return self._session.config.bytes_per_weight
 
     @property
     def feedback_every_n_iters(self) -> int:
-        return self._config.feedback_every_n_iters
+        return self._session.config.feedback_every_n_iters
 
     @property
     def warm_up_beta_factor(self) -> float | None:
-        return self._config.warm_up_beta_factor
+        return self._session.config.warm_up_beta_factor
+
+    @property
+    def rank_policy(self) -> RankRules | None:
+        """The ``rank_policy`` given (``None``: every matrix at ``matrix_approximation_rank``)."""
+        return None if self._policy is None else self._policy.rules
+
+    @property
+    def adaptive_rank(self) -> AdaptiveRank | None:
+        """The ``adaptive_rank`` given, as an :class:`~gradpress.adaptive.AdaptiveRank` (``None``: off)."""
+        return self._adaptive
 
     @property
     def config(self) -> EngineConfig:
         """The engine configuration derived from the arguments."""
-        return self._config
+        return self._session.config
+
+    # --- counters (PyTorch's names; bytes are gradpress's) -------------------------------------------
+    @property
+    def total_numel_before_compression(self) -> int:
+        return self._session.numel_in
+
+    @total_numel_before_compression.setter
+    def total_numel_before_compression(self, value: int) -> None:
+        self._session.numel_in = int(value)
+
+    @property
+    def total_numel_after_compression(self) -> int:
+        return self._session.numel_sent
+
+    @total_numel_after_compression.setter
+    def total_numel_after_compression(self, value: int) -> None:
+        self._session.numel_sent = int(value)
+
+    @property
+    def total_bytes_before_compression(self) -> int:
+        return self._session.bytes_in
+
+    @total_bytes_before_compression.setter
+    def total_bytes_before_compression(self, value: int) -> None:
+        self._session.bytes_in = int(value)
+
+    @property
+    def total_bytes_after_compression(self) -> int:
+        return self._session.bytes_sent
+
+    @total_bytes_after_compression.setter
+    def total_bytes_after_compression(self, value: int) -> None:
+        self._session.bytes_sent = int(value)
+
+    # --- for wrappers and tools ------------------------------------------------------------------------
+    @property
+    def session(self) -> EngineSession:
+        """The engine session this state drives (store, pipeline, commit, counters); see
+        :mod:`gradpress.powersgd.session`."""
+        return self._session
+
+    def commit_each_bucket(self) -> None:
+        """Write each bucket's output and memory as soon as its step ends, instead of all buckets of an
+        iteration together at the last one. For wrappers that need each bucket's result at once (FSDP,
+        the interleaved ZeRO step); a non-finite bucket then keeps its own memory, not every bucket's."""
+        self._session.commit_each_task_alone()
+
+    def drain(self) -> None:
+        """Run every step in flight to its end (a wrapper that must see all results before going on)."""
+        self._session.drain()
+
+    def memory_report(self) -> MemoryReport:
+        """The bytes of error memory, factors and scratch this state holds, and the elements its plans
+        send per compressed step (:class:`gradpress.powersgd.MemoryReport`)."""
+        return self._session.memory_report()
 
     # --- PyTorch's public methods --------------------------------------------------------------------
     def maybe_increase_iter(self, bucket: Any) -> None:
@@ -335,7 +386,7 @@ class PowerSGDState:
         Call it on **every** rank (the iteration counter decides when compression starts, and all ranks
         must agree), between iterations, never while a backward pass is in flight.
         """
-        if len(self._pipeline):
+        if self._session.in_flight():
             raise RuntimeError("PowerSGDState.update_state() was called while a backward pass is in flight")
         self._advance()
         self._sync_lr(force=True)
@@ -384,12 +435,12 @@ class PowerSGDState:
         >>> state.approximation_error()["lstm.weight_hh_l0"]                       # doctest: +SKIP
         0.41
         """
-        return relative_errors(self._store.approximation_norms() | self._padded_norms(), self._namer())
+        return relative_errors(self._session.approximation_norms(), self._namer())
 
     def approximation_error_summary(self) -> ApproximationSummary | None:
         """:meth:`approximation_error` in one :class:`~gradpress.diagnostics.ApproximationSummary`
         (overall, mean, worst): ``None`` before the first measurement."""
-        return summarize(self._store.approximation_norms() | self._padded_norms(), self._namer())
+        return summarize(self._session.approximation_norms(), self._namer())
 
     def ranks(self) -> dict[str, int]:
         """The rank each compressed parameter uses now (by name, as :meth:`approximation_error`): the
@@ -398,22 +449,13 @@ class PowerSGDState:
         out; empty before the first compressed iteration."""
         name = self._namer()
         result: dict[str, int] = {}
-        for segment in self._store.segments.values():
+        for segment in self._session.store.segments.values():
             for index in segment.compressed_order:
                 result[name(segment.keys[index])] = segment.plan.tensors[index].rank
-        for key, entry in self._store.pool.items():  # memory between two segments (after a switch)
+        for key, entry in self._session.store.pool.items():  # memory between two segments (after a switch)
             if entry.q is not None and key >= 0:
                 result.setdefault(name(key), int(entry.q.shape[1]))
         return dict(sorted(result.items()))
-
-    def _padded_norms(self) -> dict[int, tuple[float, float]]:
-        result = {}
-        for index, (_, segment, _) in self._padded.items():
-            if segment.norms is not None:
-                whole, residual = segment.norms[0].tolist()
-                if whole == whole:
-                    result[-1 - index] = (whole, residual)
-        return result
 
     def _measure(self) -> bool:
         """Whether this iteration measures (and, if so, note it in ``last_measured_iter``)."""
@@ -427,15 +469,7 @@ class PowerSGDState:
         if self.lr_scheduler is None or (self._lr_iter == self.iter and not force):
             return
         self._lr_iter = self.iter
-        lr = float(self.lr_scheduler.get_last_lr()[0])
-        if not lr > 0:
-            raise ValueError(f"lr_scheduler.get_last_lr()[0] is {lr!r}; LR-aware error feedback needs a "
-                             "positive learning rate")
-        if self._last_lr is not None and lr != self._last_lr:
-            self._store.scale_errors(self._last_lr / lr)
-            for _, segment, _ in self._padded.values():
-                segment.work.mul_(self._last_lr / lr)
-        self._last_lr = lr
+        self._session.rescale_to_lr(self.lr_scheduler.get_last_lr()[0])
 
     def compression_stats(self) -> tuple[float, int, int]:
         """``(rate, numel before, numel after)`` summed over every compressed bucket step so far.
@@ -458,9 +492,8 @@ class PowerSGDState:
         No process group, nothing tied to a device or to DDP's bucket layout. Call between iterations
         (on every rank that will resume; each rank's error memory is its own).
         """
-        if len(self._pipeline):
+        if self._session.in_flight():
             raise RuntimeError("PowerSGDState.state_dict() was called while a backward pass is in flight")
-        memory = self._store.export()
         return {
             "version": _STATE_DICT_VERSION,
             "placement": placement(self.process_group),
@@ -487,7 +520,7 @@ class PowerSGDState:
             },
             "adaptive": {"ranks": dict(self._adaptive_ranks), "limits": dict(self._rank_limits),
                          "previous": dict(self._previous_norms)},
-            "last_lr": self._last_lr,
+            "last_lr": self._session.last_lr,
             "total_bytes_before_compression": self.total_bytes_before_compression,
             "total_bytes_after_compression": self.total_bytes_after_compression,
             "iter": self.iter,
@@ -495,11 +528,8 @@ class PowerSGDState:
             "total_numel_after_compression": self.total_numel_after_compression,
             "next_stats_report": self.next_stats_report,
             "param_shapes": [list(shape) for shape in self._key_shapes],
-            "memory": {key: m.to_dict() for key, m in memory.items()},
-            # Buckets loaded from a checkpoint but not yet seen again keep their saved memory.
-            "padded": {**self._saved_padded,
-                       **{index: {"numel": numel, **seg.export(self._config)[-1 - index].to_dict()}
-                          for index, (numel, seg, _) in self._padded.items()}},
+            "memory": self._session.memory_state(),
+            "padded": self._session.padded_state(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any], *, allow_other_rank: bool = False) -> None:
@@ -525,13 +555,13 @@ class PowerSGDState:
                              "value to resume")
         check_placement(state_dict.get("placement"), placement(self.process_group), "PowerSGDState",
                         allow_other_rank)
-        if len(self._pipeline):
+        if self._session.in_flight():
             raise RuntimeError("PowerSGDState.load_state_dict() was called while a backward pass is in flight")
         self.iter = int(state_dict["iter"])
         self.total_numel_before_compression = int(state_dict["total_numel_before_compression"])
         self.total_numel_after_compression = int(state_dict["total_numel_after_compression"])
         self.next_stats_report = int(state_dict["next_stats_report"])
-        self._last_lr = state_dict.get("last_lr")
+        self._session.last_lr = state_dict.get("last_lr")
         self._lr_iter = -1
         self.total_bytes_before_compression = int(state_dict.get("total_bytes_before_compression", 0))
         self.total_bytes_after_compression = int(state_dict.get("total_bytes_after_compression", 0))
@@ -541,16 +571,12 @@ class PowerSGDState:
                 raise ValueError(f"checkpoint parameter #{key} has shape {saved_shapes[key]}, this model's "
                                  f"has {shape}: the checkpoint belongs to a different model")
         self._key_shapes = saved_shapes if len(saved_shapes) >= len(self._key_shapes) else self._key_shapes
-        self._commit.discard()
-        self._pending = []
         self._iteration_buckets.clear()
         saved_adaptive = state_dict.get("adaptive", {})
         self._adaptive_ranks = {int(k): int(v) for k, v in saved_adaptive.get("ranks", {}).items()}
         self._rank_limits = {int(k): (int(v[0]), int(v[1])) for k, v in saved_adaptive.get("limits", {}).items()}
         self._previous_norms = {int(k): float(v) for k, v in saved_adaptive.get("previous", {}).items()}
-        self._store.replace({int(key): ParamMemory.from_dict(entry) for key, entry in state_dict["memory"].items()})
-        self._padded.clear()
-        self._saved_padded = dict(state_dict.get("padded", {}))
+        self._session.load_memory_state(state_dict["memory"], state_dict.get("padded", {}))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.state_dict()
@@ -569,7 +595,7 @@ class PowerSGDState:
     # --- internals used by the hooks ------------------------------------------------------------------
     def _step_commit(self) -> StepCommit | None:
         """The commit a bucket's task joins: the iteration's, or none (the task commits alone)."""
-        return None if self._finish_each_bucket else self._commit
+        return self._session.step_commit()
 
     def _communicator(self) -> Communicator:
         if self._comm is None:
@@ -631,7 +657,7 @@ class PowerSGDState:
         ranks = None if self._policy is None else self._ranks_for(keys, params)
         if self._adaptive is not None:
             ranks = self._adaptive_ranks_for(keys, grads, ranks)
-        return self._store.get(index, keys, [g.shape for g in grads], grads[0].device,
+        return self._session.store.get(index, keys, [g.shape for g in grads], grads[0].device,
                                work_dtype_for(grads[0].dtype), ranks)
 
     def _adaptive_ranks_for(self, keys: tuple[int, ...], grads: list[Tensor],
@@ -657,7 +683,7 @@ class PowerSGDState:
         """At the end of an interval: average every parameter's signal over the ranks (one all-reduce),
         decide its rank for the next interval (the same everywhere), resize the factors that change."""
         assert self._adaptive is not None
-        signals = self._store.signals()
+        signals = self._session.store.signals()
         if not signals:
             return
         keys = sorted(signals)
@@ -665,7 +691,7 @@ class PowerSGDState:
         vector = torch.stack([signals[key].reshape(()).to(torch.float32) for key in keys])
         vector.div_(comm.world_size)
         comm.allreduce_sum(vector).wait()
-        self._store.reset_signals()
+        self._session.store.reset_signals()
         changes = {}
         for key, total in zip(keys, vector.tolist()):  # the one host read of the interval
             mean = total / self._adaptive.every
@@ -679,7 +705,7 @@ class PowerSGDState:
                 self._adaptive_ranks[key] = rank
                 changes[key] = rank
         if changes:
-            self._store.resize(changes, self.random_seed, RESIZE_DRAW | self.iter)
+            self._session.store.resize(changes, self.random_seed, RESIZE_DRAW | self.iter)
 
     def _ranks_for(self, keys: tuple[int, ...], params: Sequence[Tensor]) -> list[int | None]:
         """Each parameter's rank under the policy (by its name, resolved once per key)."""
@@ -704,38 +730,54 @@ class PowerSGDState:
                 finish()
             fut.set_result(result)
 
-        def fail(error: BaseException) -> None:
-            fut.set_exception(error)
-            for _, pending in self._pending:
-                pending.set_exception(error)
-            self._pending = []
-
-        # The outputs are written at the commit: each bucket's future completes after it.
-        done = complete if self._finish_each_bucket else (lambda: self._pending.append((complete, fut)))
-        try:
-            self._pipeline.submit(task, done, fail)
-            if bucket.is_last():
-                self._pipeline.drain()
-                self._commit.apply()
-                pending, self._pending = self._pending, []
-                for complete_bucket, _ in pending:
-                    complete_bucket()
-                if self._adaptive is not None \
-                        and (self.iter - self.start_powerSGD_iter + 1) % self._adaptive.every == 0:
-                    self._adapt()
-        except BaseException:
-            self._commit.discard()
-            self._pending = []
-            raise
-        self.total_numel_before_compression += before
-        self.total_numel_after_compression += after
-        wire = self._config.wire_dtype(grad_dtype, work_dtype_for(grad_dtype))
-        self.total_bytes_before_compression += before * grad_dtype.itemsize
-        self.total_bytes_after_compression += after * wire.itemsize
+        # The outputs are written at the commit, at the iteration's last bucket: each bucket's future
+        # completes after it.
+        self._session.submit(task, complete, fut.set_exception)
+        if bucket.is_last():
+            self._session.finish()
+            if self._adaptive is not None \
+                    and (self.iter - self.start_powerSGD_iter + 1) % self._adaptive.every == 0:
+                self._adapt()
+        self._session.count(before, after, grad_dtype, self._session.wire_dtype(grad_dtype))
         if bucket.is_last():
             self._report_stats()
             self.maybe_increase_iter(bucket)
         return fut
+
+    # --- for hooks built on this state ---------------------------------------------------------------
+    @staticmethod
+    def of(state: Any, hook: str) -> "PowerSGDState":
+        """``state`` if it is a :class:`PowerSGDState`, else a ``TypeError`` naming ``hook``."""
+        if not isinstance(state, PowerSGDState):
+            raise TypeError(f"{hook} expects a gradpress.PowerSGDState as its state, got "
+                            f"{type(state).__name__}; construct one with gradpress.PowerSGDState(process_group, ...)")
+        return state
+
+    def start_bucket(self, bucket: Any) -> torch.futures.Future | None:
+        """Begin a hook's work on ``bucket``: before ``start_powerSGD_iter`` average it exactly and return
+        the future (parameters are still given their keys, in DDP's first layout); after, ``None``, and
+        the hook compresses it with :meth:`compress_bucket`. Refuses a second DDP model on this state."""
+        self._note_bucket(bucket)
+        if self.iter >= self.start_powerSGD_iter:
+            return None
+        self._keys_for(bucket.parameters())
+        fut = allreduce_mean_future(bucket.buffer(), self.process_group, comm_device=self.comm_device)
+        self.maybe_increase_iter(bucket)
+        return fut
+
+    def compress_bucket(self, bucket: Any, segment: Segment, tensors: list[Tensor], result: Tensor, *,
+                        numel: int | None = None, finish: Callable[[], Any] | None = None,
+                        track: bool = False) -> torch.futures.Future:
+        """Compress ``tensors`` (``segment``'s, in plan order) in this iteration's step and return a future
+        completed with ``result`` once the outputs are written (at the iteration's last bucket, or at once
+        after :meth:`commit_each_bucket`); ``finish`` runs just before. ``numel``: gradient elements the
+        bucket stands for (default: the plan's); ``track``: feed the adaptive rank."""
+        self._sync_lr()
+        task, sent = compress_step(segment, tensors, self._communicator(), self.config,
+                                   self.iter - self.start_powerSGD_iter, self._step_commit(),
+                                   measure=self._measure(), track=track)
+        return self._run(task, bucket, result, segment.plan.numel if numel is None else numel, sent,
+                         finish=finish, grad_dtype=result.dtype)
 
     def _report_stats(self) -> None:
         if self.iter >= self.next_stats_report:
@@ -749,23 +791,6 @@ class PowerSGDState:
                             summary.overall, summary.mean, summary.worst, summary.worst_name,
                             summary.parameters)
             self.next_stats_report = self.iter + self.compression_stats_logging_frequency
-
-
-def _allreduce_phase(state: PowerSGDState, bucket: Any) -> torch.futures.Future | None:
-    """Before ``start_powerSGD_iter``: plain averaging (keys are still assigned, in DDP's first layout)."""
-    if state.iter >= state.start_powerSGD_iter:
-        return None
-    state._keys_for(bucket.parameters())
-    fut = allreduce_mean_future(bucket.buffer(), state.process_group, comm_device=state.comm_device)
-    state.maybe_increase_iter(bucket)
-    return fut
-
-
-def _check_state(state: Any, hook: str) -> PowerSGDState:
-    if not isinstance(state, PowerSGDState):
-        raise TypeError(f"{hook} expects a gradpress.PowerSGDState as its state, got {type(state).__name__}; "
-                        "construct one with gradpress.PowerSGDState(process_group, ...)")
-    return state
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
@@ -785,82 +810,15 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
 
     The future completes with the bucket's buffer holding the result, on every rank.
     """
-    state = _check_state(state, "powerSGD_hook")
-    state._note_bucket(bucket)
-    fut = _allreduce_phase(state, bucket)
+    state = PowerSGDState.of(state, "powerSGD_hook")
+    fut = state.start_bucket(bucket)
     if fut is not None:
         return fut
     params = bucket.parameters()
     keys = state._keys_for(params)
     grads = bucket.gradients()
     segment = state._segment_for(bucket.index(), keys, grads, params)
-    state._sync_lr()
-    task, sent = compress_step(segment, grads, state._communicator(), state._config,
-                               state.iter - state.start_powerSGD_iter, state._step_commit(),
-                               measure=state._measure(), track=state._adaptive is not None)
-    return state._run(task, bucket, bucket.buffer(), segment.plan.numel, sent, grad_dtype=grads[0].dtype)
-
-
-def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
-    r"""PowerSGD on the whole bucket viewed as one zero-padded square matrix (PyTorch's batched hook).
-
-    Cheaper than :func:`powerSGD_hook` (one small matrix product per bucket) but usually less accurate,
-    since the square view mixes unrelated layers. A bucket of L elements becomes an ``s x s`` matrix
-    with ``s = ceil(sqrt(L))``; it sends ``2 s r`` numbers instead of L. Works where PyTorch's raises
-    (it resizes DDP's bucket buffer in place; this one works on a padded copy).
-
-    The memory of this hook is per bucket: if DDP changes a bucket's size, that bucket's memory is reset
-    (with a warning).
-    """
-    state = _check_state(state, "batched_powerSGD_hook")
-    if state._policy is not None or state._adaptive is not None:
-        raise ValueError("batched_powerSGD_hook compresses each bucket as one matrix, so a PowerSGDState with "
-                         "a rank_policy or an adaptive_rank cannot drive it; use powerSGD_hook")
-    state._note_bucket(bucket)
-    fut = _allreduce_phase(state, bucket)
-    if fut is not None:
-        return fut
-    buffer = bucket.buffer()
-    numel = buffer.numel()
-    index = bucket.index()
-    entry = state._padded.get(index)
-    if entry is None or entry[0] != numel or entry[1].device != buffer.device:
-        entry = _padded_segment(state, index, numel, buffer)
-    _, segment, square = entry
-    flat = square.view(-1)
-    flat[:numel].copy_(buffer)
-    flat[numel:].zero_()
-    state._sync_lr()
-    task, sent = compress_step(segment, [square], state._communicator(), state._config,
-                               state.iter - state.start_powerSGD_iter, state._step_commit(),
-                               measure=state._measure())
-    return state._run(task, bucket, buffer, numel, sent,
-                      finish=lambda: buffer.copy_(flat[:numel]), grad_dtype=buffer.dtype)
-
-
-def _padded_segment(state: PowerSGDState, index: int, numel: int, buffer: Tensor) -> tuple[int, Segment, Tensor]:
-    side = max(1, int(numel ** 0.5))
-    while side * side < numel:
-        side += 1
-    dtype = work_dtype_for(buffer.dtype)
-    plan = make_plan([(side, side)], state._config.rank, min_compression_rate=0)
-    # Negative keys: the batched hook's memory is per bucket, not per parameter.
-    segment = Segment(plan, [-1 - index], buffer.device, dtype, state._store.workspace)
-    saved = state._saved_padded.pop(index, None)
-    if saved is not None:
-        if saved["numel"] == numel:
-            memory = {-1 - index: ParamMemory.from_dict({**saved, "shape": (side, side)})}
-            segment.load(memory, state._config)
-        else:
-            logger.warning("batched_powerSGD_hook: bucket %s has %s elements, the checkpoint %s; its memory "
-                           "is reset", index, numel, saved["numel"])
-    elif index in state._padded:
-        logger.warning("batched_powerSGD_hook: bucket %s changed size (%s -> %s elements); its memory is reset",
-                       index, state._padded[index][0], numel)
-    entry = (numel, segment, torch.zeros(side, side, device=buffer.device, dtype=dtype))
-    state._padded[index] = entry
-    return entry
+    return state.compress_bucket(bucket, segment, grads, bucket.buffer(), track=state._adaptive is not None)
 
 
 powersgd_hook = powerSGD_hook
-batched_powersgd_hook = batched_powerSGD_hook

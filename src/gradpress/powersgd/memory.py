@@ -9,6 +9,7 @@ PyTorch's is, gets applied to the wrong parameters after a resume).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -18,7 +19,8 @@ from torch import Tensor
 from .config import EngineConfig
 from .plan import GroupPlan, Plan, make_plan
 
-__all__ = ["ALIGNMENT_BYTES", "RESIZE_DRAW", "ParamMemory", "Segment", "SegmentStore", "Workspace", "seeded_normal", "work_dtype_for"]
+__all__ = ["ALIGNMENT_BYTES", "RESIZE_DRAW", "Finiteness", "ParamMemory", "Segment", "SegmentStore", "StagedFactors",
+           "Workspace", "seeded_normal", "work_dtype_for"]
 
 #: Every matrix's error memory starts at a multiple of this many bytes (PyTorch's CPU allocations are
 #: aligned the same way). BLAS rounds differently when an operand starts at another alignment (MKL's
@@ -54,6 +56,32 @@ def seeded_normal(shape: Sequence[int], seed: int, key: int, draw: int) -> Tenso
     generator = torch.Generator(device="cpu")
     generator.manual_seed(_mix(seed, key, draw))
     return torch.randn(tuple(shape), generator=generator, dtype=torch.float32)
+
+
+class StagedFactors(enum.Enum):
+    """Which warm-start factors a segment saved for the step in flight (:meth:`Segment.stage`), hence
+    which :meth:`Segment.restore_factors` puts back if the step is not finite."""
+
+    #: Nothing saved: no step is in flight, or no factor is memory (warm start off: the next step draws
+    #: fresh factors anyway), so there is nothing to put back.
+    NOTHING = enum.auto()
+    #: The warm-start Q (classic PowerSGD with warm start).
+    Q = enum.auto()
+    #: P and Q (the alternating scheme, where P is memory too).
+    P_AND_Q = enum.auto()
+
+
+class Finiteness(enum.Enum):
+    """What the host knows, when a step is committed, of the step's all-finite flag (a 0-d bool tensor,
+    the same on every rank; see :class:`~gradpress.powersgd.step.StepCommit`)."""
+
+    #: Read on the host: every value the step averaged is finite (its new memory and factors are kept).
+    FINITE = enum.auto()
+    #: Read on the host: some value the step averaged is not finite (memory and factors are kept as before).
+    NOT_FINITE = enum.auto()
+    #: Not read, because reading would wait for the device: each choice between the finite and the
+    #: non-finite outcome is made on the device from the flag (``torch.where``), with no host sync.
+    ON_DEVICE = enum.auto()
 
 
 def work_dtype_for(grad_dtype: torch.dtype) -> torch.dtype:
@@ -122,7 +150,7 @@ class Workspace:
     Nothing in it lives across a collective, so every segment of a state shares one: the state holds
     one more buffer of the largest shape group it compresses (at most one bucket), not one per segment.
     Each matrix of a :meth:`matrices` view starts on an :data:`ALIGNMENT_BYTES` line, as in
-    ``Segment.work``, so a product's rounding never depends on where a gradient sits in its bucket.
+    ``Segment.error_memory``, so a product's rounding never depends on where a gradient sits in its bucket.
     """
 
     __slots__ = ("_buffers",)
@@ -152,19 +180,24 @@ class Segment:
     """Flat working buffers of one segment (bucket), built from a plan.
 
     Buffers (all of ``dtype``, on ``device``):
-      * ``work``: the error memory of the compressed matrices, grouped (unused without error feedback).
+      * ``error_memory``: the error memory e of the compressed matrices, grouped (unused without error
+        feedback); ``error_views`` holds one ``(n, m)`` view of it per compressed matrix, in group order.
         A step reads it and writes it only when the step is committed (:class:`~gradpress.powersgd.step.StepCommit`):
         M = g + e is built in the shared :class:`Workspace` for each product, and e' = M - P Q^T is
         written at the commit, only if the step is finite. So a step whose averages are not finite
-        leaves ``work`` bitwise as it was, with no second copy of the memory ("non-finite steps"). Each matrix
-        starts at a multiple of :data:`ALIGNMENT_BYTES` (zero padding between matrices, never read), so
-        its numbers do not depend on its place in the bucket.
+        leaves ``error_memory`` bitwise as it was, with no second copy of the memory ("non-finite
+        steps"). Each matrix starts at a multiple of :data:`ALIGNMENT_BYTES` (zero padding between
+        matrices, never read), so its numbers do not depend on its place in the bucket.
       * ``wire``: what is sent, ``[P | uncompressed | Q]`` (see :class:`~gradpress.powersgd.plan.Plan`);
         ``phase1`` (``[P | uncompressed]``) and ``q`` are views of it.
       * ``saved_factors``: the warm-start factors as they were before the step in flight (``[Q]``, or
         ``[P | Q]`` in the alternating scheme, where P is memory too), put back if the step is not
-        finite. ``None`` until first needed. Memory: one more Q (and P).
-      * ``workspace``: a :class:`Workspace`, shared by the segments of one state.
+        finite. ``None`` until first needed. Memory: one more Q (and P). ``staged`` (a
+        :class:`StagedFactors`) says which of them the step in flight saved.
+      * ``workspace``: a :class:`Workspace` (scratch space, not memory), shared by the segments of one state.
+
+    ``factors_to_draw``: the compressed positions (group order) whose warm-start factors are not drawn
+    yet (a new parameter, or one whose memory holds none): the next step draws them first.
 
     Q is stored transposed, as ``(r, m)`` per matrix (``(B, r, m)`` per group): the power iteration then
     computes Q^T = P^T M with both operands in their natural layout, and P = M Q reads Q column-major.
@@ -172,8 +205,8 @@ class Segment:
     Checkpoints (:class:`ParamMemory`) keep PyTorch's ``(m, r)`` orientation.
     """
 
-    __slots__ = ("plan", "keys", "dtype", "device", "work", "wire", "phase1", "q", "group_views",
-                 "work_views", "p_views", "q_views", "unsent_q", "saved_factors", "staged", "workspace",
+    __slots__ = ("plan", "keys", "dtype", "device", "error_memory", "wire", "phase1", "q", "group_views",
+                 "error_views", "p_views", "q_views", "factors_to_draw", "saved_factors", "staged", "workspace",
                  "norms", "signals")
 
     def __init__(self, plan: Plan, keys: Sequence[int], device: torch.device, dtype: torch.dtype,
@@ -191,26 +224,26 @@ class Segment:
         self.q = self.wire[sent:]
         strides = [_aligned_stride(group.n * group.m, dtype)[0] for group in plan.groups]
         per_line = _aligned_stride(1, dtype)[1]
-        self.work = torch.zeros(sum(g.batch * stride for g, stride in zip(plan.groups, strides)) + per_line,
-                                device=device, dtype=dtype)
-        offset = _aligned_offset(self.work)
-        # Per shape group: (group, its (B, n, m) view of work, (B, n, r) of P, (B, r, m) of Q^T). Per
-        # compressed tensor, in group order: its (n, m) slice of work, (n, r) of P, (r, m) of Q^T.
+        self.error_memory = torch.zeros(
+            sum(g.batch * stride for g, stride in zip(plan.groups, strides)) + per_line, device=device, dtype=dtype)
+        offset = _aligned_offset(self.error_memory)
+        # Per shape group: (group, its (B, n, m) view of the error memory, (B, n, r) of P, (B, r, m) of Q^T).
+        # Per compressed tensor, in group order: its (n, m) error memory, (n, r) P and (r, m) Q^T.
         self.group_views: list[tuple[GroupPlan, Tensor, Tensor, Tensor]] = []
-        self.work_views: list[Tensor] = []
+        self.error_views: list[Tensor] = []
         for group, stride in zip(plan.groups, strides):
             b, n, m = group.batch, group.n, group.m
-            work = self.work[offset: offset + b * stride].view(b, stride)[:, : n * m].view(b, n, m)
+            errors = self.error_memory[offset: offset + b * stride].view(b, stride)[:, : n * m].view(b, n, m)
             offset += b * stride
             p, q = self._factor_group_views(self.wire, group)
-            self.group_views.append((group, work, p, q))
-            self.work_views.extend(work.unbind(0))
+            self.group_views.append((group, errors, p, q))
+            self.error_views.extend(errors.unbind(0))
         self.p_views, self.q_views = self.factor_views(self.wire)
-        # Positions (in group order) whose factors must be drawn before the next step.
-        self.unsent_q: list[int] = list(range(len(self.q_views)))
+        # Positions (in group order) whose warm-start factors must be drawn before the next step.
+        self.factors_to_draw: list[int] = list(range(len(self.q_views)))
         self.saved_factors: Tensor | None = None
-        # The factors the step in flight saved: None (nothing), False (Q), True (P and Q).
-        self.staged: bool | None = None
+        # The factors the step in flight saved in saved_factors.
+        self.staged = StagedFactors.NOTHING
         # ||M|| and ||M - P Q^T|| per compressed matrix (group order) at the last measured step; None
         # until a step measures (see approximation_norms).
         self.norms: Tensor | None = None
@@ -238,7 +271,7 @@ class Segment:
 
     @property
     def compressed_order(self) -> list[int]:
-        """Tensor indices of the compressed tensors, in group order (the order of ``work_views``)."""
+        """Tensor indices of the compressed tensors, in group order (the order of ``error_views``)."""
         return [i for group in self.plan.groups for i in group.members]
 
     def approximation_norms(self) -> Tensor:
@@ -247,14 +280,14 @@ class Segment:
         them (M: the matrix compressed, gradient plus error memory; P Q^T: the approximation applied),
         NaN before any. Allocated at the first call; written on the device, never read here."""
         if self.norms is None:
-            self.norms = torch.full((len(self.work_views), 2), float("nan"), device=self.device, dtype=self.dtype)
+            self.norms = torch.full((len(self.error_views), 2), float("nan"), device=self.device, dtype=self.dtype)
         return self.norms
 
     def output_signals(self) -> Tensor:
         """``(C,)``: per compressed matrix (group order), the sum of the applied approximation's norm
         ``||P Q^T||_F`` over the steps that tracked it (adaptive rank's signal). Zeros at first call."""
         if self.signals is None:
-            self.signals = torch.zeros(len(self.work_views), device=self.device, dtype=self.dtype)
+            self.signals = torch.zeros(len(self.error_views), device=self.device, dtype=self.dtype)
         return self.signals
 
     def draw_q(self, positions: Sequence[int], seed: int, draw: int, with_p: bool = False) -> None:
@@ -262,28 +295,29 @@ class Segment:
         the same on every rank."""
         self._fill_seeded(self.q_views, self.p_views if with_p else None, positions, seed, draw)
 
-    def stage(self, factors: bool | None) -> None:
-        """Begin a step: save the factors that :meth:`restore_factors` may have to put back.
-        ``factors``: ``None`` (no factor is memory: no warm start), ``False`` (Q), ``True`` (P and Q, the
-        alternating scheme). Called after the step drew the factors it lacked (first use): a step that is
-        rolled back keeps those, the draw the next step would make anyway."""
-        if factors is not None:
-            p_numel = self.plan.p_numel if factors else 0
+    def stage(self, factors: StagedFactors) -> None:
+        """Begin a step: save the factors that :meth:`restore_factors` may have to put back (``factors``:
+        which ones are memory, see :class:`StagedFactors`). Called after the step drew the factors it
+        lacked (first use): a step that is rolled back keeps those, the draw the next step would make anyway."""
+        if factors is not StagedFactors.NOTHING:
+            with_p = factors is StagedFactors.P_AND_Q
+            p_numel = self.plan.p_numel if with_p else 0
             if self.saved_factors is None or self.saved_factors.numel() != p_numel + self.plan.q_numel:
                 self.saved_factors = torch.empty(p_numel + self.plan.q_numel, device=self.device, dtype=self.dtype)
-            for saved, current in self._factor_pairs(factors):
+            for saved, current in self._factor_pairs(with_p):
                 saved.copy_(current)
         self.staged = factors
 
-    def restore_factors(self, finite: Tensor, known: bool | None) -> None:
+    def restore_factors(self, finite: Tensor, finiteness: Finiteness) -> None:
         """End the staged step's factors: kept if ``finite`` (a 0-d bool tensor on this device, the same on
-        every rank), else put back bitwise. ``known``: ``finite``'s value where the caller read it (where
-        reading is free), else ``None``: then the choice is a device-side ``torch.where``, no host sync."""
-        factors, self.staged = self.staged, None
-        if factors is None or known is True:
+        every rank), else put back bitwise. ``finiteness``: what the caller read of ``finite`` (see
+        :class:`Finiteness`); :attr:`Finiteness.ON_DEVICE`: the choice is a device-side ``torch.where``,
+        no host sync."""
+        factors, self.staged = self.staged, StagedFactors.NOTHING
+        if factors is StagedFactors.NOTHING or finiteness is Finiteness.FINITE:
             return
-        for saved, current in self._factor_pairs(factors):
-            if known is None:
+        for saved, current in self._factor_pairs(factors is StagedFactors.P_AND_Q):
+            if finiteness is Finiteness.ON_DEVICE:
                 torch.where(finite, current, saved, out=current)
             else:
                 current.copy_(saved)
@@ -321,7 +355,7 @@ class Segment:
                     f"PowerSGD memory holds error memory for parameter #{self.keys[index]}, which this "
                     "configuration sends exactly, so that memory would be lost: was the checkpoint taken "
                     "with another rank_policy or min_compression_rate?")
-        self.unsent_q = []
+        self.factors_to_draw = []
         for position, index in enumerate(order):
             key = self.keys[index]
             tensor = self.plan.tensors[index]
@@ -331,7 +365,7 @@ class Segment:
                     f"PowerSGD memory for parameter #{key} has shape {tuple(entry.shape)}, but the gradient "
                     f"has shape {tensor.shape}: the checkpoint belongs to a different model")
             if entry is not None and entry.error is not None and config.use_error_feedback:
-                self.work_views[position].copy_(entry.error.reshape(tensor.matrix))
+                self.error_views[position].copy_(entry.error.reshape(tensor.matrix))
             if entry is not None and entry.signal is not None:
                 self.output_signals()[position].copy_(entry.signal)
             q_view = self.q_views[position].t()
@@ -348,19 +382,19 @@ class Segment:
                             f"matrix_approximation_rank?")
                     view.copy_(saved)
             else:
-                self.unsent_q.append(position)
+                self.factors_to_draw.append(position)
 
     def export(self, config: EngineConfig) -> dict[int, ParamMemory]:
         """Per-parameter copies of the memory (independent of this segment's buffers)."""
         out: dict[int, ParamMemory] = {}
-        drawn = set(range(len(self.q_views))) - set(self.unsent_q)
+        drawn = set(range(len(self.q_views))) - set(self.factors_to_draw)
         alternating = config.num_iters_per_step is not None
         for position, index in enumerate(self.compressed_order):
             tensor = self.plan.tensors[index]
             keep = config.warm_start and position in drawn
             out[self.keys[index]] = ParamMemory(
                 shape=tensor.shape,
-                error=self.work_views[position].clone() if config.use_error_feedback else None,
+                error=self.error_views[position].clone() if config.use_error_feedback else None,
                 q=self.q_views[position].t().clone(memory_format=torch.contiguous_format) if keep else None,
                 p=self.p_views[position].clone() if keep and alternating else None,
                 signal=None if self.signals is None else self.signals[position].clone(),
@@ -461,7 +495,7 @@ class SegmentStore:
     def scale_errors(self, factor: float) -> None:
         """Multiply all error memory (segments and pool) by ``factor``."""
         for segment in self.segments.values():
-            segment.work.mul_(factor)
+            segment.error_memory.mul_(factor)
         for entry in self.pool.values():
             if entry.error is not None:
                 entry.error = entry.error * factor

@@ -48,16 +48,16 @@ class TensorPlan:
 class GroupPlan:
     """Compressed matrices of one ``(n, m, rank)``, processed together with ``bmm``.
 
-    ``members``: tensor indices, in segment order. The group's matrices occupy ``len(members) * n * m``
-    elements of the work buffer from ``work_offset``; its P and Q factors ``B * n * r`` and ``B * m * r``
-    elements of the P and Q buffers from ``p_offset`` and ``q_offset``.
+    ``members``: tensor indices, in segment order. The group's P and Q factors occupy ``B * n * r`` and
+    ``B * m * r`` elements of the P and Q parts of the wire from ``p_offset`` and ``q_offset``. (Where its
+    error memory lives is the segment's business: :class:`~gradpress.powersgd.memory.Segment` aligns
+    each matrix, so it is not a function of the shapes alone.)
     """
 
     n: int
     m: int
     rank: int
     members: tuple[int, ...]
-    work_offset: int
     p_offset: int
     q_offset: int
 
@@ -70,8 +70,8 @@ class GroupPlan:
 class Plan:
     """The compression plan of one segment (a DDP bucket, or all parameters of an aggregator).
 
-    The engine sends from one buffer laid out ``[ all P | all uncompressed | all Q ]`` ("one collective per phase",
-    one collective per phase), so that every phase is one contiguous slice:
+    The engine sends from one buffer laid out ``[ all P | all uncompressed | all Q ]``, so that every
+    phase is one contiguous slice, one collective ("one collective per phase"):
       * classic PowerSGD: phase 1 ``[P | uncompressed]``, phase 2 ``[Q]``;
       * alternating (``num_iters_per_step``): the first iteration sends ``[P | uncompressed]`` or
         ``[uncompressed | Q]``, the others ``[P]`` or ``[Q]``.
@@ -80,7 +80,6 @@ class Plan:
     tensors: tuple[TensorPlan, ...]
     groups: tuple[GroupPlan, ...]
     uncompressed: tuple[int, ...]
-    work_numel: int
     p_numel: int
     q_numel: int
     uncompressed_numel: int
@@ -174,14 +173,13 @@ def make_plan(shapes: Sequence[torch.Size | tuple[int, ...]], rank: int, min_com
         if t.compressed:
             by_key.setdefault((t.matrix[0], t.matrix[1], t.rank), []).append(t.index)
     groups = []
-    work = p = q = 0
+    p = q = 0
     for (n, m, r), members in by_key.items():
-        groups.append(GroupPlan(n, m, r, tuple(members), work, p, q))
-        work += len(members) * n * m
+        groups.append(GroupPlan(n, m, r, tuple(members), p, q))
         p += len(members) * n * r
         q += len(members) * m * r
     uncompressed = tuple(t.index for t in tensors if not t.compressed)
-    return Plan(tuple(tensors), tuple(groups), uncompressed, work, p, q,
+    return Plan(tuple(tensors), tuple(groups), uncompressed, p, q,
                 sum(tensors[i].numel for i in uncompressed))
 
 

@@ -15,7 +15,7 @@ from ..comm import Communicator
 from ..linalg import orthogonalize_
 from ..pipeline import Task
 from .config import EngineConfig
-from .memory import Segment
+from .memory import Finiteness, Segment, StagedFactors
 
 __all__ = ["StepCommit", "alternating_step", "compress_step", "power_step"]
 
@@ -41,12 +41,13 @@ class StepCommit:
     __slots__ = ("_finishes", "_flags")
 
     def __init__(self) -> None:
-        self._finishes: list[Callable[[Tensor, bool | None], None]] = []
+        self._finishes: list[Callable[[Tensor, Finiteness], None]] = []
         self._flags: list[Tensor] = []
 
-    def add(self, finite: Tensor, finish: Callable[[Tensor, bool | None], None] | None = None) -> None:
-        """Count ``finite`` (a 0-d bool tensor, the same on every rank) in; ``finish(finite, known)``: what
-        the commit runs (``finite`` on the flag's device, ``known`` as in :meth:`apply`)."""
+    def add(self, finite: Tensor, finish: Callable[[Tensor, Finiteness], None] | None = None) -> None:
+        """Count ``finite`` (a 0-d bool tensor, the same on every rank) in; ``finish(finite, finiteness)``:
+        what the commit runs (``finite``: the step's all-finite flag, on the first flag's device;
+        ``finiteness``: what :meth:`apply` read of it, a :class:`~gradpress.powersgd.memory.Finiteness`)."""
         self._flags.append(finite)
         if finish is not None:
             self._finishes.append(finish)
@@ -58,9 +59,10 @@ class StepCommit:
     def apply(self) -> Tensor | None:
         """Commit every segment added; return the step's all-finite flag (``None``: nothing was added).
 
-        Where reading a value is free (every flag on the CPU) the flag is read once, for the whole step,
-        and each segment takes the finite or the non-finite path. Elsewhere the choice is made on the
-        device with ``torch.where``, with no host sync ("no host reads on the hot path").
+        Where reading a value is free (every flag on the CPU) the flag is read once, for the whole step
+        (:attr:`~Finiteness.FINITE` or :attr:`~Finiteness.NOT_FINITE`), and each segment takes the finite
+        or the non-finite path. Elsewhere (:attr:`~Finiteness.ON_DEVICE`) the choice is made on the device
+        with ``torch.where``, with no host sync ("no host reads on the hot path").
         """
         if not self._flags:
             return None
@@ -68,9 +70,12 @@ class StepCommit:
         self._finishes, self._flags = [], []
         device = flags[0].device
         finite = flags[0] if len(flags) == 1 else torch.stack([f.to(device) for f in flags]).all()
-        known = None if any(_reading_waits(f.device) for f in flags) else bool(finite)
+        if any(_reading_waits(f.device) for f in flags):
+            finiteness = Finiteness.ON_DEVICE
+        else:
+            finiteness = Finiteness.FINITE if bool(finite) else Finiteness.NOT_FINITE
         for finish in finishes:
-            finish(finite, known)
+            finish(finite, finiteness)
         return finite
 
 
@@ -112,7 +117,7 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     matrices, unsent = _views(segment, grads)
     with_memory = config.use_error_feedback and add_memory
     _draw_missing(segment, config, 0 if config.warm_start else step + 1)
-    segment.stage(False if config.warm_start else None)
+    segment.stage(StagedFactors.Q if config.warm_start else StagedFactors.NOTHING)
     # 1-2. P = M Q.
     _products(segment, matrices, with_memory, [], right=True)
     # 3. One collective for all P's and all uncompressed tensors.
@@ -177,7 +182,7 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
     matrices, unsent = _views(segment, grads)
     with_memory = config.use_error_feedback and add_memory
     _draw_missing(segment, config, 0)
-    segment.stage(True)
+    segment.stage(StagedFactors.P_AND_Q)
     wire_dtype = config.wire_dtype(grads[0].dtype, segment.dtype) if grads else segment.dtype
     earlier: list[tuple[list[Tensor], list[Tensor]]] = []  # the pieces' factors, in copies of the wire
     copies: list[Tensor] = []
@@ -249,11 +254,12 @@ def _finish(segment: Segment, commit: StepCommit, own: bool, matrices: list[Tens
         finite = finite & torch.isfinite(wire).all()
     error_feedback = config.use_error_feedback
 
-    def finish(step_finite: Tensor, known: bool | None) -> None:
-        _decompress(segment, matrices, pieces, error_feedback, add_memory, damping, step_finite, known, measure)
-        if track and pieces and known is not False:
-            _track(segment, matrices, step_finite, known)
-        segment.restore_factors(step_finite.to(segment.device), known)
+    def finish(step_finite: Tensor, finiteness: Finiteness) -> None:
+        _decompress(segment, matrices, pieces, error_feedback, add_memory, damping, step_finite, finiteness,
+                    measure)
+        if track and pieces and finiteness is not Finiteness.NOT_FINITE:
+            _track(segment, matrices, step_finite, finiteness)
+        segment.restore_factors(step_finite.to(segment.device), finiteness)
 
     commit.add(finite, finish)
     if own:
@@ -262,15 +268,17 @@ def _finish(segment: Segment, commit: StepCommit, own: bool, matrices: list[Tens
 
 def _decompress(segment: Segment, matrices: list[Tensor], pieces: list[tuple[list[Tensor], list[Tensor]]],
                 error_feedback: bool, add_memory: bool, damping: float | None, finite: Tensor,
-                known: bool | None, measure: bool = False) -> None:
+                finiteness: Finiteness, measure: bool = False) -> None:
     """Write the output (the sum of the ``pieces``' products) into ``matrices`` and, if ``finite``, the
     new error memory: ``damping * (M - output)`` (M = g + e), or ``e + damping * (g - output)`` without
     ``add_memory``. The residual is taken against what was written, so with fp16/bf16 gradients the
     rounding of the output is fed back too.
 
-    ``known``: ``finite``'s value (read where that is free), or ``None``: decided on the device.
-    Known finite, with ``add_memory``, it is the classic three passes per matrix: ``e += g``, write the
-    output, ``e -= output``.
+    ``finiteness``: what the commit read of ``finite`` (:class:`~gradpress.powersgd.memory.Finiteness`).
+    With error feedback: :attr:`~Finiteness.FINITE` updates the memory in place (with ``add_memory``, the
+    classic three passes per matrix: ``e += g``, write the output, ``e -= output``);
+    :attr:`~Finiteness.NOT_FINITE` writes the output only; :attr:`~Finiteness.ON_DEVICE` builds the new
+    memory in the workspace, one shape group at a time, and keeps it or the old one with ``torch.where``.
 
     ``measure``: also record, per matrix, ``||M||`` and ``||M - output||`` (M as compressed: ``g + e``, or
     ``g`` without error feedback or ``add_memory``; the residual before damping) in the segment's
@@ -279,10 +287,10 @@ def _decompress(segment: Segment, matrices: list[Tensor], pieces: list[tuple[lis
     """
     if not pieces:
         return
-    norms = segment.approximation_norms() if measure and known is not False else None
-    fresh = None if norms is None else (norms if known else torch.empty_like(norms))
+    norms = segment.approximation_norms() if measure and finiteness is not Finiteness.NOT_FINITE else None
+    fresh = None if norms is None else (norms if finiteness is Finiteness.FINITE else torch.empty_like(norms))
     workspace = segment.workspace
-    if not error_feedback or known is False:
+    if not error_feedback or finiteness is Finiteness.NOT_FINITE:
         for i, matrix in enumerate(matrices):
             if fresh is None:
                 _write_output(matrix, pieces, i)
@@ -292,10 +300,10 @@ def _decompress(segment: Segment, matrices: list[Tensor], pieces: list[tuple[lis
             _write_output(matrix, pieces, i)
             fresh[i, 0] = torch.linalg.vector_norm(residual)
             fresh[i, 1] = torch.linalg.vector_norm(residual.sub_(matrix))
-        _keep_norms(norms, fresh, finite, known)
+        _keep_norms(norms, fresh, finite)
         return
-    if known:
-        for i, (matrix, memory) in enumerate(zip(matrices, segment.work_views)):
+    if finiteness is Finiteness.FINITE:
+        for i, (matrix, memory) in enumerate(zip(matrices, segment.error_views)):
             if add_memory:
                 memory.add_(matrix)  # M = e + g
                 if fresh is not None:
@@ -338,23 +346,23 @@ def _decompress(segment: Segment, matrices: list[Tensor], pieces: list[tuple[lis
             candidate.add_(memory_group)
         torch.where(flag, candidate, memory_group, out=memory_group)
         position += group.batch
-    _keep_norms(norms, fresh, flag, known)
+    _keep_norms(norms, fresh, flag)
 
 
-def _track(segment: Segment, matrices: list[Tensor], finite: Tensor, known: bool | None) -> None:
+def _track(segment: Segment, matrices: list[Tensor], finite: Tensor, finiteness: Finiteness) -> None:
     """Add each written output's norm to the segment's adaptive-rank signal, if the step is finite
-    (chosen on the device where that is not known)."""
+    (chosen on the device with ``finite`` where ``finiteness`` is :attr:`~Finiteness.ON_DEVICE`)."""
     norms = torch.stack([torch.linalg.vector_norm(matrix).to(segment.dtype) for matrix in matrices])
     signals = segment.output_signals()
-    if known:
+    if finiteness is Finiteness.FINITE:
         signals.add_(norms)
     else:
         signals.add_(torch.where(finite.to(segment.device), norms, torch.zeros_like(norms)))
 
 
-def _keep_norms(norms: Tensor | None, fresh: Tensor | None, finite: Tensor, known: bool | None) -> None:
+def _keep_norms(norms: Tensor | None, fresh: Tensor | None, finite: Tensor) -> None:
     """Keep the norms measured in ``fresh`` if the step is finite: they were written in place where that
-    was known (``fresh is norms``), else chosen on the device."""
+    was read on the host (``fresh is norms``), else chosen on the device."""
     if norms is None or fresh is None or fresh is norms:
         return
     torch.where(finite.to(norms.device), fresh, norms, out=norms)
@@ -452,21 +460,23 @@ def _operand(segment: Segment, out: Tensor, memory: Tensor, matrices: list[Tenso
 def _draw_missing(segment: Segment, config: EngineConfig, draw: int) -> None:
     """Draw the factors a step needs but the memory does not hold (all of Q when warm start is off)."""
     if not config.warm_start:
-        segment.unsent_q = list(range(len(segment.q_views)))
-    if segment.unsent_q:
-        segment.draw_q(segment.unsent_q, config.random_seed, draw,
+        segment.factors_to_draw = list(range(len(segment.q_views)))
+    if segment.factors_to_draw:
+        segment.draw_q(segment.factors_to_draw, config.random_seed, draw,
                        with_p=config.num_iters_per_step is not None)
-        segment.unsent_q = []
+        segment.factors_to_draw = []
 
 
 def _matmul(a: Tensor, b: Tensor, out: Tensor) -> None:
-    """``out = a @ b`` for a group ``(B, ., .)``: one factor (a view into the wire) times the work matrices.
+    """``out = a @ b`` for a group ``(B, ., .)``: one factor (a view into the wire) times the matrices
+    M (or R) built in the workspace.
 
     On CPU, one ``mm`` per matrix when the group holds one matrix or the product is rank-1 (a
     matrix-vector product, which MKL's batched path handles poorly); otherwise, and on GPUs, one ``bmm``.
     The factor is read from, and the product written through, a fresh (so aligned) copy: where a factor
     sits in the wire depends on the bucket's layout, and BLAS rounds differently at other alignments
-    (the work matrices are aligned by :class:`Segment`). The copies are the factors' size, not M's.
+    (the workspace's matrices are aligned by :class:`~gradpress.powersgd.memory.Workspace`). The copies
+    are the factors' size, not M's.
     """
     if a.numel() <= b.numel():
         a = a.clone()
