@@ -307,7 +307,7 @@ def aggregator_vs_hook(rank, world, num_iters, steps):
         models.loss_fn(hook_net, x, y).backward()
         if powersgd is None:
             hook_params = list(hook_net.parameters())
-            order = sorted(range(len(hook_params)), key=lambda i: state._keys[id(hook_params[i])][1])
+            order = sorted(range(len(hook_params)), key=lambda i: state._params.key_of(hook_params[i]))
             params = list(agg_net.parameters())
             powersgd = PowerSGD([params[i] for i in order], Config(
                 rank=1, num_iters_per_step=num_iters, start_compressing_after_num_steps=start))
@@ -411,7 +411,7 @@ def test_allreduce_aggregator_averages_over_the_group():
         assert torch.equal(grads[2], torch.arange(4.0, dtype=torch.float64) * 1.5)
 
 
-# --- the options PowerSGDState has (issue 8), on the aggregator -----------------------------------------
+# --- the options PowerSGDState has, on the aggregator --------------------------------------------------
 
 def _trace(config, steps=12, lrs=None, **kwargs):
     """Run the aggregator alone (one worker) on float64 gradients; return per-step gradients, outputs,

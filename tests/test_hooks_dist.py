@@ -176,7 +176,7 @@ def train_recording(rank, world, steps, r, num_iters=None):
     sent = sum(plan.numel_sent_per_step(num_iters, step * (num_iters or 0)) for step in range(steps - 2))
     # Per compressed parameter and rank: sum of local gradients == sum of applied updates + final error.
     # (Uncompressed tensors are averaged exactly; they keep no memory.)
-    key_of = {pid: key for pid, (_, key) in state._keys.items()}
+    key_of = {pid: key for pid, (_, key) in state._params.keys.items()}
     worst, checked = 0.0, 0
     for p in net.parameters():
         entry = sd["memory"].get(key_of[id(p)])

@@ -92,7 +92,7 @@ def record(rank, world, steps, options, lrs=None, dtype=torch.float64, scale=1.0
             memory = {k: v["error"] for k, v in state.state_dict()["memory"].items()} if compressing else {}
             trace.append({"local": local, "applied": applied, "compressing": compressing,
                           "lr": lrs[Schedule.t] if lrs else None, "memory": memory,
-                          "keys": [state._keys[id(p)][1] for p in bucket.parameters()]})
+                          "keys": [state._params.key_of(p) for p in bucket.parameters()]})
             return f.value()
         return fut.then(done)
 

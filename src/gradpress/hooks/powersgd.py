@@ -29,26 +29,21 @@ from torch import Tensor, nn
 from ..checkpoint import check_placement, placement
 from ..comm import Communicator, check_process_group, make_communicator
 from ..adaptive import AdaptiveRank
-from ..linalg import as_matrix_shape
-from ..policy import RankPolicy, RankRules
-from ..diagnostics import (ApproximationSummary, check_measure_every, named_pairs, relative_errors,
-                           should_measure, summarize)
+from ..policy import RankRules
+from ..diagnostics import ApproximationSummary, check_measure_every, relative_errors, should_measure, summarize
 from ..pipeline import Task
 from ..powersgd.config import EngineConfig
 from ..powersgd.memory import RESIZE_DRAW, Segment, work_dtype_for
-from ..powersgd.plan import should_compress
 from ..powersgd.session import EngineSession, MemoryReport
 from ..powersgd.step import StepCommit, compress_step
 from .default import allreduce_mean_future
+from .parameters import ParameterKeys
 
 __all__ = ["PowerSGDState", "powerSGD_hook", "powersgd_hook"]
 
 logger = logging.getLogger(__name__)
 
 _STATE_DICT_VERSION = 1
-
-_TWO_MODELS = ("this PowerSGDState is registered on two DDP models ({}): give each model its own "
-               "PowerSGDState (its error memory, factors and iteration count belong to one model)")
 
 
 # Options that decide what the memory means; a checkpoint must agree with the state on them.
@@ -137,10 +132,8 @@ class PowerSGDState:
 
     __slots__ = ("process_group", "start_powerSGD_iter", "compression_stats_logging_frequency",
                  "batch_tensors_with_same_shape", "comm_device", "iter", "next_stats_report", "_session",
-                 "_keys", "_key_shapes", "_comm", "lr_scheduler", "_lr_iter", "_keys_closed",
-                 "_iteration_buckets", "approximation_error_every_n_iters", "_names", "last_measured_iter",
-                 "_policy", "_ranks", "_adaptive", "_adaptive_ranks", "_rank_limits", "_previous_norms",
-                 "__weakref__")
+                 "_params", "_comm", "lr_scheduler", "_lr_iter", "approximation_error_every_n_iters",
+                 "last_measured_iter", "__weakref__")
 
     def __init__(
         self,
@@ -224,30 +217,19 @@ class PowerSGDState:
         # The outputs and new memory of all buckets of an iteration are written at its last bucket, the
         # memory only if all are finite.
         self._session = EngineSession(config, advance_on_submit=False)
-        self._keys: dict[int, tuple[Tensor, int]] = {}
-        # One state serves one DDP model: after DDP's first iteration no unknown parameter may arrive,
-        # and no bucket index may come twice in one iteration (see _note_bucket).
-        self._keys_closed = False
-        self._iteration_buckets: dict[int, int] = {}  # bucket index -> id of its first parameter
-        self._key_shapes: list[tuple[int, ...]] = []
         self._comm: Communicator | None = None
         self.lr_scheduler = lr_scheduler
         self._lr_iter = -1  # the iteration at which the learning rate was last read
         self.approximation_error_every_n_iters = approximation_error_every_n_iters
-        self._names: dict[int, str] = {}  # id(parameter) -> name, from name_parameters
         #: The iteration whose measurement :meth:`approximation_error` shows (``None``: none yet).
         self.last_measured_iter: int | None = None
-        self._policy = None if rank_policy is None else RankPolicy(rank_policy, config.rank, "PowerSGDState")
-        self._ranks: dict[int, int | None] = {}  # parameter key -> its rank under the policy
         if isinstance(adaptive_rank, dict):  # the checkpoint form (unpickling)
             adaptive_rank = AdaptiveRank(**adaptive_rank)
         if adaptive_rank is not None and not isinstance(adaptive_rank, AdaptiveRank):
             raise TypeError(f"adaptive_rank must be None or a gradpress.AdaptiveRank(low, high, every, threshold), "
                             f"got {type(adaptive_rank).__name__}")
-        self._adaptive = adaptive_rank
-        self._adaptive_ranks: dict[int, int] = {}  # key -> rank in force (adaptive)
-        self._rank_limits: dict[int, tuple[int, int]] = {}  # key -> (lowest, highest) rank it may take
-        self._previous_norms: dict[int, float] = {}  # key -> last interval's mean gradient norm
+        # Parameters by stable key (DDP rebuilds its buckets), their names and ranks.
+        self._params = ParameterKeys(config.rank, config.min_compression_rate, rank_policy, adaptive_rank)
 
     # --- configuration, read-only (the memory's meaning depends on it) -----------------------------
     @property
@@ -298,12 +280,12 @@ class PowerSGDState:
     @property
     def rank_policy(self) -> RankRules | None:
         """The ``rank_policy`` given (``None``: every matrix at ``matrix_approximation_rank``)."""
-        return None if self._policy is None else self._policy.rules
+        return None if self._params.policy is None else self._params.policy.rules
 
     @property
     def adaptive_rank(self) -> AdaptiveRank | None:
         """The ``adaptive_rank`` given, as an :class:`~gradpress.adaptive.AdaptiveRank` (``None``: off)."""
-        return self._adaptive
+        return self._params.adaptive
 
     @property
     def config(self) -> EngineConfig:
@@ -369,8 +351,7 @@ class PowerSGDState:
     def maybe_increase_iter(self, bucket: Any) -> None:
         """Count an iteration when the last bucket has been processed (PyTorch's contract)."""
         if bucket.is_last():
-            self._iteration_buckets.clear()
-            self._keys_closed = bool(self._keys)
+            self._params.end_iteration()
             self._advance()
 
     def _advance(self) -> None:
@@ -407,22 +388,11 @@ class PowerSGDState:
         >>> state = PowerSGDState(None, approximation_error_every_n_iters=100)   # doctest: +SKIP
         >>> state.name_parameters(ddp_model)                                      # doctest: +SKIP
         """
-        pairs = named_pairs(module, "PowerSGDState")
-        if self._policy is not None:  # every pattern must match a parameter (a typo otherwise)
-            self._policy.resolve(pairs)
-        self._names = {id(param): name for name, param in pairs}
-        self._ranks.clear()
+        self._params.name(module)
 
     def _namer(self) -> Any:
         """``key -> name``: the name given by :meth:`name_parameters`, else ``"#key"``."""
-        names = {key: self._names[id(param)] for param, key in self._keys.values() if id(param) in self._names}
-
-        def name(key: int) -> str:
-            if key < 0:
-                return f"bucket {-1 - key}"   # batched_powerSGD_hook: one matrix per bucket
-            return names.get(key, f"#{key}")
-
-        return name
+        return self._params.namer()
 
     def approximation_error(self) -> dict[str, float]:
         """``{parameter: ||M - P Q^T|| / ||M||}`` for every compressed parameter, at the last iteration
@@ -514,12 +484,10 @@ class PowerSGDState:
                 "warm_up_beta_factor": self.warm_up_beta_factor,
                 "approximation_error_every_n_iters": self.approximation_error_every_n_iters,
                 # A mapping policy is plain data; a function policy is kept by pickling only (__getstate__).
-                "rank_policy": self._policy.rules if self._policy is not None
-                and isinstance(self._policy.rules, dict) else None,
-                "adaptive_rank": None if self._adaptive is None else self._adaptive.to_dict(),
+                "rank_policy": self.rank_policy if isinstance(self.rank_policy, dict) else None,
+                "adaptive_rank": None if self.adaptive_rank is None else self.adaptive_rank.to_dict(),
             },
-            "adaptive": {"ranks": dict(self._adaptive_ranks), "limits": dict(self._rank_limits),
-                         "previous": dict(self._previous_norms)},
+            "adaptive": self._params.adaptive_state(),
             "last_lr": self._session.last_lr,
             "total_bytes_before_compression": self.total_bytes_before_compression,
             "total_bytes_after_compression": self.total_bytes_after_compression,
@@ -527,7 +495,7 @@ class PowerSGDState:
             "total_numel_before_compression": self.total_numel_before_compression,
             "total_numel_after_compression": self.total_numel_after_compression,
             "next_stats_report": self.next_stats_report,
-            "param_shapes": [list(shape) for shape in self._key_shapes],
+            "param_shapes": [list(shape) for shape in self._params.shapes],
             "memory": self._session.memory_state(),
             "padded": self._session.padded_state(),
         }
@@ -548,7 +516,7 @@ class PowerSGDState:
                 raise ValueError(
                     f"checkpoint was saved with {name}={options.get(name)!r} but this PowerSGDState has "
                     f"{name}={getattr(self, name)!r}; construct the state with the same value to resume")
-        adaptive = None if self._adaptive is None else self._adaptive.to_dict()
+        adaptive = None if self.adaptive_rank is None else self.adaptive_rank.to_dict()
         if options.get("adaptive_rank") != adaptive:
             raise ValueError(f"checkpoint was saved with adaptive_rank={options.get('adaptive_rank')!r} but this "
                              f"PowerSGDState has adaptive_rank={adaptive!r}; construct the state with the same "
@@ -565,23 +533,13 @@ class PowerSGDState:
         self._lr_iter = -1
         self.total_bytes_before_compression = int(state_dict.get("total_bytes_before_compression", 0))
         self.total_bytes_after_compression = int(state_dict.get("total_bytes_after_compression", 0))
-        saved_shapes = [tuple(int(s) for s in shape) for shape in state_dict["param_shapes"]]
-        for key, shape in enumerate(self._key_shapes[: len(saved_shapes)]):
-            if saved_shapes[key] != shape:
-                raise ValueError(f"checkpoint parameter #{key} has shape {saved_shapes[key]}, this model's "
-                                 f"has {shape}: the checkpoint belongs to a different model")
-        self._key_shapes = saved_shapes if len(saved_shapes) >= len(self._key_shapes) else self._key_shapes
-        self._iteration_buckets.clear()
-        saved_adaptive = state_dict.get("adaptive", {})
-        self._adaptive_ranks = {int(k): int(v) for k, v in saved_adaptive.get("ranks", {}).items()}
-        self._rank_limits = {int(k): (int(v[0]), int(v[1])) for k, v in saved_adaptive.get("limits", {}).items()}
-        self._previous_norms = {int(k): float(v) for k, v in saved_adaptive.get("previous", {}).items()}
+        self._params.load(state_dict["param_shapes"], state_dict.get("adaptive", {}))
         self._session.load_memory_state(state_dict["memory"], state_dict.get("padded", {}))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.state_dict()
-        if self._policy is not None:
-            state["options"]["rank_policy"] = self._policy.rules
+        if self.rank_policy is not None:
+            state["options"]["rank_policy"] = self.rank_policy
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -602,87 +560,18 @@ class PowerSGDState:
             self._comm = make_communicator(self.process_group, self.comm_device, issuer="powerSGD_hook")
         return self._comm
 
-    def _note_bucket(self, bucket: Any) -> None:
-        """Refuse a second DDP model: DDP hands every parameter over in its first iteration, once per
-        bucket index, so a bucket index seen twice in one iteration (two models in one backward pass)
-        or a parameter first seen after that iteration (two models in turn) means that this state was
-        registered on two models. Their iterations would be counted twice and their buckets share
-        memory slots. Only DDP's own buckets are checked: FSDP units leave out parameters that have no
-        gradient, so a parameter may first appear there later."""
-        if not isinstance(bucket, dist.GradBucket):
-            return
-        index, params = bucket.index(), bucket.parameters()
-        first = id(params[0]) if params else 0
-        seen = self._iteration_buckets.get(index)
-        if seen is not None and seen != first:
-            raise RuntimeError(_TWO_MODELS.format(
-                f"bucket {index} arrived twice in one backward pass, with other parameters"))
-        if seen is not None:  # the same bucket again: an earlier backward pass was cut short
-            self._iteration_buckets.clear()
-        self._iteration_buckets[index] = first
-        if self._keys_closed:
-            for param in params:
-                entry = self._keys.get(id(param))
-                if entry is None or entry[0] is not param:
-                    raise RuntimeError(_TWO_MODELS.format(
-                        f"a parameter of shape {tuple(param.shape)} arrived after DDP's first iteration, "
-                        "which hands over every parameter of the model"))
-
-    def _keys_for(self, params: Sequence[Tensor]) -> tuple[int, ...]:
-        """Stable per-parameter keys: the order in which this state first saw each parameter.
-
-        That order is DDP's initial bucket layout (the layout of every process's first iteration), so a
-        resumed process assigns the same keys as the process that saved the checkpoint.
-        """
-        keys = []
-        for param in params:
-            entry = self._keys.get(id(param))
-            if entry is None or entry[0] is not param:
-                key = len(self._keys)
-                shape = tuple(param.shape)
-                if key < len(self._key_shapes) and self._key_shapes[key] != shape:
-                    raise ValueError(
-                        f"parameter #{key} has shape {shape} but the loaded PowerSGD checkpoint expects "
-                        f"{self._key_shapes[key]}: the model or its DDP bucket layout differs from the "
-                        "run that saved it")
-                if key >= len(self._key_shapes):
-                    self._key_shapes.append(shape)
-                entry = (param, key)
-                self._keys[id(param)] = entry
-            keys.append(entry[1])
-        return tuple(keys)
-
-    def _segment_for(self, index: int, keys: tuple[int, ...], grads: list[Tensor],
-                     params: Sequence[Tensor] = ()) -> Segment:
-        ranks = None if self._policy is None else self._ranks_for(keys, params)
-        if self._adaptive is not None:
-            ranks = self._adaptive_ranks_for(keys, grads, ranks)
+    def _segment_for(self, index: int, params: Sequence[Tensor], grads: list[Tensor]) -> Segment:
+        """The segment of a bucket of ``params`` (keyed by their stable keys, at their ranks)."""
+        keys = self._params.keys_for(params)
+        ranks = self._params.ranks_for(keys, params, grads)
         return self._session.store.get(index, keys, [g.shape for g in grads], grads[0].device,
-                               work_dtype_for(grads[0].dtype), ranks)
-
-    def _adaptive_ranks_for(self, keys: tuple[int, ...], grads: list[Tensor],
-                            policy: list[int | None] | None) -> list[int | None]:
-        """The adaptive rank in force per parameter (``None`` where the policy sends it exactly). A new
-        parameter starts at ``high``, capped where compressing would not pay (``min_compression_rate``)."""
-        assert self._adaptive is not None
-        ranks: list[int | None] = []
-        for i, key in enumerate(keys):
-            if policy is not None and policy[i] is None:
-                ranks.append(None)
-                continue
-            if key not in self._rank_limits:
-                n, m = as_matrix_shape(tuple(grads[i].shape))
-                cap = min(n, m, self._adaptive.high)
-                while cap > self._adaptive.low and not should_compress(n, m, cap, self.min_compression_rate):
-                    cap -= 1
-                self._rank_limits[key] = (min(self._adaptive.low, cap), cap)
-            ranks.append(self._adaptive_ranks.setdefault(key, self._rank_limits[key][1]))
-        return ranks
+                                       work_dtype_for(grads[0].dtype), ranks)
 
     def _adapt(self) -> None:
         """At the end of an interval: average every parameter's signal over the ranks (one all-reduce),
         decide its rank for the next interval (the same everywhere), resize the factors that change."""
-        assert self._adaptive is not None
+        adaptive = self._params.adaptive
+        assert adaptive is not None
         signals = self._session.store.signals()
         if not signals:
             return
@@ -692,33 +581,10 @@ class PowerSGDState:
         vector.div_(comm.world_size)
         comm.allreduce_sum(vector).wait()
         self._session.store.reset_signals()
-        changes = {}
-        for key, total in zip(keys, vector.tolist()):  # the one host read of the interval
-            mean = total / self._adaptive.every
-            decided = self._adaptive.decide(self._previous_norms.get(key), mean)
-            self._previous_norms[key] = mean
-            if decided is None or key not in self._rank_limits:
-                continue
-            low, high = self._rank_limits[key]
-            rank = high if decided == self._adaptive.high else low
-            if rank != self._adaptive_ranks.get(key):
-                self._adaptive_ranks[key] = rank
-                changes[key] = rank
+        # The one host read of the interval.
+        changes = self._params.decide({key: total / adaptive.every for key, total in zip(keys, vector.tolist())})
         if changes:
             self._session.store.resize(changes, self.random_seed, RESIZE_DRAW | self.iter)
-
-    def _ranks_for(self, keys: tuple[int, ...], params: Sequence[Tensor]) -> list[int | None]:
-        """Each parameter's rank under the policy (by its name, resolved once per key)."""
-        assert self._policy is not None
-        missing = [i for i, key in enumerate(keys) if key not in self._ranks]
-        for i in missing:
-            name = self._names.get(id(params[i]))
-            if name is None:
-                raise RuntimeError("PowerSGDState's rank_policy needs the parameters' names: call "
-                                   "state.name_parameters(model) before training (DDP's buckets carry the "
-                                   "parameters, not their names)")
-            self._ranks[keys[i]] = self._policy.rank_for(name, params[i])
-        return [self._ranks[key] for key in keys]
 
     def _run(self, task: Task, bucket: Any, result: Tensor, before: int, after: int,
              finish: Any = None, grad_dtype: torch.dtype = torch.float32) -> torch.futures.Future:
@@ -735,8 +601,8 @@ class PowerSGDState:
         self._session.submit(task, complete, fut.set_exception)
         if bucket.is_last():
             self._session.finish()
-            if self._adaptive is not None \
-                    and (self.iter - self.start_powerSGD_iter + 1) % self._adaptive.every == 0:
+            adaptive = self._params.adaptive
+            if adaptive is not None and (self.iter - self.start_powerSGD_iter + 1) % adaptive.every == 0:
                 self._adapt()
         self._session.count(before, after, grad_dtype, self._session.wire_dtype(grad_dtype))
         if bucket.is_last():
@@ -757,10 +623,10 @@ class PowerSGDState:
         """Begin a hook's work on ``bucket``: before ``start_powerSGD_iter`` average it exactly and return
         the future (parameters are still given their keys, in DDP's first layout); after, ``None``, and
         the hook compresses it with :meth:`compress_bucket`. Refuses a second DDP model on this state."""
-        self._note_bucket(bucket)
+        self._params.note_bucket(bucket)
         if self.iter >= self.start_powerSGD_iter:
             return None
-        self._keys_for(bucket.parameters())
+        self._params.keys_for(bucket.parameters())
         fut = allreduce_mean_future(bucket.buffer(), self.process_group, comm_device=self.comm_device)
         self.maybe_increase_iter(bucket)
         return fut
@@ -814,11 +680,9 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     fut = state.start_bucket(bucket)
     if fut is not None:
         return fut
-    params = bucket.parameters()
-    keys = state._keys_for(params)
     grads = bucket.gradients()
-    segment = state._segment_for(bucket.index(), keys, grads, params)
-    return state.compress_bucket(bucket, segment, grads, bucket.buffer(), track=state._adaptive is not None)
+    segment = state._segment_for(bucket.index(), bucket.parameters(), grads)
+    return state.compress_bucket(bucket, segment, grads, bucket.buffer(), track=state.adaptive_rank is not None)
 
 
 powersgd_hook = powerSGD_hook
