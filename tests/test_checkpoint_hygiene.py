@@ -1,4 +1,4 @@
-"""Checkpoint hygiene (issue 19): atomic save, clear errors for corrupt files, rank/world-size records."""
+"""Checkpoint hygiene: atomic save, clear errors for corrupt files, rank/world-size records."""
 
 from __future__ import annotations
 

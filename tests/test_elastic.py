@@ -1,4 +1,4 @@
-"""Issue 19, item 1: training that survives a lost worker.
+"""Training that survives a lost worker.
 
 ``examples/train.py --checkpoint-dir`` saves every rank's state atomically and resumes from the newest
 step all ranks completed; under ``torchrun --max-restarts`` a worker killed with SIGKILL restarts the

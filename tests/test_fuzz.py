@@ -244,7 +244,7 @@ class SimulatedCommunicator:
 def run_world(tasks, comms):
     """Run one engine task per worker in lockstep: each task runs to its next collective, then that
     collective is performed across all workers (sum or max, in the buffers' dtype), until all finish.
-    Every worker must issue the same collectives in the same order (design rule 3)."""
+    Every worker must issue the same collectives in the same order ("same order on every rank" in docs/design.md)."""
     while True:
         done = []
         for task in tasks:

@@ -1,4 +1,4 @@
-"""No host sync on the engine's hot path (issue 15.4), also when a step is not finite (issue 19.3).
+"""No host sync on the engine's hot path, also when a step is not finite.
 
 On a GPU, reading a tensor's value to the host (``bool(t)``, ``t.item()``, ``t.nonzero()``, boolean-mask
 indexing, ``t.tolist()``) waits for the stream: a stall of the autograd thread, once per bucket per
@@ -100,7 +100,7 @@ def no_host_reads():
 def as_on_an_accelerator():
     """Run the engine's CPU tensors down the path it takes where reading a value waits for the device.
 
-    ``raising=False``: the code before issue 15.4 has no such switch, and then fails on its reads."""
+    ``raising=False``: code without the guard has no such switch, and then fails on its reads."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(step_module, "_reading_waits", lambda device: True, raising=False)
         yield

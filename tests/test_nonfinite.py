@@ -1,4 +1,4 @@
-"""Non-finite steps (issue 19, item 3): an inf/NaN gradient on one rank is skipped by every rank.
+"""Non-finite steps: an inf/NaN gradient on one rank is skipped by every rank.
 
 The contract, for the DDP hooks, the standalone aggregator and the engine: when anything a step
 averaged is not finite (the sum carries one rank's inf to every rank), the error memory and warm-start
@@ -208,7 +208,7 @@ def _aggregator_run(rank, num_iters, use_scaler, skip_step):
         else:
             out["stepped"].append(gradpress.optimizer_step(optimizer, powersgd))
         if bad:
-            out["finite"] = getattr(powersgd, "finite", None)  # (absent before issue 19.3)
+            out["finite"] = getattr(powersgd, "finite", None)  # (absent in code without the commit)
             out["after"] = (powersgd.state_dict(), _params(model), copy.deepcopy(optimizer.state_dict()))
         out["losses"].append(loss.detach())
     out["params"] = _params(model)
@@ -271,7 +271,7 @@ def _outer_runs(rank, world):
             if step == 4:
                 record["after"] = (copy.deepcopy(averager.state_dict()), _params(model))
         record["params"] = _params(model)
-        record["skipped"] = getattr(averager, "num_skipped", None)  # (absent before issue 19.3)
+        record["skipped"] = getattr(averager, "num_skipped", None)  # (absent in code without the commit)
         record["averages"] = averager.num_averages
         out[name] = record
     return out
@@ -345,7 +345,7 @@ def _engine_step(segments, grads, config, compressed_step):
     from gradpress.pipeline import OrderedPipeline
     from gradpress.powersgd import step as step_module
 
-    # Before issue 19.3 there was no commit: each segment settled its own memory (the test then fails
+    # Without the commit, each segment settled its own memory (the test then fails
     # on what it checks, not on this import).
     commit = step_module.StepCommit() if hasattr(step_module, "StepCommit") else None
     pipeline = OrderedPipeline()

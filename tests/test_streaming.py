@@ -1,4 +1,4 @@
-"""Streaming DiLoCo (issue 18): fragment schedule, overlapped outer steps, compressed outer gradients with
+"""Streaming DiLoCo: fragment schedule, overlapped outer steps, compressed outer gradients with
 error feedback, non-finite outer gradients, checkpoints (gloo, 2 ranks with DIFFERENT parameters)."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ per rank, all methods in sequence in the same process group (start-up paid once;
 first, since the first method of a process pays for page faults). For each method a fresh model and DDP
 wrapper, ``--warmup`` untimed steps (the compressed methods start compressing after 2 of them), then
 ``--steps`` timed steps. ``powersgd-eager:R`` / ``multi-eager:R`` use the hook's pipeline as it was
-before issue 15 (``advance_on_submit=True``: each bucket's hook first finishes the previous buckets' P
+of the first releases (``advance_on_submit=True``: each bucket's hook first finishes the previous buckets' P
 phase, waiting for it inside the backward pass); ``powersgd-lazy:R`` / ``multi-lazy:R`` name today's
 default explicitly (every Q phase at the last bucket). ``--rounds N`` runs every method N times, interleaved, and pools the
 timed steps (each round's median is kept too). With ``--ranks-per-node L`` (nodes of L ranks sharing a
@@ -122,10 +122,10 @@ def make_method(spec: str, model: nn.Module) -> tuple[DDP, Any, Any]:
     elif kind in ("powersgd", "multi", "powersgd-lazy", "multi-lazy", "powersgd-eager", "multi-eager"):
         state = gradpress.PowerSGDState(None, matrix_approximation_rank=int(number), start_powerSGD_iter=START_ITER,
                                         num_iters_per_step=1 if kind.startswith("multi") else None)
-        if kind.endswith(("-lazy", "-eager")):  # the two orders of the pipeline (lazy: the default since issue 15)
+        if kind.endswith(("-lazy", "-eager")):  # the two orders of the pipeline (lazy: the default)
             state.session.pipeline.advance_on_submit = kind.endswith("-eager")
         hook = gradpress.powerSGD_hook
-    elif kind in ("hier-powersgd", "hier-allreduce", "hier-noop"):  # issue 16: exact in the node, hook across
+    elif kind in ("hier-powersgd", "hier-allreduce", "hier-noop"):  # exact in the node, hook across
         if _GROUPS["intra"] is None:
             raise ValueError(f"{spec} needs --ranks-per-node >= 2")
         # hier-noop: only the intra-node reduce-scatter and all-gather (what a fast node link would make free)
@@ -134,7 +134,7 @@ def make_method(spec: str, model: nn.Module) -> tuple[DDP, Any, Any]:
         state = _GROUPS["inter"] if kind != "hier-powersgd" else gradpress.PowerSGDState(
             _GROUPS["inter"], matrix_approximation_rank=int(number), start_powerSGD_iter=START_ITER)
         hook = gradpress.hierarchical_wrapper(inner, _GROUPS["intra"])
-    elif kind in ("hsdp", "fsdp-powersgd"):  # issue 16: FSDP2 sharded inside the node, replicas across nodes
+    elif kind in ("hsdp", "fsdp-powersgd"):  # FSDP2 sharded inside the node, replicas across nodes
         from torch.distributed.fsdp import fully_shard
 
         mesh = _GROUPS["mesh"]

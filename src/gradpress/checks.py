@@ -1,5 +1,5 @@
 """Argument checks shared by the constructors: each raises ``ValueError`` naming the argument, the value
-and the allowed range (house rule 8: errors speak, at construction)."""
+and the allowed range ("errors speak" in docs/design.md: at construction)."""
 
 from __future__ import annotations
 
