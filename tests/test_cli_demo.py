@@ -19,7 +19,7 @@ import gradpress
 import models
 from gradpress.cli import demo
 from gradpress.cli.demo import WorkerFailure, run_workers
-from gradpress.cli.main import main
+from gradpress.cli.main import build_parser, main
 from gradpress.workloads import DemoConfig, default_start_iter, get_task, parse_methods
 from gradpress.workloads.training import SPARSELOCO
 
@@ -101,7 +101,7 @@ def test_demo_end_to_end_writes_three_files_consistent_with_the_plan(tmp_path: P
 @pytest.mark.slow
 def test_demo_streaming_and_compressed_diloco_methods_send_what_the_formulas_say(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 18's demo methods: bytes from the payload formulas (written out here), counted by the averager."""
+    """The streaming and compressed-outer-gradient demo methods: bytes from the payload formulas (written out here), counted by the averager."""
     out = tmp_path / "out"
     code = main(["demo", "--workers", "2", "--steps", "20", "--start-iter", "4", "--methods",
                  "streaming:4,diloco-int8:4,diloco-int4:4,sparseloco:4", "--out", str(out)])
@@ -166,6 +166,12 @@ def test_demo_char_language_model_task(tmp_path: Path, capsys: pytest.CaptureFix
     report = json.loads((tmp_path / "demo.json").read_text())
     entry = report["methods"]["powersgd:1"]
     assert report["metric_name"] == "perplexity" and "test ppl" in captured.out
+    # The measured recipe's lr and fp16 wire (the rank is the command's): said in the header, counted in bytes.
+    assert report["lr"] == 2.0 and report["config"]["powersgd_options"] == {"bytes_per_weight": 2}
+    assert "SGD lr 2 momentum 0.9, seed 0; the measured recipe (docs/tuning.md): lr 2 for every method, " \
+           "PowerSGD with an fp16 wire" in captured.out
+    plan = gradpress.make_plan([p.shape for p in get_task("charlm").model(0).parameters()], 1, 2.0)
+    assert entry["bytes_per_step"] == 2 * plan.numel_sent and entry["counted"]["bytes_after"] == 2 * 2 * plan.numel_sent
     # Perplexity is exp(mean held-out cross-entropy) and starts near the vocabulary size.
     assert entry["metric"] == pytest.approx(math.exp(entry["test_loss"]))
     assert entry["curve"][0]["metric"] > 50 and entry["metric"] < entry["curve"][0]["metric"]
@@ -181,6 +187,10 @@ def test_demo_char_language_model_task(tmp_path: Path, capsys: pytest.CaptureFix
     (["--rank", "0"], ["--rank", ">= 1"]),
     (["--bandwidth", "fast"], ["--bandwidth", "1gbit"]),
     (["--warm-up-beta", "1.5"], ["--warm-up-beta", "(0, 1]"]),
+    (["--lr", "0"], ["--lr", "> 0"]),
+    (["--powersgd-options", "[2]"], ["--powersgd-options", "JSON object"]),
+    (["--powersgd-options", '{"bytes_per_weight": 3}'], ["--powersgd-options", "bytes_per_weight must be 2"]),
+    (["--powersgd-options", '{"rnak": 2}'], ["--powersgd-options", "rnak"]),
 ])
 def test_demo_bad_arguments_give_one_line_errors(argv, words, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", *argv]) == 2
@@ -200,13 +210,84 @@ def test_parse_bandwidth_units() -> None:
 
 
 def test_demo_defaults_are_the_documented_ones() -> None:
-    from gradpress.cli.main import build_parser
     args = build_parser().parse_args(["demo"])
     assert args.workers == 4 and args.task == "digits" and args.rank is None and args.start_iter is None
+    assert args.lr is None and args.powersgd_options is None
     assert demo.DEFAULT_RANKS == (1, 2)
     assert [m.label for m in parse_methods(args.methods, demo.DEFAULT_RANKS)] == [
         "allreduce", "fp16", "powersgd r=1", "powersgd r=2", "multi r=1", "multi r=2", "localsgd H=8", "diloco H=8"]
     assert str(args.out) == "gradpress-demo"
+
+
+def _resolved_run(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[DemoConfig, list[str]]:
+    """The DemoConfig and method labels ``gradpress demo ARGV`` hands to its workers (none is started)."""
+    seen: dict = {}
+
+    def capture(config, workers, **kwargs):
+        seen.update(config=config, methods=[m.label for m in kwargs["methods"]])
+        raise demo.Interrupted({})
+
+    monkeypatch.setattr(demo, "run_workers", capture)
+    assert main(["demo", *argv]) == 130
+    return seen["config"], seen["methods"]
+
+
+@pytest.mark.parametrize("task, lr, rank", [("charlm", 2.0, 22), ("charlm-wide", 1.0, 22), ("gpt", 0.1, 16)])
+def test_demo_applies_the_measured_recipe_where_the_command_line_leaves_it_out(
+        task: str, lr: float, rank: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    config, labels = _resolved_run(["--task", task], monkeypatch)
+    assert config.lr == lr and config.resolved_lr() == lr  # for every method: the allreduce baseline too
+    assert config.powersgd_options == {"bytes_per_weight": 2}
+    assert labels == ["allreduce", "fp16", f"powersgd r={rank}", f"multi r={rank}", "localsgd H=8", "diloco H=8"]
+    resolved = demo.resolve(build_parser().parse_args(["demo", "--task", task]))
+    assert resolved.recipe == (f"the measured recipe (docs/tuning.md): lr {lr:g} for every method, PowerSGD rank "
+                               f"{rank} with an fp16 wire")
+    # Task.lr and DemoConfig's defaults stay the task's own: the benchmarks' commands reproduce their numbers.
+    assert get_task("charlm").lr == get_task("charlm-wide").lr == 0.5
+    assert DemoConfig(task=task).resolved_lr() == get_task(task).lr and DemoConfig().powersgd_options is None
+
+
+def test_the_users_lr_rank_and_options_override_the_recipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    config, labels = _resolved_run(["--task", "charlm", "--lr", "0.5", "--rank", "1,4", "--methods",
+                                    "allreduce,powersgd,multi:8"], monkeypatch)
+    assert config.lr == 0.5 and labels == ["allreduce", "powersgd r=1", "powersgd r=4", "multi r=8"]
+    assert config.powersgd_options == {"bytes_per_weight": 2}  # the part not overridden
+    config, labels = _resolved_run(["--task", "charlm", "--powersgd-options", "{}"], monkeypatch)
+    assert config.powersgd_options == {} and config.lr == 2.0 and "powersgd r=22" in labels
+    config, _ = _resolved_run(["--task", "gpt", "--powersgd-options", '{"bytes_per_weight": 4, "warm_start": true}'],
+                              monkeypatch)
+    assert config.powersgd_options == {"bytes_per_weight": 4, "warm_start": True}
+    parse = build_parser().parse_args
+    resolved = demo.resolve(parse(["demo", "--task", "charlm", "--lr", "1", "--methods", "powersgd:4"]))
+    assert resolved.recipe == "the measured recipe (docs/tuning.md): PowerSGD with an fp16 wire"
+    assert demo.resolve(parse(["demo", "--task", "charlm", "--lr", "1", "--rank", "3", "--powersgd-options",
+                               "{}"])).recipe is None
+    # Without a PowerSGD method the options do not apply, and the report does not mention them.
+    resolved = demo.resolve(parse(["demo", "--task", "charlm-wide", "--methods", "allreduce,fp16"]))
+    assert resolved.powersgd_options is None and resolved.lr == 1.0
+    assert resolved.recipe == "the measured recipe (docs/tuning.md): lr 1 for every method"
+
+
+@pytest.mark.parametrize("task", ["digits", "gpt-wide"])
+def test_tasks_without_a_measured_recipe_keep_their_defaults(task: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    argv = [] if task == "digits" else ["--task", task]
+    config, labels = _resolved_run(argv, monkeypatch)
+    # What the demo ran before the recipes existed, field for field.
+    assert config == DemoConfig(task=task, steps=300, start_iter=30, seed=0, evals=15)
+    assert labels == ["allreduce", "fp16", "powersgd r=1", "powersgd r=2", "multi r=1", "multi r=2", "localsgd H=8",
+                      "diloco H=8"]
+    assert demo.resolve(build_parser().parse_args(["demo", *argv])).recipe is None
+
+
+def test_the_header_says_which_recipe_was_applied() -> None:
+    from gradpress.cli.demo.report import _header
+    summary = {"task": "charlm", "task_description": "character-level LSTM", "parameters": 1000, "workers": 2,
+               "backend": "gloo", "config": {"steps": 300, "momentum": 0.9, "seed": 0}, "batch_size": 16, "lr": 2.0}
+    plain = ("charlm: character-level LSTM; 1,000 parameters; 2 workers (gloo), 300 steps x batch 16 per worker, "
+             "SGD lr 2 momentum 0.9, seed 0")
+    assert _header(summary) == _header({**summary, "recipe": None}) == plain
+    note = "the measured recipe (docs/tuning.md): lr 2 for every method, PowerSGD rank 22 with an fp16 wire"
+    assert _header({**summary, "recipe": note}) == f"{plain}; {note}"
 
 
 def test_progress_prints_milestones_when_not_a_terminal() -> None:
@@ -384,7 +465,7 @@ KILLED = "worker rank 1 was killed by SIGKILL"
 ])
 def test_a_dead_or_stuck_worker_is_named_and_the_others_say_which_collective_and_hook_failed(
         kind: str, spec: str, issuer: str, words: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 19, item 4: rank 1 is killed (SIGKILL) or sleeps inside step 6; rank 0's collective fails
+    """A lost or stuck worker: rank 1 is killed (SIGKILL) or sleeps inside step 6; rank 0's collective fails
     (the reset connection, or the 5 s collective timeout), its error names the collective and the hook,
     the report names rank 1, and no worker process is left."""
     started: list[int] = []

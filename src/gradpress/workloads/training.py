@@ -15,8 +15,7 @@ import hashlib
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,169 +23,23 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import comm
-from ..averaging import (ModelAverager, OuterOptimizerAverager, PeriodicModelAverager, PostLocalSGDOptimizer,
-                         average_tensors_, tensors_to_average)
-from ..hooks import (PostLocalSGDState, PowerSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook,
-                     post_localSGD_hook, powerSGD_hook)
-from ..powersgd import Plan, make_plan
-from ..streaming import QuantizeInt4, QuantizeInt8, StreamingDiLoCoAverager, TopK, split_by_size
+from ..averaging import ModelAverager, PostLocalSGDOptimizer, average_tensors_, tensors_to_average
+from ..hooks import PowerSGDState
+from ..powersgd import make_plan
 from . import checkpoints
+from .config import FAIL_KINDS, DemoConfig, default_start_iter
+from .methods import (DEFAULT_PERIOD, METHOD_KINDS, METHOD_REGISTRY, SPARSELOCO, STREAMING_ALPHA, STREAMING_DELAY,
+                      STREAMING_FRAGMENTS, Method, MethodKind, bytes_schedule, method_kind, parse_methods)
 from .tasks import get_task
 
-__all__ = ["DemoConfig", "METHOD_KINDS", "Method", "ProgressFn", "bytes_schedule", "default_start_iter",
-           "param_checksum", "parse_methods", "train"]
-
-#: Method kinds: what each sends per step (``powersgd`` and ``multi`` take a rank).
-METHOD_KINDS: dict[str, str] = {
-    "allreduce": "plain allreduce of fp32 gradients (the baseline)",
-    "fp16": "gradients cast to fp16 for the allreduce (fp16_compress_hook)",
-    "bf16": "gradients cast to bf16 for the allreduce (bf16_compress_hook)",
-    "powersgd": "PowerSGD DDP hook, rank r (classic: P and Q every step)",
-    "multi": "multi-iteration PowerSGD, one one-sided iteration per step (half of powersgd's floats)",
-    "localsgd": "post-local SGD: synchronous until --start-iter, then local steps and model averaging "
-                "every H steps (localsgd:H, default 8)",
-    "diloco": "like localsgd, but every H steps the averaged change goes through an outer Nesterov "
-              "optimizer (DiLoCo; outer lr 0.7, momentum 0.5)",
-    "streaming": "streaming DiLoCo: diloco with the model in 4 fragments synchronised in turn (one every H/4 "
-                 "steps, a quarter of the bytes each time), each sync overlapped with the next inner step",
-    "diloco-int8": "diloco with the outer gradient quantized to int8 (per-chunk scales, error feedback)",
-    "diloco-int4": "diloco with the outer gradient quantized to int4 (per-chunk scales, error feedback)",
-    "sparseloco": "diloco with a sparse outer gradient: top 3% of each chunk, 2-bit values, error feedback "
-                  "in place of the outer momentum (SparseLoCo)",
-}
-_RANKED = ("powersgd", "multi")
-_PERIODIC = ("localsgd", "diloco", "streaming", "diloco-int8", "diloco-int4", "sparseloco")
-#: Fragments, overlap (inner steps) and local share of ``streaming``: (F, tau, alpha), F and tau capped by H.
-STREAMING_FRAGMENTS, STREAMING_DELAY, STREAMING_ALPHA = 4, 1, 0.5
-#: ``sparseloco``'s outer step: top-k density, error-feedback decay (SparseLoCo's beta) and outer lr, with
-#: no outer momentum. The best of a sweep on charlm (4 workers, 300 steps, H=8; BENCHMARKS.md): density
-#: 1% -> 3% and beta 0.9/0.95 -> 1 each lowered the perplexity.
-SPARSELOCO = {"density": 0.03, "error_decay": 1.0, "outer_lr": 1.0}
-#: Averaging period of ``localsgd`` and ``diloco`` when none is given.
-DEFAULT_PERIOD = 8
-
-#: How an injected failure (``DemoConfig.fail_at_step``) fails.
-FAIL_KINDS = ("raise", "sigkill", "hang")
+# The configuration and the methods live in .config and .methods; this module re-exports them, so
+# ``from gradpress.workloads.training import DemoConfig, parse_methods, SPARSELOCO`` keeps working.
+__all__ = ["DEFAULT_PERIOD", "DemoConfig", "FAIL_KINDS", "METHOD_KINDS", "METHOD_REGISTRY", "Method", "MethodKind",
+           "ProgressFn", "SPARSELOCO", "STREAMING_ALPHA", "STREAMING_DELAY", "STREAMING_FRAGMENTS", "bytes_schedule",
+           "default_start_iter", "param_checksum", "parse_methods", "train"]
 
 #: ``on_progress(label, step, steps, loss)``: called on rank 0 at every logged step.
 ProgressFn = Callable[[str, int, int, float], None]
-
-
-@dataclass(frozen=True)
-class Method:
-    """A communication method: ``kind`` (a key of :data:`METHOD_KINDS`), PowerSGD's rank or local
-    SGD's averaging period."""
-
-    kind: str
-    rank: int | None = None
-    period: int | None = None
-
-    @property
-    def label(self) -> str:
-        """``"allreduce"``, ``"powersgd r=2"``, ``"multi r=2"``, ``"localsgd H=8"``."""
-        if self.period is not None:
-            return f"{self.kind} H={self.period}"
-        return self.kind if self.rank is None else f"{self.kind} r={self.rank}"
-
-    @property
-    def spec(self) -> str:
-        """The ``--methods`` spelling that selects exactly this method (``"powersgd:2"``)."""
-        number = self.rank if self.period is None else self.period
-        return self.kind if number is None else f"{self.kind}:{number}"
-
-
-def parse_methods(text: str | Sequence[str], ranks: Sequence[int]) -> list[Method]:
-    """``"allreduce,powersgd,multi:4,localsgd:16"`` -> methods; a PowerSGD kind without ``:R`` runs once
-    per rank; ``localsgd``/``diloco`` take an averaging period ``:H`` (default :data:`DEFAULT_PERIOD`).
-
-    Raises ``ValueError`` (naming the valid methods) for an unknown name or a bad rank.
-    """
-    names = [t.strip() for t in (text.split(",") if isinstance(text, str) else text) if t.strip()]
-    if not names:
-        raise ValueError(f"--methods is empty; valid methods: {', '.join(METHOD_KINDS)}")
-    out: list[Method] = []
-    for name in names:
-        kind, _, rank_text = name.partition(":")
-        if kind not in METHOD_KINDS:
-            raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(METHOD_KINDS)} "
-                             "(powersgd and multi also as powersgd:R; "
-                             f"{', '.join(_PERIODIC)} as localsgd:H)")
-        if kind in _PERIODIC:
-            if rank_text and (not rank_text.isdigit() or int(rank_text) < 1):
-                raise ValueError(f"method {name!r}: the period after ':' must be an integer >= 1")
-            candidates = [Method(kind, period=int(rank_text) if rank_text else DEFAULT_PERIOD)]
-        elif kind not in _RANKED:
-            if rank_text:
-                raise ValueError(f"method {kind!r} takes no rank (got {name!r})")
-            candidates = [Method(kind)]
-        elif rank_text:
-            if not rank_text.isdigit() or int(rank_text) < 1:
-                raise ValueError(f"method {name!r}: the rank after ':' must be an integer >= 1")
-            candidates = [Method(kind, int(rank_text))]
-        else:
-            candidates = [Method(kind, r) for r in ranks]
-        out += [m for m in candidates if m not in out]
-    return out
-
-
-def default_start_iter(steps: int) -> int:
-    """Plain-allreduce steps before compression or local steps start, when the user gives none: a tenth
-    of the run (30 of the default 300 steps), at least 2 (DDP rebuilds its buckets after the first step,
-    and ``PowerSGDState`` needs ``start_powerSGD_iter >= 2``).
-
-    >>> default_start_iter(300), default_start_iter(10)
-    (30, 2)
-    """
-    return max(2, round(steps / 10))
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    """Everything that defines a run (identical on every worker).
-
-    ``batch_size`` (per worker) and ``lr`` default to the task's. ``start_iter``: plain-allreduce steps
-    before PowerSGD starts. ``evals``: how many times the test metric is measured along the run.
-    ``warm_up_beta``: ``PowerSGDState(warm_up_beta_factor=...)`` for the PowerSGD methods.
-    ``powersgd_options``: further ``PowerSGDState`` keyword arguments for the PowerSGD methods (e.g.
-    ``{"num_iters_per_step": 2}``), over the ones the method and this configuration set.
-    ``outer_lr``, ``outer_momentum``: ``diloco``'s outer Nesterov SGD (momentum 0.5, not DiLoCo's 0.9,
-    which is tuned for periods of hundreds of AdamW steps and diverges on this short-period demo).
-    ``fail_at_step``/``fail_rank``/``fail_kind``: make that rank fail at that step, to exercise failure
-    handling: ``"raise"`` an exception, ``"sigkill"`` itself (a lost worker), or ``"hang"`` (sleep inside
-    the step until killed: a stuck worker); only in a run that did not resume from a checkpoint, so a
-    restarted run gets past it. Checkpoints ignore these three fields.
-    """
-
-    task: str = "digits"
-    steps: int = 300
-    start_iter: int = 30
-    seed: int = 0
-    batch_size: int | None = None
-    lr: float | None = None
-    momentum: float = 0.9
-    min_compression_rate: float = 2.0
-    evals: int = 15
-    warm_up_beta: float | None = None
-    powersgd_options: dict[str, Any] | None = None
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.5
-    fail_at_step: int | None = None
-    fail_rank: int = 1
-    fail_kind: str = "raise"
-
-    def __post_init__(self) -> None:
-        if self.fail_kind not in FAIL_KINDS:
-            raise ValueError(f"fail_kind must be one of {', '.join(FAIL_KINDS)}, got {self.fail_kind!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-dict form (JSON-serialisable, picklable)."""
-        return asdict(self)
-
-    def resolved_batch_size(self) -> int:
-        return self.batch_size if self.batch_size is not None else get_task(self.task).batch_size
-
-    def resolved_lr(self) -> float:
-        return self.lr if self.lr is not None else get_task(self.task).lr
 
 
 def param_checksum(model: nn.Module) -> tuple[float, str]:
@@ -198,107 +51,6 @@ def param_checksum(model: nn.Module) -> tuple[float, str]:
         total += float(data.double().sum())
         digest.update(ctypes.string_at(data.data_ptr(), data.numel() * data.element_size()))  # no numpy
     return total, digest.hexdigest()
-
-
-def bytes_schedule(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
-    """Payload bytes one worker hands to its collectives at each step (1-based index - 1), from the plan.
-    (With one worker the collectives have no peer: nothing is sent, whatever the payload.)
-
-    fp32 gradients: allreduce 4 bytes per element, fp16/bf16 2; PowerSGD sends every element (fp32)
-    for ``start_iter`` steps, then ``(n + m) r`` per compressed matrix (classic), or one factor per step
-    for ``multi`` (alternately ``n r`` and ``m r``). ``localsgd``/``diloco`` send every element on the
-    synchronous steps and on each averaging step (every ``period`` steps from ``start_iter``), nothing
-    on the others.
-    """
-    if method.kind in _STREAMED:
-        return _streamed_schedule(method, plan, config)
-    out = []
-    for step in range(config.steps):
-        if method.period is not None:
-            averaging = step < config.start_iter or (step - config.start_iter) % method.period == 0
-            out.append(4 * plan.numel if averaging else 0)
-        elif method.kind in ("fp16", "bf16"):
-            out.append(2 * plan.numel)
-        elif method.kind == "allreduce" or step < config.start_iter:
-            out.append(4 * plan.numel)
-        elif method.kind == "powersgd":
-            out.append(4 * plan.numel_sent)
-        else:
-            out.append(4 * plan.numel_sent_per_step(1, step - config.start_iter))
-    return out
-
-
-_STREAMED = ("streaming", "diloco-int8", "diloco-int4", "sparseloco")
-
-
-def _streaming_averager(method: Method, config: DemoConfig, num_tensors: int) -> StreamingDiLoCoAverager:
-    """The :class:`StreamingDiLoCoAverager` of a ``streaming``/``diloco-int8``/``diloco-int4``/``sparseloco``
-    method (the latter three: one fragment, no overlap, compressed outer gradient)."""
-    period = method.period or 1
-    if method.kind == "streaming":
-        return StreamingDiLoCoAverager(
-            period, warmup_steps=config.start_iter, num_fragments=min(STREAMING_FRAGMENTS, period, num_tensors),
-            fragment_sync_delay=min(STREAMING_DELAY, period - 1), fragment_update_alpha=STREAMING_ALPHA,
-            outer_lr=config.outer_lr, outer_momentum=config.outer_momentum)
-    if method.kind == "sparseloco":  # no outer momentum: the decayed error feedback stands in for it
-        return StreamingDiLoCoAverager(period, warmup_steps=config.start_iter, outer_lr=SPARSELOCO["outer_lr"],
-                                       outer_momentum=0.0, compression=TopK(density=SPARSELOCO["density"],
-                                                                            error_decay=SPARSELOCO["error_decay"]))
-    compression = QuantizeInt8() if method.kind == "diloco-int8" else QuantizeInt4()
-    return StreamingDiLoCoAverager(period, warmup_steps=config.start_iter, outer_lr=config.outer_lr,
-                                   outer_momentum=config.outer_momentum, compression=compression)
-
-
-def _streamed_schedule(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
-    """:func:`bytes_schedule` of the :data:`_STREAMED` methods: fp32 gradients until ``start_iter``, then
-    at each fragment's sync step its payload (a fragment's first sync: plain fp32 averaging)."""
-    averager, numel, steady = _streamed_payloads(method, plan, config)
-    out, synced = [], set()
-    for step in range(config.steps):
-        fragment = averager.fragment_sent_at(step)  # the averager's step numbering is the 0-based step
-        if step < config.start_iter:
-            out.append(4 * plan.numel)
-        elif fragment is None:
-            out.append(0)
-        elif fragment not in synced:
-            synced.add(fragment)
-            out.append(4 * numel[fragment])
-        else:
-            out.append(steady[fragment])
-    return out
-
-
-def _streamed_payloads(method: Method, plan: Plan, config: DemoConfig
-                       ) -> tuple[StreamingDiLoCoAverager, list[int], list[int]]:
-    """``(averager, numel of each fragment, bytes of each fragment's outer sync after its first)``."""
-    averager = _streaming_averager(method, config, len(plan.tensors))
-    sizes = [t.numel for t in plan.tensors]
-    layout = split_by_size(sizes, averager.num_fragments)
-    numel = [sum(n for n, f in zip(sizes, layout) if f == k) for k in range(averager.num_fragments)]
-    compression = averager.compression
-    steady = [4 * n if compression is None else compression.payload_bytes(n) for n in numel]
-    return averager, numel, steady
-
-
-def _hook(method: Method, config: DemoConfig) -> tuple[Any, Any]:
-    if method.kind == "allreduce":
-        return None, allreduce_hook
-    if method.kind == "fp16":
-        return None, fp16_compress_hook
-    if method.kind == "bf16":
-        return None, bf16_compress_hook
-    if method.period is not None:  # gradients averaged until start_iter, then none (model averaging)
-        return PostLocalSGDState(None, None, start_localSGD_iter=config.start_iter,
-                                 post_local_gradient_allreduce=False), post_localSGD_hook
-    options: dict[str, Any] = {
-        "matrix_approximation_rank": method.rank or 1, "start_powerSGD_iter": config.start_iter,
-        "min_compression_rate": config.min_compression_rate, "random_seed": config.seed,
-        "num_iters_per_step": 1 if method.kind == "multi" else None, "warm_up_beta_factor": config.warm_up_beta,
-        # Measured at (about) every evaluation, where the curve records it.
-        "approximation_error_every_n_iters": max(1, config.steps // config.evals),
-        **(config.powersgd_options or {})}
-    state = PowerSGDState(None, **options)
-    return state, powerSGD_hook
 
 
 def _mean(values: list[float]) -> float | None:
@@ -371,8 +123,7 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     finds checkpoints there resumes from the newest step every rank completed and ends with the same
     parameters as a run that never stopped. A checkpoint of another configuration raises ``ValueError``.
     """
-    if method.kind not in METHOD_KINDS:
-        raise ValueError(f"unknown method {method.kind!r}; valid methods: {', '.join(METHOD_KINDS)}")
+    kind = method_kind(method.kind)  # ValueError naming the valid methods
     if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
                                          or checkpoint_every < 1):
         raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
@@ -388,20 +139,14 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     model = task.model(config.seed).to(device)
     plan = make_plan([p.shape for p in model.parameters()], method.rank or 1, config.min_compression_rate)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    state, hook = _hook(method, config)
+    state, hook = kind.hook(method, config)
     if isinstance(state, PowerSGDState):
         state.name_parameters(model)
     ddp.register_comm_hook(state, hook)
     optimizer: torch.optim.Optimizer = torch.optim.SGD(ddp.parameters(), lr=config.resolved_lr(),
                                                        momentum=config.momentum)
-    averager: ModelAverager | None = None
-    if method.kind == "localsgd":
-        averager = PeriodicModelAverager(method.period or 1, warmup_steps=config.start_iter)
-    elif method.kind == "diloco":
-        averager = OuterOptimizerAverager(method.period or 1, warmup_steps=config.start_iter,
-                                          outer_lr=config.outer_lr, outer_momentum=config.outer_momentum)
-    elif method.kind in _STREAMED:
-        averager = _streaming_averager(method, config, len(plan.tensors))
+    averager: ModelAverager | None = (None if kind.averager is None
+                                      else kind.averager(method, config, len(plan.tensors)))
     if averager is not None:
         optimizer = PostLocalSGDOptimizer(optimizer, averager)
     payload = bytes_schedule(method, plan, config)
@@ -482,9 +227,9 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     syncs = config.steps
     if averager is not None:
         syncs = min(config.steps, config.start_iter) + averager.num_averages
-        # End on the average of the workers' models, the model one would keep (streaming's fragments are
-        # never all in step at once).
-        if payload[-1] == 0 or method.kind == "streaming":
+        # End on the average of the workers' models, the model one would keep (and always for a kind with
+        # final_average: streaming's fragments are never all in step at once).
+        if payload[-1] == 0 or kind.final_average:
             start = time.perf_counter()
             sent += average_tensors_(tensors_to_average(model.parameters()))
             train_time += time.perf_counter() - start  # part of making the model: counted as training
@@ -496,10 +241,7 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     comm.all_reduce(times, issuer="the demo's timing", op="max")
     checksum, digest = param_checksum(model)
     tail = schedule[config.start_iter:]
-    steady: float = sum(tail) / len(tail) if method.kind == "multi" and tail else schedule[-1]
-    if method.period is not None and world_size > 1:
-        steady = (sum(_streamed_payloads(method, plan, config)[2]) if method.kind in _STREAMED
-                  else 4 * plan.numel) / method.period
+    steady = kind.bytes_per_step(method, plan, config, schedule, world_size)
     allreduce_step = 4 * plan.numel if world_size > 1 else 0
     result: dict[str, Any] = {
         "method": method.spec,

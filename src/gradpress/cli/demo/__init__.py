@@ -10,6 +10,11 @@ that every worker ended with identical parameters and that PowerSGD's counted by
 If a worker fails, the parent stops the others, prints the failing worker's traceback and exits 1;
 it never waits longer than ``--timeout`` seconds.
 
+On a task with a measured PowerSGD recipe (``charlm``, ``charlm-wide``, ``gpt``:
+:class:`~gradpress.workloads.Recipe`) the demo takes its learning rate (for every method), its rank and
+its PowerSGD options (an fp16 wire) for whatever ``--lr``, ``--rank`` and ``--powersgd-options`` leave
+out (:func:`resolve`); the report says so. Other tasks keep their own defaults.
+
 This module holds the arguments, the progress bars and the command; :mod:`.supervisor` the worker
 processes, :mod:`.report` the summary and tables, :mod:`.plot` the figure.
 """
@@ -22,13 +27,16 @@ import re
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...hooks import PowerSGDState
 from ...launch import free_port, usable_cores
+from ...workloads.config import DemoConfig, default_start_iter
+from ...workloads.methods import METHOD_KINDS, METHOD_REGISTRY, Method, parse_methods
 from ...workloads.tasks import TASKS, get_task
-from ...workloads.training import METHOD_KINDS, DemoConfig, Method, default_start_iter, parse_methods
 from ..args import int_at_least, int_list, positive_float
 from .plot import make_figure, plot
 from .report import format_markdown, format_rate, format_report, plural, settled, summarize
@@ -36,8 +44,8 @@ from .report import notes as _notes  # noqa: F401  (the README's tests read the 
 from .report import table as _table  # noqa: F401
 from .supervisor import DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_TIMEOUT, Interrupted, WorkerFailure, mp, run_workers
 
-__all__ = ["Interrupted", "WorkerFailure", "format_report", "free_port", "parse_bandwidth", "register", "run",
-           "run_workers", "summarize"]
+__all__ = ["Interrupted", "Resolved", "WorkerFailure", "format_report", "free_port", "parse_bandwidth", "register",
+           "resolve", "run", "run_workers", "summarize"]
 
 
 _DEFAULTS = DemoConfig()
@@ -75,6 +83,44 @@ def parse_bandwidth(text: str) -> float:
     return value if unit.startswith(("B", "byte")) else value / 8
 
 
+def parse_powersgd_options(text: str) -> dict[str, Any]:
+    """``--powersgd-options``: a JSON object of further ``PowerSGDState`` keyword arguments, checked by
+    building a state with them (so a typo fails here, not in the workers).
+
+    >>> parse_powersgd_options('{"bytes_per_weight": 2}')
+    {'bytes_per_weight': 2}
+    """
+    try:
+        options = json.loads(text)
+    except ValueError:
+        options = None
+    if not isinstance(options, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object of PowerSGDState arguments such as "
+                                         f"'{{\"bytes_per_weight\": 4}}', got {text!r}")
+    try:
+        PowerSGDState(None, **{"start_powerSGD_iter": 2, **options})
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"not valid PowerSGDState arguments ({exc}), got {text!r}") from None
+    return options
+
+
+def _listing(items: Sequence[str]) -> str:
+    """``"a"``, ``"a and b"``, ``"a, b and c"``."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _recipes_help(value: str) -> str:
+    """``"charlm 2, charlm-wide 1 and gpt 0.1"``: each measured recipe's ``lr`` or ``rank``; for
+    ``"powersgd_options"``, ``'{"bytes_per_weight": 2}' on charlm, charlm-wide and gpt``."""
+    recipes = [(t.name, t.recipe) for t in TASKS.values() if t.recipe is not None]
+    if value != "powersgd_options":
+        return _listing([f"{name} {getattr(recipe, value):g}" for name, recipe in recipes])
+    groups: dict[str, list[str]] = {}
+    for name, recipe in recipes:
+        groups.setdefault(json.dumps(dict(recipe.powersgd_options)), []).append(name)
+    return "; ".join(f"'{options}' on {_listing(names)}" for options, names in groups.items())
+
+
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``demo`` subcommand to ``subparsers`` (an ``add_subparsers()`` result)."""
     # argparse %-formats help strings: a literal "%" in a description must be doubled.
@@ -95,7 +141,16 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                              "once per --rank, or at one rank as powersgd:R (default: %(default)s)")
     parser.add_argument("--rank", type=int_list(1), default=None, metavar="R[,R...]",
                         help=f"PowerSGD approximation rank(s) for the methods given without one (powersgd, "
-                             f"multi) (integers >= 1; default: {','.join(map(str, DEFAULT_RANKS))})")
+                             f"multi) (integers >= 1; default: the task's measured recipe, "
+                             f"{_recipes_help('rank')}; {','.join(map(str, DEFAULT_RANKS))} on the other tasks)")
+    parser.add_argument("--lr", type=positive_float, default=None, metavar="LR",
+                        help="SGD learning rate of every method (default: the task's measured recipe, "
+                             f"{_recipes_help('lr')}; the task's own on the others: "
+                             f"{', '.join(f'{t.name} {t.lr:g}' for t in TASKS.values() if t.recipe is None)})")
+    parser.add_argument("--powersgd-options", type=parse_powersgd_options, default=None, metavar="JSON",
+                        help="further PowerSGDState arguments for the PowerSGD methods, as a JSON object (e.g. "
+                             "'{\"bytes_per_weight\": 4}' for an fp32 wire; default: the task's measured recipe, "
+                             f"{_recipes_help('powersgd_options')}; none on the others)")
     parser.add_argument("--steps", type=int_at_least(1), default=_DEFAULTS.steps, metavar="N",
                         help="training steps per method (integer >= 1; default: %(default)s)")
     parser.add_argument("--start-iter", type=int_at_least(2), default=None, metavar="N",
@@ -173,9 +228,57 @@ def _warn(message: str) -> None:
     print(f"gradpress demo: warning: {message}", file=sys.stderr)
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """What ``gradpress demo``'s arguments come to: the methods, the learning rate (``None``: the task's),
+    the PowerSGD options, and ``recipe``: what of the task's measured recipe filled in what the user left
+    out, in words for the report (``None``: nothing)."""
+
+    methods: list[Method]
+    lr: float | None
+    powersgd_options: dict[str, Any] | None
+    recipe: str | None
+
+
+def _describe_options(options: Mapping[str, Any]) -> str:
+    """``{"bytes_per_weight": 2}`` -> ``"an fp16 wire"``; other options as ``key=value``."""
+    words = {2: "an fp16 wire", 4: "an fp32 wire", 8: "an fp64 wire"}
+    return ", ".join(words.get(v, f"{k}={v!r}") if k == "bytes_per_weight" else f"{k}={v!r}"
+                     for k, v in options.items())
+
+
+def resolve(args: argparse.Namespace) -> Resolved:
+    """The methods and settings of a ``gradpress demo`` command line. On a task with a measured recipe
+    (:class:`~gradpress.workloads.Recipe`), what ``--lr``, ``--rank`` and ``--powersgd-options`` leave out
+    comes from it: its lr for every method (the allreduce baseline is the tuned one too), its rank for the
+    PowerSGD methods given without ``:R``, its options for the PowerSGD methods; elsewhere the task's lr
+    and :data:`DEFAULT_RANKS`. ``ValueError`` for an unknown task or a bad ``--methods``.
+    """
+    recipe = get_task(args.task).recipe
+    rank = args.rank
+    ranks = rank if rank is not None else [recipe.rank] if recipe is not None else DEFAULT_RANKS
+    methods = parse_methods(args.methods, ranks)
+    powersgd = any(METHOD_REGISTRY[m.kind].argument == "rank" for m in methods)
+    lr, options = args.lr, args.powersgd_options
+    applied: list[str] = []
+    if recipe is not None and lr is None:
+        lr = recipe.lr
+        applied.append(f"lr {lr:g} for every method")
+    details: list[str] = []
+    if recipe is not None and rank is None and parse_methods(args.methods, []) != methods:
+        details.append(f"rank {recipe.rank}")  # some PowerSGD method took the default rank
+    if recipe is not None and options is None and powersgd:
+        options = dict(recipe.powersgd_options)
+        details.append(f"with {_describe_options(options)}")
+    if details:
+        applied.append(" ".join(["PowerSGD", *details]))
+    note = f"the measured recipe (docs/tuning.md): {', '.join(applied)}" if applied else None
+    return Resolved(methods, lr, options, note)
+
+
 def _start_iter(args: argparse.Namespace, methods: Sequence[Method]) -> int | str:
     """The warm-up length, or an error message when the user's own --start-iter contradicts --steps."""
-    uses_warm_up = any(m.kind not in ("allreduce", "fp16", "bf16") for m in methods)
+    uses_warm_up = any(METHOD_REGISTRY[m.kind].warms_up for m in methods)
     if args.start_iter is None:
         start_iter = default_start_iter(args.steps)
         if start_iter >= args.steps and uses_warm_up:
@@ -194,9 +297,10 @@ def run(args: argparse.Namespace) -> int:
     interrupted (the methods that finished are still reported and written)."""
     try:
         task = get_task(args.task)
-        methods = parse_methods(args.methods, args.rank if args.rank is not None else DEFAULT_RANKS)
+        resolved = resolve(args)
     except ValueError as exc:
         return _fail(str(exc))
+    methods = resolved.methods
     start_iter = _start_iter(args, methods)
     if isinstance(start_iter, str):
         return _fail(start_iter)
@@ -211,8 +315,9 @@ def run(args: argparse.Namespace) -> int:
         _warn(f"{args.workers} workers on {plural(cores, 'core')}: each worker gets a small share of a core, so "
               f"the run is slow and its times mostly measure waiting; --workers {cores} to {2 * cores} fits "
               "this machine")
-    config = DemoConfig(task=task.name, steps=args.steps, start_iter=start_iter, seed=args.seed,
-                        evals=min(15, args.steps), warm_up_beta=args.warm_up_beta)
+    config = DemoConfig(task=task.name, steps=args.steps, start_iter=start_iter, seed=args.seed, lr=resolved.lr,
+                        evals=min(15, args.steps), warm_up_beta=args.warm_up_beta,
+                        powersgd_options=resolved.powersgd_options)
     argv = getattr(args, "argv", None)
     command = " ".join(["gradpress", "demo", *map(shlex.quote, argv or [])])
     print(f"gradpress demo: {task.name} ({task.description}), {plural(args.workers, 'worker')}, "
@@ -234,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     wall_time = time.perf_counter() - start
 
-    summary = summarize(results, config, args.workers, wall_time, args.bandwidth, command)
+    summary = summarize(results, config, args.workers, wall_time, args.bandwidth, command, resolved.recipe)
     if interrupted:
         summary["interrupted"] = [m.label for m in methods]
     print(format_report(summary))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...workloads.config import DemoConfig
 from ...workloads.tasks import get_task
-from ...workloads.training import DemoConfig
 
 
 # --- report -------------------------------------------------------------------------------------------
@@ -34,8 +34,11 @@ def _format_bytes(n: float) -> str:
 
 
 def summarize(results: dict[str, list[dict[str, Any]]], config: DemoConfig, workers: int, wall_time: float,
-              bandwidth: float | None = None, command: str = "gradpress demo") -> dict[str, Any]:
+              bandwidth: float | None = None, command: str = "gradpress demo",
+              recipe: str | None = None) -> dict[str, Any]:
     """The JSON document: settings, per-method figures (rank 0's, plus every rank's checksum) and checks.
+    ``recipe``: what of the task's measured recipe the demo applied, in words (``None``: nothing); the
+    header repeats it.
 
     With ``bandwidth`` (bytes/s), each method gets ``modelled_time_s``: its measured training time plus
     ``2 (n - 1) / n * bytes_total / bandwidth``, the time a ring allreduce of its payload takes on a link
@@ -63,6 +66,7 @@ def summarize(results: dict[str, list[dict[str, Any]]], config: DemoConfig, work
         "config": config.to_dict(),
         "batch_size": config.resolved_batch_size(),
         "lr": config.resolved_lr(),
+        "recipe": recipe,
         "parameters": first["numel"],
         "methods": methods,
         "ranks_agree": all(m["ranks_agree"] for m in methods.values()),
@@ -213,7 +217,7 @@ def _header(summary: dict[str, Any]) -> str:
     return (f"{summary['task']}: {summary['task_description']}; {summary['parameters']:,} parameters; "
             f"{plural(summary['workers'], 'worker')} ({summary['backend']}), {config['steps']} steps x batch "
             f"{summary['batch_size']} per worker, SGD lr {summary['lr']:g} momentum {config['momentum']:g}, "
-            f"seed {config['seed']}")
+            f"seed {config['seed']}" + (f"; {summary['recipe']}" if summary.get("recipe") else ""))
 
 
 def format_report(summary: dict[str, Any]) -> str:

@@ -1,0 +1,74 @@
+"""What defines a demo training run (:class:`DemoConfig`, identical on every worker) and its default warm-up."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .tasks import get_task
+
+__all__ = ["FAIL_KINDS", "DemoConfig", "default_start_iter"]
+
+#: How an injected failure (``DemoConfig.fail_at_step``) fails.
+FAIL_KINDS = ("raise", "sigkill", "hang")
+
+
+def default_start_iter(steps: int) -> int:
+    """Plain-allreduce steps before compression or local steps start, when the user gives none: a tenth
+    of the run (30 of the default 300 steps), at least 2 (DDP rebuilds its buckets after the first step,
+    and ``PowerSGDState`` needs ``start_powerSGD_iter >= 2``).
+
+    >>> default_start_iter(300), default_start_iter(10)
+    (30, 2)
+    """
+    return max(2, round(steps / 10))
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Everything that defines a run (identical on every worker).
+
+    ``batch_size`` (per worker) and ``lr`` default to the task's. ``start_iter``: plain-allreduce steps
+    before PowerSGD starts. ``evals``: how many times the test metric is measured along the run.
+    ``warm_up_beta``: ``PowerSGDState(warm_up_beta_factor=...)`` for the PowerSGD methods.
+    ``powersgd_options``: further ``PowerSGDState`` keyword arguments for the PowerSGD methods (e.g.
+    ``{"num_iters_per_step": 2}``), over the ones the method and this configuration set; its
+    ``bytes_per_weight`` (the wire's precision) also sets the bytes of their compressed steps.
+    ``outer_lr``, ``outer_momentum``: ``diloco``'s outer Nesterov SGD (momentum 0.5, not DiLoCo's 0.9,
+    which is tuned for periods of hundreds of AdamW steps and diverges on this short-period demo).
+    ``fail_at_step``/``fail_rank``/``fail_kind``: make that rank fail at that step, to exercise failure
+    handling: ``"raise"`` an exception, ``"sigkill"`` itself (a lost worker), or ``"hang"`` (sleep inside
+    the step until killed: a stuck worker); only in a run that did not resume from a checkpoint, so a
+    restarted run gets past it. Checkpoints ignore these three fields.
+    """
+
+    task: str = "digits"
+    steps: int = 300
+    start_iter: int = 30
+    seed: int = 0
+    batch_size: int | None = None
+    lr: float | None = None
+    momentum: float = 0.9
+    min_compression_rate: float = 2.0
+    evals: int = 15
+    warm_up_beta: float | None = None
+    powersgd_options: dict[str, Any] | None = None
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.5
+    fail_at_step: int | None = None
+    fail_rank: int = 1
+    fail_kind: str = "raise"
+
+    def __post_init__(self) -> None:
+        if self.fail_kind not in FAIL_KINDS:
+            raise ValueError(f"fail_kind must be one of {', '.join(FAIL_KINDS)}, got {self.fail_kind!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (JSON-serialisable, picklable)."""
+        return asdict(self)
+
+    def resolved_batch_size(self) -> int:
+        return self.batch_size if self.batch_size is not None else get_task(self.task).batch_size
+
+    def resolved_lr(self) -> float:
+        return self.lr if self.lr is not None else get_task(self.task).lr
