@@ -34,7 +34,8 @@ __all__ = ["BUCKET_BYTES", "Method", "Prediction", "candidate_methods", "predict
 #: DDP's default bucket size (``bucket_cap_mb=25``): one collective (per phase) per bucket.
 BUCKET_BYTES = 25 * 1024 * 1024
 
-#: PowerSGD's recommended configuration (docs/tuning.md: rank 22 on an fp16 wire, measured on charlm).
+#: PowerSGD's recommended configuration (docs/tuning.md: rank 22 on an fp16 wire, measured on charlm, charlm-wide
+#: and, at rank 16, on a width-128 transformer).
 RECOMMENDED_POWERSGD = (22, 2)
 
 
