@@ -11,6 +11,9 @@ Bytes per step: allreduce sends every gradient in fp32, the cast hooks in 2 byte
 fp16 wire one more tiny one per phase for the scale), local SGD and DiLoCo all parameters once every
 ``H`` steps (averaged over the H steps). Local SGD and DiLoCo change the optimization (fewer
 synchronizations), so the fastest step is not always the fastest to a given loss; the report says so.
+PowerSGD below the recipe's rank (:data:`RECOMMENDED_POWERSGD`) is predicted too, for comparison, but
+never recommended: in the quality study it needed more steps to the same loss (rank 4: never reached
+allreduce's mid-run perplexity on charlm), which a faster step does not buy back.
 
 >>> from gradpress.check.link import Link
 >>> link = Link(world_size=2, latency_s=1e-4, busbw=12.5e6)          # 100 Mbit/s
@@ -42,13 +45,15 @@ RECOMMENDED_POWERSGD = (22, 2)
 @dataclass(frozen=True)
 class Method:
     """A candidate: ``bytes_per_step`` and ``collectives_per_step`` averaged over steps; ``config`` says how
-    to use it; ``changes_optimization`` for methods that synchronize less often than every step."""
+    to use it; ``changes_optimization`` for methods that synchronize less often than every step; ``note``:
+    why it trains differently from allreduce per step (empty when it does not), shown in the report."""
 
     name: str
     config: str
     bytes_per_step: float
     collectives_per_step: float
     changes_optimization: bool = False
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class Prediction:
     comm_ms: float
     bytes_per_step: float
     changes_optimization: bool
+    note: str = ""
 
     @property
     def predicted_ms(self) -> float:
@@ -90,13 +96,16 @@ def candidate_methods(shapes: Sequence[Sequence[int]], local_sgd_period: int = 8
         plan = make_plan(shapes, rank, min_compression_rate=2)
         phases = 2 * buckets * (2 if bytes_per_weight == 2 else 1)  # an fp16 wire max-reduces its scale first
         wire = "fp16" if bytes_per_weight == 2 else "fp32"
+        note = (f"rank below {RECOMMENDED_POWERSGD[0]}: more steps to the same loss"
+                if rank < RECOMMENDED_POWERSGD[0] else "")
         methods.append(Method(f"powersgd-r{rank}-{wire}",
                               f"PowerSGDState(pg, matrix_approximation_rank={rank}, bytes_per_weight={bytes_per_weight})",
-                              plan.numel_sent * bytes_per_weight, phases))
+                              plan.numel_sent * bytes_per_weight, phases, note=note))
+    periodic = "fewer syncs: check its loss"
     methods.append(Method(f"local-sgd-h{local_sgd_period}", f"PeriodicModelAverager(period={local_sgd_period})",
-                          numel * 4 / local_sgd_period, 1 / local_sgd_period, True))
+                          numel * 4 / local_sgd_period, 1 / local_sgd_period, True, periodic))
     methods.append(Method(f"diloco-h{diloco_period}", f"OuterOptimizerAverager(period={diloco_period})",
-                          numel * 4 / diloco_period, 1 / diloco_period, True))
+                          numel * 4 / diloco_period, 1 / diloco_period, True, periodic))
     return methods
 
 
@@ -108,19 +117,20 @@ def predict(methods: Sequence[Method], link: Link, step_ms: float,
     hook_ms = hook_ms or {}
     rows = [Prediction(m.name, m.config, step_ms, float(hook_ms.get(m.name, 0.0)),
                        1000 * link.allreduce_seconds(m.bytes_per_step, m.collectives_per_step), m.bytes_per_step,
-                       m.changes_optimization) for m in methods]
+                       m.changes_optimization, m.note) for m in methods]
     return sorted(rows, key=lambda row: row.predicted_ms)
 
 
 def recommend(rows: Sequence[Prediction]) -> tuple[Prediction, str]:
-    """The fastest method that synchronizes every step (same optimization as allreduce), and why, in one line.
+    """The fastest method that trains like allreduce step for step (it synchronizes every step and carries
+    no ``note``: allreduce, the cast hooks, PowerSGD at the recipe's rank or above), and why, in one line.
 
     Local SGD / DiLoCo are recommended only when even the best per-step method spends most of its step on
     the link (they then say so: they change the optimization and need their own tuning).
     """
     by_name = {row.name: row for row in rows}
     baseline = by_name["allreduce"]
-    every_step = [row for row in rows if not row.changes_optimization]
+    every_step = [row for row in rows if not row.changes_optimization and not row.note]
     best = every_step[0]
     link_text = (f"the link carries {baseline.bytes_per_step / 1e6:.3g} MB in {baseline.comm_ms:.3g} ms "
                  f"against a {baseline.step_ms:.3g} ms step")

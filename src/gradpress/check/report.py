@@ -103,7 +103,7 @@ def format_report(report: dict[str, Any]) -> str:
                   f"compute step {info['step_ms']:.3g} ms ({info['step_source']})"]
     rows = [[p["name"], f"{p['bytes_per_step'] / 1e6:.3g}", f"{p['step_ms']:.3g}", f"{p['hook_ms']:.3g}",
              f"{p['comm_ms']:.3g}", f"{p['predicted_ms']:.3g}",
-             "fewer syncs: check its loss" if p["changes_optimization"] else ""] for p in report["predictions"]]
+             p.get("note", "")] for p in report["predictions"]]
     lines += ["  " + line for line in format_table(
         ["method", "MB/step", "step ms", "hook ms", "link ms", "predicted ms", "note"], rows, "<>>>>><")]
     rec = report["recommendation"]
