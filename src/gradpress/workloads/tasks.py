@@ -144,10 +144,10 @@ def _load_charlm(seed: int) -> TaskData:
 class Recipe:
     """PowerSGD's measured recipe on a task (BENCHMARKS.md, "The recipe on the transformer, the wide LSTM,
     4 workers and a second seed"; docs/tuning.md): with SGD momentum 0.9, 800 steps and compression from
-    10% of the run, ``lr`` is the learning rate at which allreduce ended best, which is also PowerSGD's
-    best; ``rank`` the PowerSGD rank and ``powersgd_options`` the further ``PowerSGDState`` arguments
-    (``bytes_per_weight=2``: P, Q and the uncompressed tensors in fp16 on the wire) that ended within 1%
-    of allreduce's perplexity.
+    10% of the run, ``lr`` is the learning rate at which allreduce ended best (where PowerSGD's was swept
+    too, on the LSTMs, also PowerSGD's best); ``rank`` the PowerSGD rank and ``powersgd_options`` the
+    further ``PowerSGDState`` arguments (``bytes_per_weight=2``: P, Q and the uncompressed tensors in fp16
+    on the wire) that ended within 1.2% of allreduce's perplexity.
 
     ``gradpress demo`` uses it for the defaults the user does not give (``--lr``, ``--rank``,
     ``--powersgd-options``); nothing else does: :class:`Task` ``.lr`` and ``DemoConfig``'s defaults are
@@ -235,7 +235,7 @@ TASKS: dict[str, Task] = {
                 recipe=Recipe(lr=0.1, rank=16, powersgd_options=_FP16_WIRE)),
     "gpt-wide": Task("gpt-wide", "character-level GPT with width 256 and 8 heads (3.9x gpt's parameters) on the "
                      "same text", "perplexity", _load_charlm, lambda: char_gpt(d_model=256, n_heads=8),
-                     lr=0.05, batch_size=16),
+                     lr=0.05, batch_size=16, recipe=Recipe(lr=0.05, rank=22, powersgd_options=_FP16_WIRE)),
 }
 
 

@@ -10,7 +10,7 @@ that every worker ended with identical parameters and that PowerSGD's counted by
 If a worker fails, the parent stops the others, prints the failing worker's traceback and exits 1;
 it never waits longer than ``--timeout`` seconds.
 
-On a task with a measured PowerSGD recipe (``charlm``, ``charlm-wide``, ``gpt``:
+On a task with a measured PowerSGD recipe (``charlm``, ``charlm-wide``, ``gpt``, ``gpt-wide``:
 :class:`~gradpress.workloads.Recipe`) the demo takes its learning rate (for every method), its rank and
 its PowerSGD options (an fp16 wire) for whatever ``--lr``, ``--rank`` and ``--powersgd-options`` leave
 out (:func:`resolve`); the report says so. Other tasks keep their own defaults.
@@ -110,8 +110,8 @@ def _listing(items: Sequence[str]) -> str:
 
 
 def _recipes_help(value: str) -> str:
-    """``"charlm 2, charlm-wide 1 and gpt 0.1"``: each measured recipe's ``lr`` or ``rank``; for
-    ``"powersgd_options"``, ``'{"bytes_per_weight": 2}' on charlm, charlm-wide and gpt``."""
+    """``"charlm 2, charlm-wide 1, gpt 0.1 and gpt-wide 0.05"``: each measured recipe's ``lr`` or ``rank``;
+    for ``"powersgd_options"``, ``'{"bytes_per_weight": 2}' on charlm, charlm-wide, gpt and gpt-wide``."""
     recipes = [(t.name, t.recipe) for t in TASKS.values() if t.recipe is not None]
     if value != "powersgd_options":
         return _listing([f"{name} {getattr(recipe, value):g}" for name, recipe in recipes])
