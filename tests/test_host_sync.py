@@ -121,7 +121,7 @@ def _segment(config, dtype=torch.float32, device="cpu"):
 
 
 def _memory_is_finite(segment, with_p, error_feedback=True):
-    """Error memory (with error feedback; else ``work`` is scratch) and warm-start factors (Q; P too in
+    """Error memory (with error feedback; else ``error_memory`` is scratch) and warm-start factors (Q; P too in
     the alternating scheme, where it is memory)."""
     factors = segment.q if not with_p else torch.cat([segment.phase1[:segment.plan.p_numel], segment.q])
     return bool(torch.isfinite(factors).all()) and (not error_feedback or bool(torch.isfinite(segment.error_memory).all()))

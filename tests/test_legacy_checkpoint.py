@@ -6,8 +6,8 @@ memory) is compared to a float32 rounding tolerance: the file was written on ano
 products round differently in the last bits; an engine that computed something else would be off by far
 more.
 
-``tests/data/powersgd_checkpoints_v1.pt`` was written by ``python tests/test_legacy_checkpoint.py`` with
-the code of that time: a hook state (``powerSGD_hook``, then ``batched_powerSGD_hook`` on another state),
+``tests/data/powersgd_checkpoints_v1.pt`` was written by this module's ``build()`` with the code of that
+time: a hook state (``powerSGD_hook``, then ``batched_powerSGD_hook`` on another state),
 a multi-iteration hook state with an LR scheduler, and a ``PowerSGD`` aggregator, each after a few steps
 on fixed gradients, one process (no process group).
 """
@@ -158,6 +158,7 @@ def test_old_hook_checkpoints_load_and_resume() -> None:
         state = gradpress.PowerSGDState(None, start_powerSGD_iter=2, **kwargs)
         state.load_state_dict(legacy[name])
         saved = state.state_dict()
+        assert set(legacy[name]) <= set(saved), (name, set(legacy[name]) - set(saved))  # no key dropped
         _same(legacy[name]["memory"], saved["memory"], name)
         _same(legacy[name]["padded"], saved["padded"], name)
         assert saved["iter"] == legacy[name]["iter"]
@@ -170,6 +171,20 @@ def test_old_hook_checkpoints_load_and_resume() -> None:
         _same(legacy[f"{name}_next"], out, f"{name}_next", exact=False)
 
 
+def test_old_multi_iteration_checkpoint_with_an_lr_scheduler_loads() -> None:
+    legacy = _legacy()["multi"]
+    schedule = _Schedule()
+    schedule.step = 5
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2, min_compression_rate=0,
+                                    num_iters_per_step=2, lr_scheduler=schedule, warm_up_beta_factor=0.5)
+    state.load_state_dict(legacy)
+    saved = state.state_dict()
+    assert set(legacy) <= set(saved), set(legacy) - set(saved)
+    _same(legacy["memory"], saved["memory"], "multi")
+    for key in set(legacy) - {"memory", "padded"}:
+        _same(legacy[key], saved[key], f"multi.{key}")
+
+
 def test_old_aggregator_checkpoint_loads() -> None:
     legacy = _legacy()["aggregator"]
     aggregator = gradpress.PowerSGD(_params(), gradpress.Config(rank=2, min_compression_rate=0,
@@ -177,10 +192,17 @@ def test_old_aggregator_checkpoint_loads() -> None:
                                     init_sync=False)
     aggregator.load_state_dict(legacy)
     saved = aggregator.state_dict()
+    assert set(legacy) <= set(saved), set(legacy) - set(saved)
     _same(legacy["memory"], saved["memory"], "aggregator")
     for key in ("step_counter", "total_numel", "total_floats_sent", "total_bytes_sent", "config"):
         assert saved[key] == legacy[key], key
 
 
 if __name__ == "__main__":
-    torch.save(build(), DATA)
+    # Only to write a new generation of test data, beside this one (never over it: the point of the file
+    # is that the code that wrote it is gone).
+    import sys
+
+    if len(sys.argv) != 2 or Path(sys.argv[1]).resolve() == DATA.resolve():
+        raise SystemExit(f"usage: python {sys.argv[0]} NEW_FILE (not {DATA.name})")
+    torch.save(build(), sys.argv[1])

@@ -218,6 +218,7 @@ class ParameterKeys:
                 raise ValueError(f"checkpoint parameter #{key} has shape {saved[key]}, this model's "
                                  f"has {shape}: the checkpoint belongs to a different model")
         self.shapes = saved if len(saved) >= len(self.shapes) else self.shapes
+        self.iteration_buckets.clear()  # a backward pass cut short before the load is over
         self.adaptive_ranks = {int(k): int(v) for k, v in adaptive.get("ranks", {}).items()}
         self.limits = {int(k): (int(v[0]), int(v[1])) for k, v in adaptive.get("limits", {}).items()}
         self.previous_norms = {int(k): float(v) for k, v in adaptive.get("previous", {}).items()}
