@@ -103,7 +103,10 @@ def normalize(record: dict[str, Any], name: str) -> dict[str, Any]:
                 "steps": config["steps"], "seed": config["seed"], "start_iter": config["start_iter"],
                 "lr": config["lr"], "momentum": config["momentum"], "method": record["method"],
                 "options": {k: v for k, v in (("powersgd_options", config.get("powersgd_options")),
-                                              ("warm_up_beta", config.get("warm_up_beta"))) if v is not None},
+                                              ("warm_up_beta", config.get("warm_up_beta")),
+                                              ("clip_grad_norm", config.get("clip_grad_norm")),
+                                              ("clip_before_averaging", config.get("clip_before_averaging") or None))
+                            if v is not None},
                 "curve": record["curve"], "final": record["curve"][-1]["metric"],
                 "bytes_per_step": record["bytes_per_step"],
                 "bytes_allreduce_per_step": record["bytes_allreduce_per_step"], "command": record["command"]}
@@ -214,7 +217,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> Non
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.workers)
     config = DemoConfig(task=args.task, steps=args.steps, start_iter=args.start_iter, seed=args.seed,
                         lr=args.lr, momentum=args.momentum, evals=args.evals, warm_up_beta=args.warm_up_beta,
-                        powersgd_options=powersgd_options(args.powersgd_options))
+                        powersgd_options=powersgd_options(args.powersgd_options),
+                        clip_grad_norm=args.clip_grad_norm, clip_before_averaging=args.clip_before_averaging)
     method = parse_methods(args.methods, [1])
     if len(method) != 1:
         raise SystemExit(f"--methods must name one method, got {args.methods!r}")
@@ -257,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--powersgd-options", "--options", default=None,
                         help='JSON object of further PowerSGDState arguments, e.g. \'{"num_iters_per_step": 2}\'')
     parser.add_argument("--warm-up-beta", type=float, default=None, help="PowerSGDState(warm_up_beta_factor=...)")
+    parser.add_argument("--clip-grad-norm", type=float, default=None, metavar="NORM",
+                        help="clip the averaged gradient to this norm every step (after the hook: for PowerSGD, "
+                             "after error feedback)")
+    parser.add_argument("--clip-before-averaging", action="store_true",
+                        help="with --clip-grad-norm: clip each worker's own gradient before the hook instead "
+                             "(before PowerSGD's error feedback)")
     parser.add_argument("--label", default=None, help="the run's name (its JSON is LABEL.json in --out)")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--table", action="store_true", help="print the markdown table of the runs in --out")
@@ -274,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         powersgd_options(args.powersgd_options)  # fail here, not in the workers
     except (ValueError, TypeError) as exc:
         parser.error(f"--powersgd-options: {exc}")
+    if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
+        parser.error(f"--clip-grad-norm must be > 0, got {args.clip_grad_norm}")
+    if args.clip_before_averaging and args.clip_grad_norm is None:
+        parser.error("--clip-before-averaging needs --clip-grad-norm (the norm to clip to)")
     command = "python3 benchmarks/quality_study.py " + " ".join(
         a if a.replace("-", "").replace(".", "").replace("_", "").replace(":", "").replace("/", "").isalnum()
         else "'" + a + "'" for a in (argv if argv is not None else sys.argv[1:]))

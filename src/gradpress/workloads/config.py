@@ -40,6 +40,12 @@ class DemoConfig:
     handling: ``"raise"`` an exception, ``"sigkill"`` itself (a lost worker), or ``"hang"`` (sleep inside
     the step until killed: a stuck worker); only in a run that did not resume from a checkpoint, so a
     restarted run gets past it. Checkpoints ignore these three fields.
+    ``clip_grad_norm``: clip the gradient to this norm (over all parameters) at every step: by default the
+    averaged gradient, after the hook (``torch.nn.utils.clip_grad_norm_`` between backward and the
+    optimizer, what a DDP training loop does; for PowerSGD this is after error feedback); with
+    ``clip_before_averaging`` each worker's own gradient, before the hook (before PowerSGD's error
+    feedback, as in the PowerSGD paper's LSTM runs; DDP then puts the whole gradient in one bucket, so the
+    norm is the model's).
     """
 
     task: str = "digits"
@@ -58,10 +64,18 @@ class DemoConfig:
     fail_at_step: int | None = None
     fail_rank: int = 1
     fail_kind: str = "raise"
+    clip_grad_norm: float | None = None
+    clip_before_averaging: bool = False
 
     def __post_init__(self) -> None:
         if self.fail_kind not in FAIL_KINDS:
             raise ValueError(f"fail_kind must be one of {', '.join(FAIL_KINDS)}, got {self.fail_kind!r}")
+        if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float))
+                                                    and not isinstance(self.clip_grad_norm, bool)
+                                                    and self.clip_grad_norm > 0):
+            raise ValueError(f"clip_grad_norm must be a number > 0 or None, got {self.clip_grad_norm!r}")
+        if self.clip_before_averaging and self.clip_grad_norm is None:
+            raise ValueError("clip_before_averaging=True needs clip_grad_norm (the norm to clip to)")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form (JSON-serialisable, picklable)."""

@@ -74,12 +74,58 @@ def _fail(kind: str, rank: int, step: int) -> None:
     raise RuntimeError(f"injected failure on rank {rank} at step {step} (DemoConfig.fail_at_step)")
 
 
+def _clip_local_gradient(hook: Callable[[Any, Any], Any], max_norm: float) -> Callable[[Any, Any], Any]:
+    """``hook`` after scaling this worker's bucket to norm at most ``max_norm``, as
+    ``torch.nn.utils.clip_grad_norm_`` scales (coefficient ``max_norm / (norm + 1e-6)``, capped at 1), on
+    the device. Over the whole gradient when the model is one bucket (``_bucket_cap_mb``)."""
+    def clipped(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects annotations other than its own
+        buffer = bucket.buffer()
+        norm = torch.linalg.vector_norm(buffer, dtype=torch.float32)
+        buffer.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(buffer.dtype))
+        return hook(state, bucket)
+    return clipped
+
+
+def _bucket_cap_mb(numel: int) -> float:
+    """A DDP bucket cap that holds all ``numel`` fp32 gradients in one bucket (at least DDP's 25 MB; an
+    explicit cap also sets the first bucket's, which is 1 MB by default)."""
+    return max(25.0, 4 * numel / 2**20 + 1)
+
+
+def _data_parallel(model: nn.Module, state_and_hook: tuple[Any, Any], config: DemoConfig,
+                   device: torch.device) -> tuple[DistributedDataParallel, Any]:
+    """DDP around ``model`` with the method's ``(state, hook)`` registered; with
+    ``config.clip_before_averaging`` the hook first clips this worker's gradient, all of it in one bucket."""
+    state, hook = state_and_hook
+    numel = sum(p.numel() for p in model.parameters())
+    one_bucket = {"bucket_cap_mb": _bucket_cap_mb(numel)} if config.clip_before_averaging else {}
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **one_bucket)
+    if config.clip_before_averaging:
+        assert config.clip_grad_norm is not None  # DemoConfig checks it
+        hook = _clip_local_gradient(hook, config.clip_grad_norm)
+    if isinstance(state, PowerSGDState):
+        state.name_parameters(model)
+    ddp.register_comm_hook(state, hook)
+    return ddp, state
+
+
+def _clip_averaged_gradient(ddp: DistributedDataParallel, config: DemoConfig) -> None:
+    """Between backward and the optimizer: clip the averaged gradient when ``config`` clips after the hook."""
+    if config.clip_grad_norm is not None and not config.clip_before_averaging:
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), config.clip_grad_norm)
+
+
 def _resumable(config: DemoConfig) -> dict[str, Any]:
     """What a checkpoint must agree on to be resumed: the whole configuration but the injected failure."""
     return {k: v for k, v in config.to_dict().items() if not k.startswith("fail_")}
 
 
 def _check_identity(saved: dict[str, Any], identity: dict[str, Any], path: str) -> None:
+    if isinstance(saved.get("config"), dict):
+        # A checkpoint written before a DemoConfig field existed ran with that field's default.
+        fields = DemoConfig.__dataclass_fields__
+        saved = {**saved, "config": {**{k: fields[k].default for k in identity["config"] if k in fields},
+                                     **saved["config"]}}
     for key, value in identity.items():
         if saved.get(key) != value:
             if isinstance(value, dict) and isinstance(saved.get(key), dict):
@@ -138,11 +184,7 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
 
     model = task.model(config.seed).to(device)
     plan = make_plan([p.shape for p in model.parameters()], method.rank or 1, config.min_compression_rate)
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    state, hook = kind.hook(method, config)
-    if isinstance(state, PowerSGDState):
-        state.name_parameters(model)
-    ddp.register_comm_hook(state, hook)
+    ddp, state = _data_parallel(model, kind.hook(method, config), config, device)
     optimizer: torch.optim.Optimizer = torch.optim.SGD(ddp.parameters(), lr=config.resolved_lr(),
                                                        momentum=config.momentum)
     averager: ModelAverager | None = (None if kind.averager is None
@@ -198,6 +240,7 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
         optimizer.zero_grad(set_to_none=True)
         loss = task.loss(ddp, x_local[index].to(device), y_local[index].to(device))
         loss.backward()
+        _clip_averaged_gradient(ddp, config)
         optimizer.step()
         running += float(loss.detach())
         train_time += time.perf_counter() - start
