@@ -38,7 +38,7 @@ __all__ = ["BUCKET_BYTES", "Method", "Prediction", "candidate_methods", "predict
 BUCKET_BYTES = 25 * 1024 * 1024
 
 #: PowerSGD's recommended configuration (docs/tuning.md: rank 22 on an fp16 wire, measured on charlm, charlm-wide
-#: and, at rank 16, on a width-128 transformer).
+#: and the width-256 gpt-wide; the width-128 gpt did better at rank 16).
 RECOMMENDED_POWERSGD = (22, 2)
 
 
