@@ -13,11 +13,14 @@ pickle/zip traceback.
 """
 from __future__ import annotations
 
+import logging
+import math
 import os
 import pickle
 import tempfile
 import zipfile
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -25,8 +28,10 @@ import torch.distributed as dist
 
 from .comm import gather_objects, scatter_objects
 
-__all__ = ["save", "load", "placement", "check_placement", "gather_state", "scatter_state", "state_nbytes",
-           "to_cpu"]
+__all__ = ["save", "load", "placement", "check_placement", "reject_gathered", "gather_state", "scatter_state",
+           "state_nbytes", "to_cpu", "ARRIVAL_TIMEOUT"]
+
+logger = logging.getLogger(__name__)
 
 
 def save(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -130,22 +135,52 @@ def check_placement(saved: Any, current: dict[str, int], owner: str, allow_other
 #: ``format`` of what :func:`gather_state` returns on its destination rank.
 GATHERED_FORMAT = "gradpress.gathered_state"
 
+#: Seconds :func:`gather_state` and :func:`scatter_state` wait for every rank of the group to call them
+#: before raising (instead of waiting in the collective for the process group's timeout, 30 minutes by
+#: default). Long enough for ranks that reach the call at different times (rank 0 evaluating alone first),
+#: short enough that a call made on rank 0 only fails within a minute.
+ARRIVAL_TIMEOUT = 60.0
 
-def gather_state(state: Any, dst: int = 0, process_group: Any = None) -> dict[str, Any] | None:
+# A count above this many arrivals means a rank gave up waiting and closed the call (see _await_every_rank).
+_CLOSED = 1 << 40
+
+
+def reject_gathered(state_dict: Any, where: str) -> None:
+    """Raise a ``ValueError`` if ``state_dict`` is what :func:`gather_state` returned (every rank's state,
+    not one rank's): ``load_state_dict`` methods call it first, so that such a dict is not reported as a
+    missing key. ``where`` names the caller, e.g. ``"PowerSGDState.load_state_dict"``."""
+    if isinstance(state_dict, Mapping) and state_dict.get("format") == GATHERED_FORMAT:
+        ranks = state_dict.get("world_size", len(state_dict.get("ranks", ())))
+        raise ValueError(
+            f"{where} got a gathered state of {ranks} ranks (what gradpress.gather_state returns), not one "
+            f"rank's state_dict: use gradpress.scatter_state(state, gathered if rank == 0 else None) on every "
+            "rank, which hands each rank its own entry")
+
+
+def gather_state(state: Any, dst: int = 0, process_group: Any = None, *,
+                 arrival_timeout: float | None = ARRIVAL_TIMEOUT) -> dict[str, Any] | None:
     """Every rank's ``state.state_dict()`` on rank ``dst``, for scripts that save one checkpoint on rank 0.
 
     ``state`` is anything with ``state_dict()``/``load_state_dict()`` whose state is per rank: a
     ``PowerSGDState``, a ``PowerSGD`` aggregator, an averager. **A collective**: every rank calls it at
-    the same step (decide on rank 0 and broadcast the decision first if only rank 0 knows it). On
+    the same iteration (decide on rank 0 and broadcast the decision first if only rank 0 knows it). On
     ``dst`` it returns ``{"format", "world_size", "ranks": [rank 0's state_dict, ...]}`` (tensors on the
     CPU), to put in the checkpoint; elsewhere ``None``. Size: the world size times one rank's state (a
     PowerSGD state is about the fp32 size of the compressed gradients, see :func:`state_nbytes`).
+
+    ``arrival_timeout``: seconds to wait for every rank to call it (``None``: no such check, only the
+    process group's timeout). A rank that waits longer raises a ``RuntimeError`` saying that every rank
+    must call ``gather_state`` at the same iteration: the mistake of calling it inside ``if rank == 0:``
+    otherwise hangs until the process group's timeout. The check is a few messages through the process
+    group's store, whatever the backend.
 
     >>> if step % eval_interval == 0:                                              # doctest: +SKIP
     ...     hooks = gradpress.checkpoint.gather_state(state)        # on every rank
     ...     if rank == 0:
     ...         torch.save({"model": model.module.state_dict(), "powersgd": hooks}, "ckpt.pt")
     """
+    _check_arrival_timeout(arrival_timeout)
+    _await_every_rank("gather_state", process_group, arrival_timeout)
     entry = to_cpu(state.state_dict())
     gathered = gather_objects(entry, dst, process_group)
     if gathered is None:
@@ -154,23 +189,133 @@ def gather_state(state: Any, dst: int = 0, process_group: Any = None) -> dict[st
             "ranks": gathered}
 
 
-def scatter_state(state: Any, gathered: dict[str, Any] | None, src: int = 0, process_group: Any = None) -> None:
+def scatter_state(state: Any, gathered: dict[str, Any] | None, src: int = 0, process_group: Any = None, *,
+                  on_world_size_change: str = "raise", arrival_timeout: float | None = ARRIVAL_TIMEOUT) -> bool:
     """Load each rank's own entry of :func:`gather_state`'s result into ``state``: rank ``src`` passes
-    the dict it read from its checkpoint, the other ranks ``None``. **A collective**: every rank calls it.
+    the dict it read from its checkpoint, the other ranks ``None``. **A collective**: every rank calls it
+    (``arrival_timeout`` as in :func:`gather_state`). Returns ``True`` where the entry was loaded.
 
-    If ``gathered`` is not such a dict, or was saved with another world size, every rank raises the
-    same ``ValueError`` (the other ranks do not wait for a timeout). Each entry then goes through
+    If ``gathered`` is not such a dict, every rank raises the same ``ValueError`` (the other ranks do not
+    wait for a timeout). If it was saved with another world size, per-rank state cannot be split or
+    merged: ``on_world_size_change="raise"`` (the default) raises that ``ValueError`` on every rank;
+    ``"fresh"`` leaves ``state`` as constructed on every rank and returns ``False`` (the run goes on
+    without the saved error memory, which costs a few steps of quality; a fresh ``PowerSGDState`` also
+    sends plain allreduce again for its ``start_powerSGD_iter`` iterations). Each entry goes through
     ``state.load_state_dict``, which checks the options, shapes, rank and world size as usual.
     """
+    if on_world_size_change not in ("raise", "fresh"):
+        raise ValueError(f"on_world_size_change must be 'raise' or 'fresh', got {on_world_size_change!r}")
+    _check_arrival_timeout(arrival_timeout)
+    _await_every_rank("scatter_state", process_group, arrival_timeout)
     world = dist.get_world_size(process_group)
     objs = None
     if dist.get_rank(process_group) == src:
-        problem = _gathered_problem(gathered, world)
-        objs = [problem] * world if problem else list(gathered["ranks"])  # type: ignore[index]
+        problem, other_world = _gathered_problem(gathered, world)
+        if problem is None:
+            objs = list(gathered["ranks"])  # type: ignore[index]
+        elif other_world and on_world_size_change == "fresh":
+            logger.warning("the gathered state was saved by %s ranks, this run has %d: "
+                           "on_world_size_change='fresh', every rank goes on without it",
+                           gathered.get("world_size"), world)  # type: ignore[union-attr]
+            objs = [_FRESH] * world
+        else:
+            objs = [problem] * world
     entry = scatter_objects(objs, src, process_group)
+    if entry == _FRESH:
+        return False
     if isinstance(entry, str):
         raise ValueError(entry)
     state.load_state_dict(entry)
+    return True
+
+
+# What scatter_state hands every rank that is to keep its state as constructed (a string: every rank's
+# entry goes through pickling, so an object's identity would not survive).
+_FRESH = "gradpress.scatter_state: start fresh"
+
+
+def _check_arrival_timeout(arrival_timeout: Any) -> None:
+    if arrival_timeout is None:
+        return
+    if isinstance(arrival_timeout, bool) or not isinstance(arrival_timeout, (int, float)) or not (
+            arrival_timeout > 0 and math.isfinite(arrival_timeout)):
+        raise ValueError(f"arrival_timeout must be None or a finite number of seconds > 0, got {arrival_timeout!r}")
+
+
+# How many times this process entered each checked call, per (call, group): the n-th call of every rank
+# meets the others' n-th call under the same store keys.
+_ARRIVALS: dict[tuple[str, tuple[int, ...]], int] = {}
+
+
+def _group_store(process_group: Any) -> Any:
+    """The store the process group was set up with (shared by every rank), or ``None`` if torch does not
+    expose it."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:  # pragma: no cover - a torch without it: the check is skipped
+        return None
+
+
+def _await_every_rank(name: str, process_group: Any, timeout: float | None) -> None:
+    """Return once every rank of ``process_group`` has entered its call to ``name`` (as many times as this
+    rank); raise a ``RuntimeError`` saying so if they have not within ``timeout`` seconds.
+
+    Through the store: each rank adds 1 to the call's counter, the rank that brings it to the world size
+    sets ``go``, the others wait for ``go``. A rank that times out adds ``_CLOSED``: a rank arriving after
+    that sees the door closed and raises at once, instead of entering a collective its peers have left.
+    Every decision follows from the order of those atomic additions, so the ranks agree on it.
+    """
+    if timeout is None:
+        return
+    world = dist.get_world_size(process_group)
+    store = _group_store(process_group) if world > 1 else None
+    if store is None:
+        return
+    from .launch import restart_store_prefix
+
+    ranks = tuple(dist.get_process_group_ranks(process_group)) if process_group is not None else ()
+    count = _ARRIVALS[(name, ranks)] = _ARRIVALS.get((name, ranks), 0) + 1
+    attempt = restart_store_prefix() or ""
+    base = f"gradpress/arrivals/{attempt}/{name}/{','.join(map(str, ranks)) or 'world'}/{count}"
+    rank = dist.get_rank(process_group)
+    arrived = store.add(f"{base}/arrived", 1)
+    if arrived >= _CLOSED:
+        raise RuntimeError(_arrival_message(name, rank, world, timeout, None, late=True))
+    if arrived == world:
+        store.set(f"{base}/go", b"1")
+        return
+    try:
+        store.wait([f"{base}/go"], timedelta(seconds=timeout))
+        return
+    except RuntimeError:  # torch.distributed.DistStoreError: the peers did not all arrive in time
+        pass
+    now = store.add(f"{base}/arrived", _CLOSED)
+    if now // _CLOSED == 1:  # this rank closed the call: it went ahead only if everyone was in
+        if now % _CLOSED == world:
+            return
+        raise RuntimeError(_arrival_message(name, rank, world, timeout, now % _CLOSED))
+    # Another rank closed it first and decided: the last arrival, if it came before, sets go at once.
+    try:
+        store.wait([f"{base}/go"], timedelta(seconds=5))
+        return
+    except RuntimeError:
+        raise RuntimeError(_arrival_message(name, rank, world, timeout, None)) from None
+
+
+def _arrival_message(name: str, rank: int, world: int, timeout: float, arrived: int | None,
+                     late: bool = False) -> str:
+    if late:
+        what = (f"rank {rank} called {name} after another rank had waited arrival_timeout={timeout:g} s for it "
+                "and given up")
+    else:
+        seen = "" if arrived is None else f" ({arrived} of {world} arrived)"
+        what = f"rank {rank} waited arrival_timeout={timeout:g} s for the other ranks to call {name}{seen}"
+    return (f"{what}: every rank must call {name} at the same iteration. It is a collective: call it "
+            "outside `if rank == 0:` (if only rank 0 decides to save, broadcast that decision first and "
+            f"call {name} on every rank). If a rank is only late (rank 0 evaluating alone before the call), "
+            "call it before that work or pass a larger arrival_timeout")
 
 
 def state_nbytes(state_dict: Any) -> int:
@@ -187,11 +332,16 @@ def state_nbytes(state_dict: Any) -> int:
     return 0
 
 
-def _gathered_problem(gathered: Any, world: int) -> str | None:
+def _gathered_problem(gathered: Any, world: int) -> tuple[str | None, bool]:
+    """Why ``gathered`` cannot be scattered over ``world`` ranks (``None`` if it can), and whether the reason
+    is only its world size."""
     if not isinstance(gathered, dict) or gathered.get("format") != GATHERED_FORMAT:
         return (f"scatter_state expects on its source rank what gather_state returned (a dict with "
-                f"format={GATHERED_FORMAT!r}), got {type(gathered).__name__}")
+                f"format={GATHERED_FORMAT!r}), got {type(gathered).__name__}"), False
     if gathered.get("world_size") != world or len(gathered.get("ranks", ())) != world:
         return (f"the gathered hook state was saved by {gathered.get('world_size')!r} ranks, this run has {world}: "
-                "per-rank state (error memory) cannot be split or merged across world sizes")
-    return None
+                "per-rank state (error memory) cannot be split or merged across world sizes. To resume without "
+                "it, call gradpress.scatter_state(state, gathered, on_world_size_change='fresh') on every rank: "
+                "each rank's error memory then starts from zero, which costs a few steps of quality; load the "
+                "model and optimizer as usual"), True
+    return None, False
