@@ -6,6 +6,9 @@ from __future__ import annotations
 import doctest
 import json
 import math
+import re
+from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +17,10 @@ from torch import nn
 from distributed import run
 import gradpress.check
 import gradpress.check.advice
+import gradpress.check.loader
+import gradpress.check.wire
 from gradpress.check import Link, candidate_methods, predict, recommend, run_correctness
-from gradpress.check.advice import BUCKET_BYTES
+from gradpress.check.advice import BUCKET_BYTES, model_width, recipe_rule, recommended_powersgd
 from gradpress.cli.main import main
 
 
@@ -67,10 +72,10 @@ def with_batch() -> tuple[nn.Module, torch.Tensor]:
 
 @pytest.mark.parametrize("model, message", [
     ("resnet19", "--model 'resnet19' is not a model name; give resnet18-cifar"),
-    ("no_such_module:f", "cannot load 'f' from module 'no_such_module'"),
-    ("user_models:NOT_CALLABLE", "'NOT_CALLABLE' is not callable"),
-    ("user_models:not_a_module", "returned dict; expected an nn.Module or (nn.Module, example_batch)"),
-    ("user_models:needs_arguments", "calling needs_arguments() with no arguments failed"),
+    ("no_such_module:f", "--model 'no_such_module:f': cannot import module 'no_such_module'"),
+    ("user_models:NOT_CALLABLE", "'NOT_CALLABLE' is an object of type int, not a function"),
+    ("user_models:not_a_module", "returned an object of type dict; expected an nn.Module or (nn.Module, example_batch)"),
+    ("user_models:needs_arguments", "must be callable with no arguments, but needs_arguments() is missing"),
 ])
 def test_bad_model_values_are_clear_errors(capsys, model, message):
     assert main(["check", "--model", model]) == 2
@@ -85,10 +90,48 @@ def test_one_process_report_with_a_user_batch(capsys, tmp_path):
     report = json.loads(path.read_text())
     assert report["ok"] and report["world_size"] == 1 and "PASS  full-rank PowerSGD equals allreduce" in out
     assert report["model_info"]["step_source"].startswith("measured")
-    assert {p["name"] for p in report["predictions"]} >= {"allreduce", "powersgd-r22-fp16", "local-sgd-h8"}
+    # Its matrices are 64 x 32 and 4 x 64: width 32, so the recipes' rule gives rank 4 on the fp16 wire.
+    assert (report["model_info"]["width"], report["model_info"]["powersgd_rank"]) == (32, 4)
+    assert {p["name"] for p in report["predictions"]} >= {"allreduce", "powersgd-r4-fp16", "local-sgd-h8"}
+    assert "PowerSGD's rank for its width 32: 4" in out
     assert report["recommendation"]["method"] == "allreduce"  # one rank: nothing to send
     assert "link: one rank, nothing to measure" in out
     assert all(p["comm_ms"] == 0 for p in report["predictions"])
+
+
+# --- the recommended rank follows the model's width ---------------------------------------------------------
+
+def _task_shapes(name):
+    from gradpress.workloads.tasks import TASKS
+
+    with torch.device("meta"):
+        return [p.shape for p in TASKS[name].build().parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("name, width", [("charlm", 256), ("charlm-wide", 512), ("gpt", 128), ("gpt-wide", 256)])
+def test_the_rank_rule_gives_every_measured_recipe_its_rank(name, width):
+    from gradpress.workloads.tasks import TASKS
+
+    recipe = TASKS[name].recipe
+    assert model_width(_task_shapes(name)) == width  # d_model of the transformers, hidden size of the LSTMs
+    assert recommended_powersgd(_task_shapes(name)) == (recipe.rank, recipe.powersgd_options["bytes_per_weight"])
+
+
+def test_check_advises_rank_16_on_the_width_128_transformer_and_22_on_wider_models():
+    names = {m.name for m in candidate_methods(_task_shapes("gpt"))}
+    assert "powersgd-r16-fp16" in names and "powersgd-r22-fp16" not in names
+    assert "powersgd-r22-fp16" in {m.name for m in candidate_methods(_task_shapes("gpt-wide"))}
+    assert recommended_powersgd([(4096, 1024)] * 3)[0] == recipe_rule().cap  # wider than measured: the cap
+    assert recommended_powersgd([(256, 64), (64, 64)])[0] == 8                 # narrower: width x ratio
+    rows = predict(candidate_methods(_task_shapes("gpt")), Link(2, 100e-6, 12.5e6), 100.0)
+    assert recommend(rows)[0].name == "powersgd-r16-fp16"  # on a slow link, at the gpt's own rank
+
+
+def test_tuning_doc_states_the_rule_the_code_applies():
+    text = (Path(__file__).resolve().parent.parent / "docs" / "tuning.md").read_text()
+    (ratio, cap), = re.findall(r"rank = width / (\d+), at most (\d+)", text)
+    rule = recipe_rule()
+    assert (Fraction(1, int(ratio)), int(cap)) == (rule.ratio, rule.cap)
 
 
 # --- the advice's arithmetic --------------------------------------------------------------------------------
@@ -143,7 +186,8 @@ def test_bad_link_and_step_values_are_rejected():
         predict(candidate_methods(SHAPES), Link(2, 1e-4, 1e9), -1.0)
 
 
-@pytest.mark.parametrize("module", [gradpress.check, gradpress.check.advice])
+@pytest.mark.parametrize("module", [gradpress.check, gradpress.check.advice, gradpress.check.loader,
+                                    gradpress.check.wire])
 def test_the_documented_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted and not result.failed

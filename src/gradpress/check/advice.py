@@ -7,11 +7,15 @@ pass is assumed, so a step costs
 
 with a ring allreduce ``latency * 2 (n - 1)`` per collective plus ``bytes * 2 (n - 1) / n / busbw``.
 Bytes per step: allreduce sends every gradient in fp32, the cast hooks in 2 bytes, PowerSGD what
-:func:`gradpress.make_plan` says (``numel_sent x bytes_per_weight``, two collectives per bucket, and on an
-fp16 wire one more tiny one per phase for the scale), local SGD and DiLoCo all parameters once every
-``H`` steps (averaged over the H steps). Local SGD and DiLoCo change the optimization (fewer
-synchronizations), so the fastest step is not always the fastest to a given loss; the report says so.
-PowerSGD below the recipe's rank (:data:`RECOMMENDED_POWERSGD`) is predicted too, for comparison, but
+``PowerSGDState.bytes_stats()`` counts (:func:`gradpress.check.wire.step_bytes`: the plan's ``numel_sent``
+at the wire's bytes per value; two collectives per bucket, and on an fp16 wire one more tiny one per
+phase for the scale), local SGD and DiLoCo all parameters once every ``H`` steps (averaged over the H
+steps). Local SGD and DiLoCo change the optimization (fewer synchronizations), so the fastest step is not
+always the fastest to a given loss; the report says so.
+
+PowerSGD's recommended configuration follows the model: its rank comes from the model's width by
+:func:`recipe_rule`, the rule the measured recipes of the demo's tasks follow (rank 16 on the width-128
+transformer, 22 on the wider models). PowerSGD below that rank is predicted too, for comparison, but
 never recommended: in the quality study it needed more steps to the same loss (rank 4: never reached
 allreduce's mid-run perplexity on charlm), which a faster step does not buy back.
 
@@ -24,22 +28,104 @@ True
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from typing import Any
+
+import torch
 
 from ..powersgd import make_plan
 from .link import Link
+from .wire import StepBytes, step_bytes
 
-__all__ = ["BUCKET_BYTES", "Method", "Prediction", "candidate_methods", "predict", "recommend"]
+__all__ = ["BUCKET_BYTES", "Method", "Prediction", "RankRule", "candidate_methods", "model_width",
+           "powersgd_configs", "predict", "recipe_rule", "recommend", "recommended_powersgd"]
 
 #: DDP's default bucket size (``bucket_cap_mb=25``): one collective (per phase) per bucket.
 BUCKET_BYTES = 25 * 1024 * 1024
 
-#: PowerSGD's recommended configuration (docs/tuning.md: rank 22 on an fp16 wire, measured on charlm, charlm-wide
-#: and the width-256 gpt-wide; the width-128 gpt did better at rank 16).
-RECOMMENDED_POWERSGD = (22, 2)
+
+def model_width(shapes: Sequence[Sequence[int]]) -> int:
+    """The width of a model with gradients of ``shapes``: the median of ``min(n, m)`` over its matrices
+    (their ``n x m`` views, as PowerSGD compresses them), each weighted by its elements; 0 without one.
+
+    A transformer of width d gives d, an LSTM its hidden size: the small embeddings, heads and input
+    matrices around them weigh little.
+
+    >>> model_width([(512, 128), (128, 128), (97, 128), (128,)])
+    128
+    """
+    plan = make_plan([tuple(int(d) for d in s) for s in shapes], 1, 0)
+    matrices = sorted((min(t.matrix), t.numel) for t in plan.tensors if len(t.shape) >= 2 and t.numel)
+    total, seen = sum(numel for _, numel in matrices), 0
+    for width, numel in matrices:
+        seen += numel
+        if 2 * seen >= total:
+            return width
+    return 0
+
+
+@dataclass(frozen=True)
+class RankRule:
+    """PowerSGD's rank for a model of width w: ``round(ratio * w)``, at least 1 and at most ``cap``, sent
+    with ``bytes_per_weight`` bytes per value."""
+
+    ratio: Fraction
+    cap: int
+    bytes_per_weight: int
+
+    def rank(self, width: int) -> int:
+        return max(1, min(self.cap, round(self.ratio * width)))
+
+
+@functools.cache
+def recipe_rule() -> RankRule:
+    """The rule the measured recipes follow (:attr:`gradpress.workloads.tasks.Task.recipe`, docs/tuning.md).
+
+    ``cap``: the largest recipe rank (more was not measured); ``ratio``: the largest recipe rank per unit
+    of its model's width (:func:`model_width`), i.e. that of a model whose width held its rank below the
+    cap; ``bytes_per_weight``: the recipes' wire (the narrowest, should they differ). Every recipe's rank
+    is this rule at its model's width (a test holds it to that).
+
+    >>> rule = recipe_rule()
+    >>> rule.ratio, rule.cap, rule.bytes_per_weight, rule.rank(128), rule.rank(256)
+    (Fraction(1, 8), 22, 2, 16, 22)
+    """
+    from ..workloads.tasks import TASKS
+
+    measured = []
+    for task in TASKS.values():
+        if task.recipe is not None:
+            with torch.device("meta"):
+                shapes = [p.shape for p in task.build().parameters() if p.requires_grad]
+            measured.append((task.recipe, model_width(shapes)))
+    return RankRule(ratio=max(Fraction(recipe.rank, width) for recipe, width in measured),
+                    cap=max(recipe.rank for recipe, _ in measured),
+                    bytes_per_weight=min(int(recipe.powersgd_options.get("bytes_per_weight", 4))
+                                         for recipe, _ in measured))
+
+
+def recommended_powersgd(shapes: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """``(rank, bytes_per_weight)`` of PowerSGD's recommended configuration for gradients of ``shapes``:
+    :func:`recipe_rule` at the model's width."""
+    rule = recipe_rule()
+    return rule.rank(model_width(shapes)), rule.bytes_per_weight
+
+
+def powersgd_configs(shapes: Sequence[Sequence[int]],
+                     powersgd_ranks: Sequence[int] = (4,)) -> list[tuple[str, int, int, StepBytes]]:
+    """The PowerSGD candidates for fp32 gradients of ``shapes``, as ``(name, rank, bytes_per_weight,
+    bytes of one step)``: ``powersgd_ranks`` on an fp32 wire, then the recommended configuration."""
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    configs = [(int(r), 4) for r in powersgd_ranks] + [recommended_powersgd(shapes)]
+    out = []
+    for rank, bytes_per_weight in dict.fromkeys(configs):
+        counts = step_bytes(shapes, [torch.float32] * len(shapes), rank, 2, bytes_per_weight)
+        out.append((f"powersgd-r{rank}-{counts.wire}", rank, bytes_per_weight, counts))
+    return out
 
 
 @dataclass(frozen=True)
@@ -79,7 +165,8 @@ class Prediction:
 
 def candidate_methods(shapes: Sequence[Sequence[int]], local_sgd_period: int = 8, diloco_period: int = 64,
                       powersgd_ranks: Sequence[int] = (4,)) -> list[Method]:
-    """The candidates for a model whose gradients have ``shapes`` (fp32 gradients)."""
+    """The candidates for a model whose gradients have ``shapes`` (fp32 gradients): allreduce, fp16,
+    :func:`powersgd_configs`, local SGD and DiLoCo."""
     if local_sgd_period < 1 or diloco_period < 1:
         raise ValueError(f"local_sgd_period={local_sgd_period} and diloco_period={diloco_period} must be >= 1")
     shapes = [tuple(int(d) for d in s) for s in shapes]
@@ -91,16 +178,12 @@ def candidate_methods(shapes: Sequence[Sequence[int]], local_sgd_period: int = 8
         Method("allreduce", "allreduce_hook (DDP's default)", numel * 4, buckets),
         Method("fp16", "fp16_compress_hook", numel * 2, buckets),
     ]
-    configs = [(r, 4) for r in powersgd_ranks] + [RECOMMENDED_POWERSGD]
-    for rank, bytes_per_weight in dict.fromkeys(configs):
-        plan = make_plan(shapes, rank, min_compression_rate=2)
-        phases = 2 * buckets * (2 if bytes_per_weight == 2 else 1)  # an fp16 wire max-reduces its scale first
-        wire = "fp16" if bytes_per_weight == 2 else "fp32"
-        note = (f"rank below {RECOMMENDED_POWERSGD[0]}: more steps to the same loss"
-                if rank < RECOMMENDED_POWERSGD[0] else "")
-        methods.append(Method(f"powersgd-r{rank}-{wire}",
-                              f"PowerSGDState(pg, matrix_approximation_rank={rank}, bytes_per_weight={bytes_per_weight})",
-                              plan.numel_sent * bytes_per_weight, phases, note=note))
+    recommended_rank = recommended_powersgd(shapes)[0]
+    for name, rank, bytes_per_weight, counts in powersgd_configs(shapes, powersgd_ranks):
+        phases = 2 * buckets * (2 if bytes_per_weight == 2 else 1)  # a half wire max-reduces its scale first
+        note = f"rank below {recommended_rank}: more steps to the same loss" if rank < recommended_rank else ""
+        methods.append(Method(name, f"PowerSGDState(pg, matrix_approximation_rank={rank}, "
+                                    f"bytes_per_weight={bytes_per_weight})", counts.bytes_sent, phases, note=note))
     periodic = "fewer syncs: check its loss"
     methods.append(Method(f"local-sgd-h{local_sgd_period}", f"PeriodicModelAverager(period={local_sgd_period})",
                           numel * 4 / local_sgd_period, 1 / local_sgd_period, True, periodic))
@@ -123,7 +206,7 @@ def predict(methods: Sequence[Method], link: Link, step_ms: float,
 
 def recommend(rows: Sequence[Prediction]) -> tuple[Prediction, str]:
     """The fastest method that trains like allreduce step for step (it synchronizes every step and carries
-    no ``note``: allreduce, the cast hooks, PowerSGD at the recipe's rank or above), and why, in one line.
+    no ``note``: allreduce, the cast hooks, PowerSGD at the recommended rank or above), and why, in one line.
 
     Local SGD / DiLoCo are recommended only when even the best per-step method spends most of its step on
     the link (they then say so: they change the optimization and need their own tuning).

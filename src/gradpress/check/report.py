@@ -15,10 +15,11 @@ import torch.distributed as dist
 
 from .. import comm
 from ..cli.table import format_table
-from .advice import candidate_methods, predict, recommend
-from .compute import hook_compute_ms, load_model, step_ms
+from .advice import candidate_methods, model_width, predict, recipe_rule, recommend, recommended_powersgd
+from .compute import hook_compute_ms, step_ms
 from .correctness import run_correctness
 from .link import DEFAULT_SIZES, measure_link, node_groups
+from .loader import load_model
 
 __all__ = ["collect", "format_report"]
 
@@ -61,7 +62,8 @@ def collect(model: str, device: torch.device, given_step_ms: float | None = None
         measured, source = 0.0, "unknown: the model has no example batch, give --step-ms"
     report["model_info"] = {"parameters": sum(p.numel() for p in module.parameters() if p.requires_grad),
                             "tensors": len(shapes), "step_ms": measured, "step_source": source,
-                            "hook_compute_ms": hook_ms}
+                            "hook_compute_ms": hook_ms, "width": model_width(shapes),
+                            "powersgd_rank": recommended_powersgd(shapes)[0]}
     methods = candidate_methods(shapes, local_sgd_period, diloco_period, powersgd_ranks)
     rows = predict(methods, link, measured, hook_ms)
     best, reason = recommend(rows)
@@ -86,6 +88,11 @@ def _link_lines(link: dict[str, Any]) -> list[str]:
     return [head] + ["  " + line for line in format_table(["size", "ms", "algbw Gbit/s", "busbw Gbit/s"], rows, ">>>>")]
 
 
+def _rule_text() -> str:
+    rule = recipe_rule()
+    return f"the measured recipes' rule: width x {rule.ratio}, at most {rule.cap}; docs/tuning.md"
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as printed by ``gradpress check``."""
     lines = [f"gradpress check: {report['world_size']} ranks, {report['backend']}, {report['device']}", "",
@@ -100,7 +107,8 @@ def format_report(report: dict[str, Any]) -> str:
             lines += _link_lines(report[key])
     info = report["model_info"]
     lines += ["", f"model {report['model']}: {info['parameters']:,} parameters in {info['tensors']} tensors; "
-                  f"compute step {info['step_ms']:.3g} ms ({info['step_source']})"]
+                  f"compute step {info['step_ms']:.3g} ms ({info['step_source']})",
+              f"  PowerSGD's rank for its width {info['width']}: {info['powersgd_rank']} ({_rule_text()})"]
     rows = [[p["name"], f"{p['bytes_per_step'] / 1e6:.3g}", f"{p['step_ms']:.3g}", f"{p['hook_ms']:.3g}",
              f"{p['comm_ms']:.3g}", f"{p['predicted_ms']:.3g}",
              p.get("note", "")] for p in report["predictions"]]

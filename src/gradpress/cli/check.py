@@ -42,8 +42,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                         help="auto: nccl on CUDA, gloo on the CPU (used when the process group is created here)")
     parser.add_argument("--powersgd-ranks", type=int_list(1), default=[4], metavar="R[,R...]",
-                        help="PowerSGD ranks to predict with an fp32 wire (rank 22 on an fp16 wire, the tuned "
-                             "configuration, is always a candidate)")
+                        help="PowerSGD ranks to predict with an fp32 wire (the recommended configuration, an fp16 "
+                             "wire at the rank the measured recipes give the model's width, is always a "
+                             "candidate; docs/tuning.md)")
     parser.add_argument("--local-sgd-period", type=int_at_least(1), default=8, metavar="H")
     parser.add_argument("--diloco-period", type=int_at_least(1), default=64, metavar="H")
     parser.add_argument("--iters", type=int_at_least(1), default=5, metavar="N", help="timed allreduces per size")
