@@ -9,8 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 import gradpress
+from distributed import run as run_ranks
+from gradpress.check.loader import load_model
 from gradpress.cli.main import main
 from gradpress.hooks.hierarchical import assign_shares
 from gradpress.zoo import build_model
@@ -103,7 +107,11 @@ def test_below_min_rate_bytes_per_weight_and_custom_epoch(capsys) -> None:
     totals = report["totals"]
     sent = 154_910 - (10 + 512) * 4 + 5120
     assert totals["floats_per_step"]["powersgd"] == sent
-    assert totals["bytes_per_step"] == {"allreduce": 2 * 11_173_962, "powersgd": 2 * sent}
+    # allreduce sends the fp32 gradients; PowerSGD its floats in fp16.
+    assert totals["bytes_per_step"] == {"allreduce": 4 * 11_173_962, "powersgd": 2 * sent}
+    assert totals["compression_ratio"] == pytest.approx(2 * 11_173_962 / sent)
+    assert totals["floats_compression_ratio"] == pytest.approx(11_173_962 / sent)
+    assert (report["gradients"], report["wire"]) == ("fp32", "fp16")
     assert report["epoch"]["steps"] == 2
     assert totals["mib_per_epoch"]["powersgd"] == pytest.approx(2 * sent * 2 / 2**20)
 
@@ -126,24 +134,100 @@ def test_user_factory_in_current_folder(capsys, monkeypatch, tmp_path) -> None:
     assert inspect_json(capsys, "--model", "my_inspect_model:build", "--rank", "1")["totals"]["parameters"] == 36
 
 
-@pytest.mark.parametrize("model, message", [
-    ("resnet19", "unknown model 'resnet19'; choose from resnet18-cifar, resnet50, gpt2, lstm-wikitext2, the "
-                 "demo's tasks digits, charlm, charlm-wide, gpt, gpt-wide, or module.path:factory"),
+BAD_MODELS = [
+    ("resnet19", "--model 'resnet19' is not a model name; give resnet18-cifar, resnet50, gpt2, lstm-wikitext2, "
+                 "the demo's tasks digits, charlm, charlm-wide, gpt, gpt-wide, or module.path:function for your "
+                 "own model (returning an nn.Module or (nn.Module, example_batch))"),
     ("no_such_module_xyz:build", "cannot import module 'no_such_module_xyz'"),
     ("user_models:missing", "module 'user_models' has no attribute 'missing'"),
-    ("user_models:NOT_CALLABLE", "'NOT_CALLABLE' is an object of type int, not a callable factory"),
-    ("user_models:not_a_module", "returned an object of type dict, not a torch.nn.Module"),
+    ("user_models:NOT_CALLABLE", "'NOT_CALLABLE' is an object of type int, not a function"),
+    ("user_models:not_a_module", "not_a_module() returned an object of type dict; expected an nn.Module or "
+                                 "(nn.Module, example_batch)"),
     ("user_models:needs_arguments",
      "callable with no arguments, but needs_arguments() is missing a required argument: 'width'"),
-    ("user_models:", "expected module.path:factory"),
-])
+    ("user_models:", "expected module.path:function"),
+]
+
+
+@pytest.mark.parametrize("model, message", BAD_MODELS)
 def test_bad_models(capsys, model: str, message: str) -> None:
     code, out, err = run(capsys, "--model", model, "--rank", "1")
     assert code == 2 and out == ""
-    assert err.startswith("gradpress inspect: error: --model: ") and message in err
+    assert err.startswith(f"gradpress inspect: error: --model {model!r}") and message in err
     assert err.count("\n") == 1
-    with pytest.raises(ValueError, match=model.split(":")[0]):
-        build_model(model)
+
+
+# --- the same --model values as gradpress check, through its loader --------------------------------------
+
+def with_batch() -> tuple[nn.Module, torch.Tensor]:
+    """The form gradpress check documents for a user's model: (module, example_batch)."""
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)), torch.randn(8, 32)
+
+
+@pytest.mark.parametrize("model", ["test_cli_inspect:with_batch", "user_models:two_layer", "lstm-wikitext2", "gpt"])
+def test_every_form_check_accepts_is_inspected(capsys, model: str) -> None:
+    report = inspect_json(capsys, "--model", model, "--rank", "2", "--dataset-size", "100000")
+    loaded, _, _ = load_model(model, torch.device("meta"), data=False)
+    named = [(n, p) for n, p in loaded.named_parameters() if p.requires_grad]
+    assert [(layer["name"], tuple(layer["shape"])) for layer in report["layers"]] == \
+        [(n, tuple(p.shape)) for n, p in named]
+    assert report["totals"]["parameters"] == sum(p.numel() for _, p in named)
+
+
+@pytest.mark.parametrize("model", [model for model, _ in BAD_MODELS])
+def test_check_and_inspect_refuse_a_model_with_the_same_words(capsys, model: str) -> None:
+    assert main(["check", "--model", model]) == 2
+    check_err = capsys.readouterr().err
+    _, _, inspect_err = run(capsys, "--model", model, "--rank", "1")
+    assert check_err.removeprefix("gradpress check: error: ") == inspect_err.removeprefix("gradpress inspect: error: ")
+    assert check_err.startswith("gradpress check: error: --model ")
+
+
+# --- the ratio is the state's: bytes_stats() of a real run ------------------------------------------------
+
+def mixed() -> nn.Module:
+    """At rank 3: two matrices compressed, one (3 x 30) below the min rate, two biases sent whole."""
+    return nn.Sequential(nn.Linear(50, 100), nn.ReLU(), nn.Linear(100, 30), nn.ReLU(), nn.Linear(30, 3, bias=False))
+
+
+def mixed_bf16() -> nn.Module:
+    return mixed().to(torch.bfloat16)
+
+
+def _powersgd_bytes(rank: int, world_size: int, factory: str, bytes_per_weight: int) -> tuple:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = {"mixed": mixed, "mixed_bf16": mixed_bf16}[factory]()
+    dtype = next(model.parameters()).dtype
+    net = DDP(model)
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=3, start_powerSGD_iter=2,
+                                    min_compression_rate=2, bytes_per_weight=bytes_per_weight)
+    net.register_comm_hook(state, gradpress.powerSGD_hook)
+    for _ in range(5):
+        net.zero_grad()
+        net(torch.randn(4, 50, dtype=dtype)).float().pow(2).mean().backward()
+    return state.bytes_stats(), state.compression_stats()
+
+
+@pytest.mark.parametrize("factory, bytes_per_weight, wire", [
+    ("mixed", 2, "fp16"), ("mixed", 4, "fp32"), ("mixed_bf16", 2, "bf16"), ("mixed_bf16", 4, "fp32")])
+def test_ratio_and_bytes_equal_bytes_stats_of_a_two_rank_run(capsys, factory: str, bytes_per_weight: int,
+                                                             wire: str) -> None:
+    report = inspect_json(capsys, "--model", f"test_cli_inspect:{factory}", "--rank", "3",
+                          "--bytes-per-weight", str(bytes_per_weight))
+    (rate, before, after), (numel_rate, _, _) = run_ranks(_powersgd_bytes, 2, factory, bytes_per_weight)[0]
+    totals = report["totals"]
+    steps = before // totals["bytes_per_step"]["allreduce"]  # the compressed steps the run counted
+    assert steps >= 1 and before == steps * totals["bytes_per_step"]["allreduce"]
+    assert after == steps * totals["bytes_per_step"]["powersgd"]
+    assert totals["compression_ratio"] == pytest.approx(rate, rel=1e-12)
+    assert totals["floats_compression_ratio"] == pytest.approx(numel_rate, rel=1e-12)
+    assert report["wire"] == wire
+    code, out, _ = run(capsys, "--model", f"test_cli_inspect:{factory}", "--rank", "3",
+                       "--bytes-per-weight", str(bytes_per_weight))
+    expected = "4 B/float" if wire == report["gradients"] == "fp32" else f"{report['gradients']} gradients, {wire} wire"
+    assert code == 0 and f"bytes per step ({expected})" in out and f"{rate:,.1f}x" in out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -188,13 +272,14 @@ def test_workers_per_node_splits_the_plan_with_the_wrappers_shares(capsys, model
                           "--workers-per-node", str(per_node), "--bytes-per-weight", "2")
     h = report["hierarchical"]
     shapes = [tuple(layer["shape"]) for layer in report["layers"]]
-    flat = {k: 2 * v for k, v in report["totals"]["floats_per_step"].items()}
+    floats = report["totals"]["floats_per_step"]
+    flat = {"allreduce": 4 * floats["allreduce"], "powersgd": 2 * floats["powersgd"]}  # fp32 gradients, fp16 wire
     assert (h["workers_per_node"], h["nodes"]) == (per_node, int(workers) // per_node)
     shares = assign_shares([layer["numel"] for layer in report["layers"]], per_node)
     assert [s["tensors"] for s in h["shares"]] == shares
     for share in h["shares"]:
         plan = gradpress.make_plan([shapes[i] for i in share["tensors"]], rank, 2)
-        assert share["bytes_per_step"] == {"allreduce": 2 * plan.numel, "powersgd": 2 * plan.numel_sent}
+        assert share["bytes_per_step"] == {"allreduce": 4 * plan.numel, "powersgd": 2 * plan.numel_sent}
     assert h["per_rank"]["flat"] == flat
     assert h["per_node"]["flat"] == {k: per_node * v for k, v in flat.items()}
     # Each node sends what ONE rank of the flat scheme sends: 1/L of the flat node's bytes.
@@ -202,7 +287,7 @@ def test_workers_per_node_splits_the_plan_with_the_wrappers_shares(capsys, model
     for k in flat:
         assert h["per_rank"]["hierarchical_busiest"][k] == max(s["bytes_per_step"][k] for s in h["shares"])
     # Balanced by size: the allreduce bytes of every share are within one tensor of 1/L.
-    largest = max(layer["numel"] for layer in report["layers"]) * 2
+    largest = max(layer["numel"] for layer in report["layers"]) * 4
     assert all(abs(s["bytes_per_step"]["allreduce"] - flat["allreduce"] / per_node) <= largest for s in h["shares"])
 
 

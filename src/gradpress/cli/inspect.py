@@ -1,8 +1,10 @@
 """``gradpress inspect``: what PowerSGD compresses in a model, and how many bytes it sends.
 
-``--model`` names a built-in model of :mod:`gradpress.zoo`, a model of ``gradpress demo``'s tasks
-(``--model gpt`` is the demo's ``--task gpt`` model) or ``module.path:factory``.
-The model is built on the meta device (:func:`gradpress.zoo.build_model`), so nothing is allocated, and
+``--model`` takes what ``gradpress check --model`` takes, through the same loader
+(:func:`gradpress.check.loader.load_model`): a built-in model of :mod:`gradpress.zoo`, a model of
+``gradpress demo``'s tasks (``--model gpt`` is the demo's ``--task gpt`` model) or ``module.path:function``
+returning an ``nn.Module`` or ``(module, example_batch)`` (the batch is not used here).
+The model is built on the meta device, so nothing is allocated, and
 its gradient shapes (``model.parameters()`` that require grad, tied weights once, as DDP's hooks see
 them) go through :func:`gradpress.powersgd.make_plan`, the plan the hooks and the aggregator use. Whether
 a tensor is compressed does not depend on how DDP buckets it, so planning all parameters as one segment
@@ -10,13 +12,16 @@ gives the same floats as summing the plans of the buckets.
 
 Traffic per epoch uses the PowerSGD paper's convention (Vogels et al. 2019, Table on ResNet-18/CIFAR-10):
 what ONE worker puts into the allreduce per step, times ``steps = floor(dataset / (workers x batch))``
-(``drop_last``), in MiB (2^20 bytes) with ``--bytes-per-weight`` bytes per float.
+(``drop_last``), in MiB (2^20 bytes). Bytes are counted as ``PowerSGDState.bytes_stats()`` counts them
+(:func:`gradpress.check.wire.step_bytes`): allreduce sends the gradients in their dtype, PowerSGD its
+floats at the wire's precision, ``--bytes-per-weight`` (2: fp16, or bf16 for bf16 gradients), so the
+compression ratio is the state's.
 
 With ``--workers-per-node L`` it also shows the bytes that cross nodes per step, flat (every rank sends
 its whole plan) vs :func:`gradpress.hierarchical_wrapper` (each local rank sends the plan of its share,
 split by :func:`~gradpress.hooks.hierarchical.assign_shares`, the wrapper's own function).
 
->>> report = compression_report(build_model("resnet18-cifar"), "resnet18-cifar", rank=1)
+>>> report = compression_report(build_named_model("resnet18-cifar"), "resnet18-cifar", rank=1)
 >>> report["totals"]["floats_per_step"], round(report["totals"]["mib_per_epoch"]["allreduce"], 1)
 ({'allreduce': 11173962, 'powersgd': 45935}, 1023.0)
 """
@@ -32,10 +37,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..check.loader import load_model, valid_models
+from ..check.wire import step_bytes
 from ..hooks.hierarchical import assign_shares
 from ..powersgd import make_plan
 from ..workloads.tasks import TASKS
-from ..zoo import MODELS, build_model, import_from_current_folder, model_names
 from .args import float_at_least, int_at_least
 from .table import format_table
 
@@ -69,21 +75,10 @@ GENERIC_SETTING = Setting(16, 128, 50_000, "generic default: 16 workers x 128 sa
 DEMO_WORKERS = 4
 
 
-def _valid_models() -> str:
-    return (f"{', '.join(model_names())}, the demo's tasks {', '.join(TASKS)}, or module.path:factory for your "
-            "own model")
-
-
 def build_named_model(name: str) -> nn.Module:
-    """The model ``--model name`` means, on the meta device: a demo task's model (a key of
-    :data:`gradpress.workloads.tasks.TASKS`), else :func:`gradpress.zoo.build_model`'s. ``ValueError``
-    naming the valid names for a name that is neither (nor ``module.path:factory``)."""
-    if name in TASKS and name not in MODELS:
-        with torch.device("meta"):
-            return TASKS[name].build()
-    if name not in MODELS and ":" not in name:
-        raise ValueError(f"unknown model {name!r}; choose from {_valid_models()}")
-    return build_model(name)
+    """The model ``--model name`` means, on the meta device, by ``gradpress check``'s loader
+    (:func:`gradpress.check.loader.load_model`): ``ValueError`` naming ``--model`` and the valid values."""
+    return load_model(name, torch.device("meta"), data=False)[0]
 
 
 def task_setting(name: str) -> Setting:
@@ -106,13 +101,15 @@ def _reason(numel: int, ndim: int, compressed: bool) -> str:
 
 
 def hierarchical_traffic(shapes: list[tuple[int, ...]], rank: int, min_compression_rate: float, workers: int,
-                         workers_per_node: int, bytes_per_weight: int = 4) -> dict[str, Any]:
+                         workers_per_node: int, bytes_per_weight: int = 4,
+                         dtypes: list[torch.dtype] | None = None) -> dict[str, Any]:
     """Inter-node bytes per step of the flat scheme vs :func:`gradpress.hierarchical_wrapper`, as a dict.
 
     Flat: every rank puts its whole plan into the allreduce that crosses nodes. Hierarchical: local rank
     ``j`` of each node puts in the plan of its share ``assign_shares(numels, L)[j]`` (the tensors are
     planned as one bucket; DDP's hook assigns shares per bucket, which moves tensors between local ranks
-    but leaves each node's total unchanged: the sum of the shares' plans is the whole plan). Raises
+    but leaves each node's total unchanged: the sum of the shares' plans is the whole plan). Bytes as
+    :func:`~gradpress.check.wire.step_bytes` counts them for gradients of ``dtypes`` (default fp32). Raises
     ``ValueError`` unless ``workers_per_node`` divides ``workers`` into at least 2 nodes.
 
     >>> t = hierarchical_traffic([(512, 512), (512,)], rank=1, min_compression_rate=2, workers=4, workers_per_node=2)
@@ -129,14 +126,19 @@ def hierarchical_traffic(shapes: list[tuple[int, ...]], rank: int, min_compressi
     if workers_per_node == workers:
         raise ValueError(f"--workers-per-node {workers_per_node} puts all --workers {workers} on one node: "
                          "nothing crosses nodes; give more --workers")
+    dtypes = [torch.float32] * len(shapes) if dtypes is None else dtypes
     plan = make_plan(shapes, rank, min_compression_rate)
+
+    def sent(indices: list[int]) -> dict[str, int]:
+        counts = step_bytes([shapes[i] for i in indices], [dtypes[i] for i in indices], rank,
+                            min_compression_rate, bytes_per_weight)
+        return {"allreduce": counts.bytes_in, "powersgd": counts.bytes_sent}
+
     shares = []
     for local_rank, share in enumerate(assign_shares([t.numel for t in plan.tensors], workers_per_node)):
-        share_plan = make_plan([shapes[i] for i in share], rank, min_compression_rate)
-        shares.append({"local_rank": local_rank, "tensors": share, "numel": share_plan.numel,
-                       "bytes_per_step": {"allreduce": share_plan.numel * bytes_per_weight,
-                                          "powersgd": share_plan.numel_sent * bytes_per_weight}})
-    flat = {"allreduce": plan.numel * bytes_per_weight, "powersgd": plan.numel_sent * bytes_per_weight}
+        shares.append({"local_rank": local_rank, "tensors": share,
+                       "numel": sum(plan.tensors[i].numel for i in share), "bytes_per_step": sent(share)})
+    flat = sent(list(range(len(shapes))))
     busiest = {k: max(s["bytes_per_step"][k] for s in shares) for k in flat}
     return {
         "workers_per_node": workers_per_node, "nodes": workers // workers_per_node, "shares": shares,
@@ -152,9 +154,12 @@ def compression_report(model: nn.Module, name: str, rank: int, min_compression_r
     """The plan of ``model``'s trainable parameters at ``rank``, as a JSON-ready dict.
 
     ``layers``: one entry per parameter (``name``, ``shape``, ``matrix`` ``[n, m]``, effective ``rank``
-    ``min(n, m, rank)``, ``numel``, ``compressed``, ``reason``, ``numel_sent``). ``totals``: tensors,
-    parameters, P/Q/uncompressed floats, ``floats_per_step``, ``bytes_per_step`` and ``mib_per_epoch``
-    for ``allreduce`` and ``powersgd``, and ``compression_ratio``. ``epoch``: the setting and its
+    ``min(n, m, rank)``, ``numel``, ``compressed``, ``reason``, ``numel_sent``). ``gradients`` and ``wire``:
+    the dtypes' names (``wire``: what ``bytes_per_weight`` sends for these gradients, e.g. ``bf16`` for a
+    bf16 model at 2). ``totals``: tensors, parameters, P/Q/uncompressed floats, ``floats_per_step``,
+    ``bytes_per_step`` and ``mib_per_epoch`` for ``allreduce`` and ``powersgd``, ``compression_ratio`` (in
+    bytes: ``PowerSGDState.bytes_stats()``'s rate) and ``floats_compression_ratio``
+    (``compression_stats()``'s). ``epoch``: the setting and its
     ``steps``. ``workers_per_node``: also ``hierarchical``, the inter-node bytes of
     :func:`hierarchical_traffic` for ``setting.workers``. Raises ``ValueError`` if the model has no
     trainable parameter, the setting gives no full step per epoch or ``workers_per_node`` does not split
@@ -168,17 +173,19 @@ def compression_report(model: nn.Module, name: str, rank: int, min_compression_r
         raise ValueError(f"--dataset-size {setting.dataset_size} is smaller than --workers x --batch-size "
                          f"= {setting.workers * setting.batch_size}: no full step per epoch")
     shapes = [tuple(p.shape) for _, p in named]
+    dtypes = [p.dtype for _, p in named]
+    counts = step_bytes(shapes, dtypes, rank, min_compression_rate, bytes_per_weight)
     hierarchical = None if workers_per_node is None else hierarchical_traffic(
-        shapes, rank, min_compression_rate, setting.workers, workers_per_node, bytes_per_weight)
+        shapes, rank, min_compression_rate, setting.workers, workers_per_node, bytes_per_weight, dtypes)
     plan = make_plan(shapes, rank, min_compression_rate)
     layers = [{"name": named[t.index][0], "shape": list(t.shape), "matrix": list(t.matrix), "rank": t.rank,
                "numel": t.numel, "compressed": t.compressed, "reason": _reason(t.numel, len(t.shape), t.compressed),
                "numel_sent": t.numel_sent} for t in plan.tensors]
     floats = {"allreduce": plan.numel, "powersgd": plan.numel_sent}
-    step_bytes = {k: v * bytes_per_weight for k, v in floats.items()}
+    sent = {"allreduce": counts.bytes_in, "powersgd": counts.bytes_sent}
     report: dict[str, Any] = {
         "model": name, "rank": rank, "min_compression_rate": min_compression_rate,
-        "bytes_per_weight": bytes_per_weight,
+        "bytes_per_weight": bytes_per_weight, "gradients": counts.gradients, "wire": counts.wire,
         "epoch": {"workers": setting.workers, "batch_size": setting.batch_size,
                   "dataset_size": setting.dataset_size, "steps": steps, "source": setting.source},
         "layers": layers,
@@ -188,9 +195,10 @@ def compression_report(model: nn.Module, name: str, rank: int, min_compression_r
             "compressed_numel": sum(t.numel for t in plan.compressed),
             "p_numel": plan.p_numel, "q_numel": plan.q_numel, "uncompressed_numel": plan.uncompressed_numel,
             "floats_per_step": floats,
-            "bytes_per_step": step_bytes,
-            "mib_per_epoch": {k: v * steps / MIB for k, v in step_bytes.items()},
-            "compression_ratio": plan.compression_rate,
+            "bytes_per_step": sent,
+            "mib_per_epoch": {k: v * steps / MIB for k, v in sent.items()},
+            "compression_ratio": counts.rate,
+            "floats_compression_ratio": counts.numel_rate,
         },
     }
     if hierarchical is not None:
@@ -200,6 +208,13 @@ def compression_report(model: nn.Module, name: str, rank: int, min_compression_r
 
 def _dims(values: list[int]) -> str:
     return "x".join(map(str, values)) or "scalar"
+
+
+def _precision(report: dict[str, Any]) -> str:
+    """What the bytes row counts in: ``4 B/float`` when gradients and wire are both fp32, else both named."""
+    if report["gradients"] == report["wire"] == "fp32":
+        return "4 B/float"
+    return f"{report['gradients']} gradients, {report['wire']} wire"
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -214,8 +229,8 @@ def format_report(report: dict[str, Any]) -> str:
              f"{report['min_compression_rate']:g}", ""]
     lines += format_table(["#", "parameter", "shape", "matrix", "r", "elements", "floats sent", "ratio",
                            "compressed"], rows, "><<<>>>><")
-    t, e, b = report["totals"], report["epoch"], report["bytes_per_weight"]
-    floats, step_bytes, mib = t["floats_per_step"], t["bytes_per_step"], t["mib_per_epoch"]
+    t, e = report["totals"], report["epoch"]
+    floats, nbytes, mib = t["floats_per_step"], t["bytes_per_step"], t["mib_per_epoch"]
     uncompressed = t["tensors"] - t["compressed_tensors"]
     lines += ["", f"{t['tensors']} tensors, {t['parameters']:,} parameters: {t['compressed_tensors']} matrices "
                   f"compressed ({t['compressed_numel']:,} elements -> P {t['p_numel']:,} + Q {t['q_numel']:,} "
@@ -225,7 +240,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines += format_table(
         ["per worker", "allreduce", f"PowerSGD r={report['rank']}"],
         [["floats per step", f"{floats['allreduce']:,}", f"{floats['powersgd']:,}"],
-         [f"bytes per step ({b} B/float)", f"{step_bytes['allreduce']:,}", f"{step_bytes['powersgd']:,}"],
+         [f"bytes per step ({_precision(report)})", f"{nbytes['allreduce']:,}", f"{nbytes['powersgd']:,}"],
          [f"MB per epoch ({e['steps']:,} steps, MB = 2^20 B)", f"{mib['allreduce']:,.1f}", f"{mib['powersgd']:,.1f}"],
          ["compression ratio", "1x", f"{t['compression_ratio']:,.1f}x"]], "<>>")
     if "hierarchical" in report:
@@ -266,9 +281,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                f"for module:factory: {GENERIC_SETTING.workers}/{GENERIC_SETTING.batch_size}/"
                f"{GENERIC_SETTING.dataset_size:,}.")
     parser.add_argument("--model", required=True, metavar="NAME",
-                        help=f"{', '.join(model_names())}; a model of gradpress demo's tasks: {', '.join(TASKS)}; "
-                             "or module.path:factory (a function taking no arguments that returns an nn.Module; "
-                             "the current folder is importable)")
+                        help=f"as for gradpress check: {valid_models()}; a function takes no arguments, the "
+                             "current folder is importable")
     parser.add_argument("--rank", type=int_at_least(1), required=True, metavar="R",
                         help="PowerSGD matrix approximation rank (integer >= 1)")
     parser.add_argument("--min-compression-rate", type=float_at_least(0), default=2.0, metavar="X",
@@ -281,7 +295,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--dataset-size", type=int_at_least(1), default=None, metavar="D",
                         help="training samples per epoch (integer >= 1; default: per model)")
     parser.add_argument("--bytes-per-weight", type=int, choices=(2, 4, 8), default=4,
-                        help="bytes per float on the wire: 2 (fp16/bf16), 4 (fp32), 8 (fp64) (default: %(default)s)")
+                        help="PowerSGDState's bytes_per_weight, bytes per float on the wire: 2 (fp16; bf16 for bf16 "
+                             "gradients), 4 (fp32), 8 (fp64); allreduce sends the gradients' dtype "
+                             "(default: %(default)s)")
     parser.add_argument("--workers-per-node", type=int_at_least(1), default=None, metavar="L",
                         help="also show the bytes that cross nodes per step with --workers split into nodes of L, "
                              "flat vs gradpress.hierarchical_wrapper (integer >= 1 dividing --workers into at "
@@ -298,12 +314,10 @@ def _fail(message: str, code: int = 2) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """``gradpress inspect``: 0 on success, 2 for a bad model or setting (one line on stderr)."""
-    if ":" in args.model:
-        import_from_current_folder()
     try:
         model = build_named_model(args.model)
     except ValueError as exc:
-        return _fail(f"--model: {exc}")
+        return _fail(str(exc))
     default = SETTINGS.get(args.model, GENERIC_SETTING)
     if args.model in TASKS and args.model not in SETTINGS:
         if args.dataset_size is None:
