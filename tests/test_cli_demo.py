@@ -10,8 +10,11 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -19,6 +22,8 @@ import gradpress
 import models
 from gradpress.cli import demo
 from gradpress.cli.demo import WorkerFailure, run_workers
+from gradpress.cli.demo.supervisor import Ledger, StepReporter, WorkerError, failure_report, is_peer_loss, supervise
+from gradpress.comm import CollectiveError
 from gradpress.cli.main import build_parser, main
 from gradpress.workloads import DemoConfig, default_start_iter, get_task, parse_methods
 from gradpress.workloads.training import SPARSELOCO
@@ -364,13 +369,17 @@ def test_worker_crash_stops_the_others_and_reports_the_traceback(tmp_path: Path,
     # The demo builds its DemoConfig in the parent and ships it to the workers as a dict, so this makes
     # rank 1 raise at step 5 while rank 0 is inside a collective.
     monkeypatch.setattr(demo, "DemoConfig", functools.partial(DemoConfig, fail_at_step=5, fail_rank=1))
-    code = main(["demo", "--workers", "2", "--steps", "30", "--start-iter", "4", "--timeout", "60",
-                 "--out", str(tmp_path)])
+    code = main(["demo", "--workers", "2", "--steps", "30", "--start-iter", "4", "--timeout", "120",
+                 "--collective-timeout", "120", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 1
-    assert "worker rank 1 failed during allreduce" in err
+    # Rank 1 is the root cause however the two workers' messages arrived: rank 0's error is a collective
+    # that lost its peer, a consequence.
+    assert "worker rank 1 failed during allreduce:" in err
     assert "Traceback" in err and "injected failure on rank 1 at step 5" in err
+    assert "worker rank 0 failed" not in err and "probably stuck" not in err
     assert "stopped all workers" in err
+    assert "before any method finished; nothing written" in err and not (tmp_path / "demo.json").exists()
     assert _demo_children() == []
 
 
@@ -428,8 +437,10 @@ def test_ctrl_c_reports_and_writes_the_methods_that_finished(tmp_path: Path, mon
     captured = capsys.readouterr()
     assert code == 130
     report = json.loads((tmp_path / "demo.json").read_text())
-    assert list(report["methods"]) == ["allreduce"] and report["interrupted"] == ["allreduce", "powersgd r=1", "fp16"]
-    assert "INTERRUPTED: 1 of 3 methods finished; not run: powersgd r=1, fp16" in captured.out
+    assert list(report["methods"]) == ["allreduce"]
+    assert report["stopped"] == {"kind": "interrupted", "reason": "Ctrl-C", "method": "powersgd r=1",
+                                 "methods": ["allreduce", "powersgd r=1", "fp16"]}
+    assert "INTERRUPTED: 1 of 3 methods finished; stopped during powersgd r=1; not run: fp16 (Ctrl-C)" in captured.out
     assert "interrupted; reporting the 1 method that finished" in captured.err
     assert _demo_children() == []
 
@@ -490,3 +501,284 @@ def test_a_dead_or_stuck_worker_is_named_and_the_others_say_which_collective_and
         assert "did not take part within the process group's timeout" in report
         assert time.monotonic() - begin < 60  # the collective timeout, not the run's
     assert len(started) == 2 and _demo_children() == [] and _no_process_left(started)
+
+
+# --- which worker caused a failure, whatever order the messages arrive in ------------------------------
+
+def _traceback(exception_line: str) -> str:
+    return f'Traceback (most recent call last):\n  File "training.py", line 240, in train\n{exception_line}\n'
+
+
+INJECTED = "RuntimeError: injected failure on rank 1 at step 5 (DemoConfig.fail_at_step)"
+LOST_PEER = ("gradpress.comm.errors.CollectiveError: allreduce (sum) of 71,754 float32 values over 2 ranks in "
+             "allreduce_hook, bucket 0 failed: RuntimeError: Connection closed by peer [127.0.0.1]:41234")
+ROOT_CAUSE = ("error", 1, "allreduce", _traceback(INJECTED), False)
+CONSEQUENCE = ("error", 0, "allreduce", _traceback(LOST_PEER), True)
+
+
+@pytest.mark.parametrize("arrival", [[ROOT_CAUSE, CONSEQUENCE], [CONSEQUENCE, ROOT_CAUSE]], ids=["root-first",
+                                                                                                 "consequence-first"])
+@pytest.mark.parametrize("exit_codes", [[1, 1], [None, 1], [1, None], [-6, 1]])
+def test_the_report_names_the_worker_that_failed_on_its_own_whatever_arrived_first(arrival, exit_codes) -> None:
+    """Rank 1 raised; rank 0's collective then lost its peer. The report blames rank 1 in either arrival
+    order, whether or not either process had exited yet (rank 0 aborting at exit, -6, included)."""
+    ledger = Ledger(parse_methods("allreduce", []), 2)
+    for msg in arrival:
+        ledger.receive(msg)
+    report = failure_report(ledger.errors, exit_codes)
+    lines = report.splitlines()
+    assert lines[0] == "worker rank 1 failed during allreduce:"
+    assert INJECTED in lines and "Traceback (most recent call last):" in lines
+    assert ("worker rank 0 also failed during allreduce, as a consequence (its collective lost a peer): "
+            f"{LOST_PEER}") in lines
+    assert "worker rank 0 failed" not in report and "probably stuck" not in report and "killed" not in report
+    assert lines[-1] == "stopped all workers"
+    reversed_ledger = Ledger(parse_methods("allreduce", []), 2)
+    for msg in reversed(arrival):
+        reversed_ledger.receive(msg)
+    assert failure_report(reversed_ledger.errors, exit_codes) == report
+
+
+def test_a_worker_that_died_without_a_traceback_or_hangs_is_the_root_cause_not_the_peers_it_broke() -> None:
+    consequence = {0: WorkerError("fp16", _traceback(LOST_PEER), consequence=True)}
+    killed = failure_report(consequence, [1, -9]).splitlines()
+    assert killed[0] == "worker rank 1 was killed by SIGKILL without a traceback (any output it printed is above)"
+    assert killed[1].startswith("worker rank 0 also failed during fp16, as a consequence")
+    stuck = failure_report(consequence, [1, None]).splitlines()
+    assert stuck[0].startswith("worker rank 1 was still running and reported no error: it is probably stuck")
+    # Every worker's collective failed and none is left to blame: one traceback in full, the rest as lines.
+    both = {**consequence, 1: WorkerError("fp16", _traceback(LOST_PEER), consequence=True)}
+    lines = failure_report(both, [1, 1]).splitlines()
+    assert lines[0].startswith("every worker failed in a collective (none on its own") and \
+        lines[0].endswith("worker rank 0 failed during fp16:")
+    assert LOST_PEER in lines and lines[-2].startswith("worker rank 1 also failed during fp16, as a consequence")
+    # Two workers that raised on their own are both shown in full, in rank order.
+    own = {0: WorkerError("fp16", _traceback("ValueError: a"), False), 1: WorkerError(None, _traceback("OSError: b"), False)}
+    lines = failure_report(own, [1, 1]).splitlines()
+    assert lines.index("worker rank 0 failed during fp16:") < lines.index("worker rank 1 failed:")
+
+
+def test_only_collectives_that_lost_a_peer_count_as_consequences() -> None:
+    def raised(make: Callable[[], BaseException]) -> BaseException:
+        try:
+            make()
+        except BaseException as exc:  # noqa: BLE001
+            return exc
+        raise AssertionError("nothing raised")
+
+    def chained() -> None:
+        try:
+            raise CollectiveError("allreduce (sum) of 4 float32 values over 2 ranks in allreduce_hook failed")
+        except CollectiveError as exc:
+            raise RuntimeError("the hook's future failed") from exc
+
+    assert is_peer_loss(CollectiveError("barrier over 2 ranks in the demo's start failed"))
+    assert is_peer_loss(raised(chained))
+    # DDP re-raises a comm hook's error from its future as a plain RuntimeError carrying only the text,
+    # here a peer that timed out (no "connection closed" in it).
+    assert is_peer_loss(RuntimeError("Got the following error when running the callback: CollectiveError: allreduce "
+                                     "(sum) of 4 float32 values over 2 ranks in allreduce_hook, bucket 0 failed (a peer "
+                                     "did not take part within the process group's timeout: it died, is stuck, or is "
+                                     "far behind): RuntimeError: [gloo] Timed out waiting 5000ms for recv"))
+    assert is_peer_loss(torch_dist_error("Connection closed by peer [127.0.0.1]:4242"))
+    assert is_peer_loss(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection reset by peer"))
+    assert not is_peer_loss(RuntimeError("injected failure on rank 1 at step 5 (DemoConfig.fail_at_step)"))
+    assert not is_peer_loss(ValueError("bad shape")) and not is_peer_loss(KeyboardInterrupt())
+
+
+def torch_dist_error(message: str) -> BaseException:
+    import torch.distributed as dist
+    return dist.DistBackendError(message)
+
+
+# --- the stall timeout ---------------------------------------------------------------------------------
+
+class _FakeProcess:
+    """What :func:`supervise` reads of a worker process: its exit code (set when the fake worker returns)."""
+
+    def __init__(self) -> None:
+        self.exitcode: int | None = None
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def _supervise_fakes(methods: str, workers: int, script: Callable[[int, Callable[[tuple], None]], None],
+                     timeout: float, startup: float = 0.0) -> Ledger:
+    """Supervise ``workers`` threads running ``script(rank, send)``, each over its own pipe as the demo's
+    workers are (``mp.Pipe``); the ledger of what was heard."""
+    ledger = Ledger(parse_methods(methods, []), workers)
+    channels: dict[Connection, int] = {}
+    procs = [_FakeProcess() for _ in range(workers)]
+    for rank in range(workers):
+        reader, writer = mp.Pipe(duplex=False)
+        channels[reader] = rank
+
+        def body(rank: int = rank, writer: Connection = writer) -> None:
+            script(rank, writer.send)
+            writer.close()
+            procs[rank].exitcode = 0
+
+        threading.Thread(target=body, daemon=True).start()
+    supervise(ledger, channels, procs, timeout=timeout, startup=startup)
+    return ledger
+
+
+def _finished(spec: str, label: str, rank: int) -> dict[str, Any]:
+    """A worker's result for a method, with every field the report and the plot read."""
+    curve = [{"step": 0, "train_loss": None, "test_loss": 2.3, "metric": 0.1, "bytes": 0, "time_s": 0.0},
+             {"step": 6, "train_loss": 1.0, "test_loss": 1.1, "metric": 0.8, "bytes": 6000, "time_s": 0.5}]
+    return {"method": spec, "label": label, "rank": rank, "world_size": 2, "steps": 6, "metric_name": "accuracy",
+            "metric": 0.8, "test_loss": 1.1, "train_loss": 1.0, "wall_time_s": 0.5, "time_per_step_s": 0.5 / 6,
+            "numel": 250, "bytes_per_step": 1000, "bytes_allreduce_per_step": 1000, "compression_ratio": 1.0,
+            "bytes_total": 6000, "bytes_warm_up": 2000, "bytes_allreduce_total": 6000, "total_ratio": 1.0,
+            "synchronizations": 6, "approximation_error": None, "approximation_errors": None, "curve": curve,
+            "checksum": 1.5, "digest": "ab", "backend": "gloo"}
+
+
+def test_a_slow_run_that_keeps_stepping_outlasts_the_stall_timeout() -> None:
+    """Starting takes longer than the timeout (within the start-up allowance) and each method takes 1.5
+    times the timeout, but once started the workers report a step every tenth of it."""
+    timeout = 1.0
+
+    def slow(rank: int, send: Callable[[tuple], None]) -> None:
+        time.sleep(1.5 * timeout)  # importing torch, joining the group: nothing to report
+        for spec, label in [("allreduce", "allreduce"), ("fp16", "fp16")]:
+            send(("started", rank, label))
+            end = time.monotonic() + 1.5 * timeout
+            while time.monotonic() < end:
+                send(("step", rank, label))
+                time.sleep(timeout / 10)
+            send(("result", rank, spec, {"rank": rank}))
+
+    begin = time.monotonic()
+    ledger = _supervise_fakes("allreduce,fp16", 2, slow, timeout, startup=10 * timeout)
+    assert time.monotonic() - begin >= 4.5 * timeout  # three times the timeout, not stopped
+    assert ledger.completed() == {"allreduce": [{"rank": 0}, {"rank": 1}], "fp16": [{"rank": 0}, {"rank": 1}]}
+
+
+def test_workers_that_never_start_trip_the_timeout_plus_the_start_up_allowance() -> None:
+    release = threading.Event()
+    begin = time.monotonic()
+    try:
+        with pytest.raises(WorkerFailure) as failure:
+            _supervise_fakes("allreduce", 2, lambda rank, send: release.wait(60), timeout=0.5, startup=1.0)
+    finally:
+        release.set()
+    assert 1.5 <= time.monotonic() - begin < 1.5 + 10
+    assert failure.value.kind == "stalled" and failure.value.completed == {} and failure.value.stopped == "allreduce"
+    assert str(failure.value).startswith("the run stalled while starting: no worker started within 1.5 s "
+                                         "(--timeout 0.5, plus 1 s for joining the process group)")
+
+
+def test_a_stalled_method_trips_the_timeout_and_the_finished_ones_are_kept() -> None:
+    timeout = 2.0
+    last_sent: dict[int, float] = {}
+    release = threading.Event()
+
+    def stalls_in_the_second_method(rank: int, send: Callable[[tuple], None]) -> None:
+        send(("started", rank, "allreduce"))
+        send(("result", rank, "allreduce", {"rank": rank}))
+        send(("started", rank, "powersgd r=1"))
+        for step in range(3):
+            send(("step", rank, "powersgd r=1"))
+            if rank == 0:
+                send(("progress", 0, "powersgd r=1", step + 1, 40, 1.0))
+        last_sent[rank] = time.monotonic()
+        release.wait(60)  # stuck: sends nothing more
+
+    try:
+        with pytest.raises(WorkerFailure) as failure:
+            _supervise_fakes("allreduce,powersgd:1,fp16", 2, stalls_in_the_second_method, timeout)
+        stopped_after = time.monotonic() - max(last_sent.values())
+    finally:
+        release.set()
+    assert timeout <= stopped_after < timeout + 10  # about the timeout after the last report (load: the margin)
+    exc = failure.value
+    assert exc.kind == "stalled" and exc.stopped == "powersgd r=1"
+    assert exc.completed == {"allreduce": [{"rank": 0}, {"rank": 1}]}
+    assert exc.reason == "no worker reported progress for 2 s (the last evaluation was at step 3 of 40)"
+    report = str(exc).splitlines()
+    assert report[0].startswith("the run stalled during powersgd r=1: no worker reported progress for 2 s")
+    assert "--timeout 2 stops a run after that long without progress" in report[0]
+    assert report[-1] == "stopped all workers"
+
+
+def test_the_step_reporter_reports_at_most_once_per_interval_and_torch_calls_it() -> None:
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    now = [0.0]
+    sent: list[tuple] = []
+    reporter = StepReporter(sent.append, rank=1, interval=1.0, clock=lambda: now[0])
+    reporter.label = "fp16"
+    for t in (0.0, 0.5, 0.99, 1.0, 1.2, 2.5):
+        now[0] = t
+        reporter(None, (), {})
+    assert sent == [("step", 1, "fp16")] * 3  # at 0, 1.0 and 2.5
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    handle = register_optimizer_step_post_hook(reporter)
+    try:
+        now[0] = 10.0
+        param.grad = torch.ones(2)
+        optimizer.step()
+    finally:
+        handle.remove()
+    assert len(sent) == 4
+
+
+def test_a_stalled_run_still_writes_the_methods_every_worker_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """``gradpress demo`` with workers that finish allreduce, then stall in powersgd r=1: exit 1, and
+    allreduce is in demo.json and the table, with how and where the run stopped."""
+    seen: dict[str, Any] = {}
+
+    def fake_workers(config, workers, *, timeout, methods, on_progress, collective_timeout):
+        seen.update(timeout=timeout, labels=[m.label for m in methods])
+
+        def script(rank: int, send: Callable[[tuple], None]) -> None:
+            send(("result", rank, "allreduce", _finished("allreduce", "allreduce", rank)))
+            send(("step", rank, "powersgd r=1"))
+            release.wait(60)
+
+        release = threading.Event()
+        try:
+            ledger = _supervise_fakes(",".join(m.spec for m in methods), workers, script, timeout)
+        finally:
+            release.set()
+        return ledger.completed()
+
+    monkeypatch.setattr(demo, "run_workers", fake_workers)
+    code = main(["demo", "--workers", "2", "--steps", "6", "--methods", "allreduce,powersgd:1,fp16", "--timeout",
+                 "1", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 1 and seen["timeout"] == 1.0
+    assert "the run stalled during powersgd r=1: no worker reported progress for 1 s" in captured.err
+    assert "the run stalled; reporting the 1 method that finished" in captured.err
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert list(report["methods"]) == ["allreduce"]
+    assert report["stopped"] == {"kind": "stalled", "reason": "no worker reported progress for 1 s",
+                                 "method": "powersgd r=1", "methods": ["allreduce", "powersgd r=1", "fp16"]}
+    note = ("STALLED: 1 of 3 methods finished; stopped during powersgd r=1; not run: fp16 (no worker reported "
+            "progress for 1 s)")
+    assert note in captured.out and note in (tmp_path / "demo.md").read_text()
+    assert any(line.startswith("allreduce ") for line in captured.out.splitlines())
+
+
+@pytest.mark.slow
+def test_a_real_worker_that_hangs_trips_the_stall_timeout_and_no_worker_is_left() -> None:
+    """One worker sleeps inside step 6, outside any collective (with two, the other's collective would
+    time out too, and the two timeouts race): the stall timeout stops it 5 s after its last report, and
+    the report says where."""
+    begin = time.monotonic()
+    with pytest.raises(WorkerFailure) as failure:
+        run_workers(DemoConfig(steps=40, start_iter=4, fail_at_step=6, fail_rank=0, fail_kind="hang"), 1, timeout=5,
+                    methods=parse_methods("allreduce,fp16", []), collective_timeout=300)
+    assert failure.value.kind == "stalled" and failure.value.completed == {} and failure.value.stopped == "allreduce"
+    report = str(failure.value).splitlines()
+    assert report[0].startswith("the run stalled during allreduce: no worker reported progress for 5 s (the last "
+                                "evaluation was at step 5 of 40)")
+    assert report[1:] == ["stopped all workers"]
+    assert time.monotonic() - begin < 120
+    assert _demo_children() == []

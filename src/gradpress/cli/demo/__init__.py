@@ -7,8 +7,11 @@ through a queue. The parent shows progress bars, then prints a table (test metri
 step, compression, time) and writes ``demo.json``, ``demo.md`` and ``demo.png`` to ``--out``. It checks
 that every worker ended with identical parameters and that PowerSGD's counted bytes match the plan.
 
-If a worker fails, the parent stops the others, prints the failing worker's traceback and exits 1;
-it never waits longer than ``--timeout`` seconds.
+If a worker fails, the parent stops the others, prints the traceback of the worker that caused it and
+exits 1; if no worker reports progress (an optimizer step, an evaluation, a result) for ``--timeout``
+seconds, it stops them too, however long the run has been going. Stopped in either way or by Ctrl-C,
+it still reports and writes the methods that every worker had finished, with the method it stopped in
+and why.
 
 On a task with a measured PowerSGD recipe (``charlm``, ``charlm-wide``, ``gpt``, ``gpt-wide``:
 :class:`~gradpress.workloads.Recipe`) the demo takes its learning rate (for every method), its rank and
@@ -42,10 +45,11 @@ from .plot import make_figure, plot
 from .report import format_markdown, format_rate, format_report, plural, settled, summarize
 from .report import notes as _notes  # noqa: F401  (the README's tests read the notes and the table here)
 from .report import table as _table  # noqa: F401
-from .supervisor import DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_TIMEOUT, Interrupted, WorkerFailure, mp, run_workers
+from .supervisor import (DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_TIMEOUT, Interrupted, StoppedEarly, WorkerFailure, mp,
+                         run_workers)
 
-__all__ = ["Interrupted", "Resolved", "WorkerFailure", "format_report", "free_port", "parse_bandwidth", "register",
-           "resolve", "run", "run_workers", "summarize"]
+__all__ = ["Interrupted", "Resolved", "StoppedEarly", "WorkerFailure", "format_report", "free_port", "parse_bandwidth",
+           "register", "resolve", "run", "run_workers", "summarize"]
 
 
 _DEFAULTS = DemoConfig()
@@ -168,7 +172,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--warm-up-beta", type=_beta, default=None, metavar="BETA",
                         help="PowerSGDState(warm_up_beta_factor=BETA) for the PowerSGD methods (in (0, 1])")
     parser.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
-                        help="give up (and stop the workers) after this long (default: %(default)s)")
+                        help="stall timeout: stop the workers when none has reported progress (a training step, "
+                             "an evaluation, a result) for this many seconds, however long the whole run takes "
+                             "(starting the workers, until their first report, may take --collective-timeout "
+                             "more); the methods every worker finished are still reported and written (a number "
+                             "> 0; default: %(default)s)")
     parser.add_argument("--collective-timeout", type=positive_float, default=DEFAULT_COLLECTIVE_TIMEOUT,
                         metavar="SECONDS", help="a worker's collective waits this long for a dead or stuck peer, "
                         "then fails naming the collective (default: %(default)s; at most --timeout)")
@@ -292,9 +300,20 @@ def _start_iter(args: argparse.Namespace, methods: Sequence[Method]) -> int | st
     return int(args.start_iter)
 
 
+#: How the command says that a run was stopped early, by :attr:`StoppedEarly.kind`.
+_STOPPED_WORDS = {"interrupted": "interrupted", "failed": "a worker failed", "stalled": "the run stalled"}
+
+
+def _stopped_code(exc: StoppedEarly) -> int:
+    """The exit status of a run stopped early: 130 for Ctrl-C, 1 for a failure or a stall."""
+    return 130 if exc.kind == "interrupted" else 1
+
+
 def run(args: argparse.Namespace) -> int:
-    """``gradpress demo``: 0 on success, 1 if a worker or a check failed, 2 for bad arguments, 130 when
-    interrupted (the methods that finished are still reported and written)."""
+    """``gradpress demo``: 0 on success, 1 if a worker or a check failed or the run stalled, 2 for bad
+    arguments, 130 when interrupted. A run stopped early (crash, stall, Ctrl-C) still reports and writes
+    the methods that every worker finished, with ``"stopped"`` in ``demo.json`` saying how, why and in
+    which method."""
     try:
         task = get_task(args.task)
         resolved = resolve(args)
@@ -324,24 +343,27 @@ def run(args: argparse.Namespace) -> int:
           f"{plural(len(methods), 'method')} x {config.steps} steps: {', '.join(m.label for m in methods)}",
           file=sys.stderr, flush=True)
     start = time.perf_counter()
-    interrupted = False
+    stopped: StoppedEarly | None = None
     try:
         results = run_workers(config, args.workers, timeout=args.timeout, methods=methods, on_progress=Progress(),
                               collective_timeout=args.collective_timeout)
-    except WorkerFailure as exc:
-        return _fail(str(exc), code=1)
-    except Interrupted as exc:
+    except (WorkerFailure, Interrupted) as exc:
+        # One path for a crash, a stall and Ctrl-C: what every worker finished is still reported.
+        if isinstance(exc, WorkerFailure):
+            _fail(str(exc), code=1)
+        what = _STOPPED_WORDS[exc.kind]
         if not exc.completed:
-            print("\ngradpress demo: interrupted before any method finished; nothing written", file=sys.stderr)
-            return 130
-        results, interrupted = exc.completed, True
-        print(f"\ngradpress demo: interrupted; reporting the {plural(len(results), 'method')} that finished",
+            print(f"\ngradpress demo: {what} before any method finished; nothing written", file=sys.stderr)
+            return _stopped_code(exc)
+        results, stopped = exc.completed, exc
+        print(f"\ngradpress demo: {what}; reporting the {plural(len(results), 'method')} that finished",
               file=sys.stderr)
     wall_time = time.perf_counter() - start
 
     summary = summarize(results, config, args.workers, wall_time, args.bandwidth, command, resolved.recipe)
-    if interrupted:
-        summary["interrupted"] = [m.label for m in methods]
+    if stopped is not None:
+        summary["stopped"] = {"kind": stopped.kind, "reason": stopped.reason, "method": stopped.stopped,
+                              "methods": [m.label for m in methods]}
     print(format_report(summary))
     print(f"total wall time: {wall_time:.1f} s (including starting {plural(args.workers, 'worker process')})")
     try:
@@ -351,8 +373,8 @@ def run(args: argparse.Namespace) -> int:
     if not any(p.name == "demo.png" for p in written):
         print("no demo.png: matplotlib is not installed (pip install 'gradpress[demo]')", file=sys.stderr)
     print(f"wrote {', '.join(p.name for p in written)} to {out}/")
-    if interrupted:
-        return 130
+    if stopped is not None:
+        return _stopped_code(stopped)
     if not summary["ranks_agree"]:
         return _fail("workers ended with different parameters", code=1)
     if not summary["bytes_check_ok"]:

@@ -193,12 +193,24 @@ def notes(summary: dict[str, Any]) -> list[str]:
     else:
         lines += [f"RANKS DISAGREE for {m['label']}: parameter sums per rank {m['checksums']}"
                   for m in methods.values() if not m["ranks_agree"]]
-    interrupted = summary.get("interrupted")
-    if interrupted:
-        finished = {m["label"] for m in methods.values()}
-        lines.append(f"INTERRUPTED: {len(finished)} of {len(interrupted)} methods finished; not run: "
-                     f"{', '.join(label for label in interrupted if label not in finished)}")
+    stopped = summary.get("stopped")
+    if stopped:
+        lines.append(stopped_note(stopped, [m["label"] for m in methods.values()]))
     return lines
+
+
+def stopped_note(stopped: dict[str, Any], finished: list[str]) -> str:
+    """The note of a run stopped early (``summary["stopped"]``: ``kind``, ``reason``, the ``method`` it
+    stopped in and every method asked for): ``"STALLED: 1 of 3 methods finished; stopped during powersgd
+    r=1; not run: fp16 (no worker reported progress for 60 s)"``."""
+    asked: list[str] = stopped["methods"]
+    line = f"{stopped['kind'].upper()}: {len(finished)} of {len(asked)} methods finished"
+    if stopped.get("method"):
+        line += f"; stopped during {stopped['method']}"
+    not_run = [label for label in asked if label not in finished and label != stopped.get("method")]
+    if not_run:
+        line += f"; not run: {', '.join(not_run)}"
+    return line + (f" ({stopped['reason']})" if stopped.get("reason") else "")
 
 
 def _swing(method: dict[str, Any]) -> str:

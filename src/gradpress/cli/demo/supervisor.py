@@ -1,57 +1,151 @@
 """The demo's supervisor: spawns the worker processes, relays their progress and results, and stops
-all of them (naming the failing worker, its traceback and the collective it was in) when one fails or
-the run times out."""
+all of them when one fails, when none has made progress for ``timeout`` seconds (a stall), or on Ctrl-C.
+The methods every worker had finished are kept in each case; a failure's report names the worker that
+caused it, its traceback and the collective the others were in, whatever order their messages arrive in.
+
+Each worker has its own pipe to the supervisor and writes to it from its main thread only, so a worker
+killed in the middle of a message (SIGKILL, the OOM killer) can only cut its own pipe (read as its
+exit), never block or garble another worker's messages.
+"""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import re
 import signal
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from multiprocessing.connection import Connection, wait
+from typing import Any, Protocol
 
 from ...launch import free_port
 from ...workloads.training import DemoConfig, Method, ProgressFn
 
+#: Seconds without a report from any worker (a step, an evaluation, a result) after which the run is stopped.
 DEFAULT_TIMEOUT = 600.0
 #: Seconds a worker's collective waits for its peers before raising (a dead or stuck peer).
 DEFAULT_COLLECTIVE_TIMEOUT = 60.0
+#: A worker reports its optimizer steps at most this often (seconds): liveness, not a log.
+STEP_REPORT_INTERVAL = 1.0
+#: Seconds the supervisor keeps listening, once a worker failed, for the others' errors or exits: the
+#: worker that caused a failure may be heard from after the ones that failed because of it.
+SETTLE_TIME = 10.0
 
 
-class WorkerFailure(RuntimeError):
-    """A worker crashed, exited early or timed out; ``str(exc)`` is the report to print."""
+class StoppedEarly:
+    """What a run stopped before its end keeps (mixed into :class:`WorkerFailure` and :class:`Interrupted`).
+
+    ``completed``: ``{method.spec: [result of rank 0, 1, ...]}`` for the methods that every worker had
+    finished, in the order they were asked for; ``stopped``: the label of the method that was running (or
+    about to run), ``None`` if none; ``kind``: ``"failed"``, ``"stalled"`` or ``"interrupted"``;
+    ``reason``: one line saying why.
+    """
+
+    completed: dict[str, list[dict[str, Any]]]
+    stopped: str | None
+    kind: str
+    reason: str
+
+    def _keep(self, completed: dict[str, list[dict[str, Any]]] | None, stopped: str | None, kind: str,
+              reason: str) -> None:
+        self.completed = dict(completed or {})
+        self.stopped = stopped
+        self.kind = kind
+        self.reason = reason
 
 
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during :func:`run_workers` (the workers are stopped); ``completed`` holds the results of
-    the methods that every worker had finished, in the order they were asked for."""
+class WorkerFailure(StoppedEarly, RuntimeError):
+    """A worker crashed or exited early (``kind="failed"``), or no worker made progress for the run's
+    timeout (``kind="stalled"``); ``str(exc)`` is the report to print."""
 
-    def __init__(self, completed: dict[str, list[dict[str, Any]]]) -> None:
-        super().__init__()
-        self.completed = completed
+    def __init__(self, report: str, completed: dict[str, list[dict[str, Any]]] | None = None,
+                 stopped: str | None = None, kind: str = "failed", reason: str | None = None) -> None:
+        RuntimeError.__init__(self, report)
+        self._keep(completed, stopped, kind, reason if reason is not None else report.splitlines()[0])
+
+
+class Interrupted(StoppedEarly, KeyboardInterrupt):
+    """Ctrl-C during :func:`run_workers` (the workers are stopped)."""
+
+    def __init__(self, completed: dict[str, list[dict[str, Any]]], stopped: str | None = None) -> None:
+        KeyboardInterrupt.__init__(self)
+        self._keep(completed, stopped, "interrupted", "Ctrl-C")
 
 
 # --- workers ------------------------------------------------------------------------------------------
 
-def _worker(rank: int, world_size: int, port: int, config: dict[str, Any], methods: Sequence[Method],
-            messages: Any, timeout: float) -> None:
-    """Worker process: join the group, train every method, report through ``messages``.
+#: What gloo and NCCL say when a peer's connection went away (not every backend raises a DistError for
+#: it), and how a CollectiveError reads once DDP has re-raised it from a comm hook's future as a plain
+#: RuntimeError ("Got the following error when running the callback: CollectiveError: ...").
+_PEER_LOSS_WORDS = ("collectiveerror:", "connection closed by peer", "connection reset by peer", "broken pipe",
+                    "communicator was aborted")
 
-    Messages: ``("progress", rank, label, step, steps, loss)``, ``("result", rank, spec, dict)``,
-    ``("error", rank, label or None, traceback text)``. Exits 1 after an error. NCCL with GPU ``rank``
-    when there are at least ``world_size`` GPUs, gloo on CPU otherwise.
+
+def is_peer_loss(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed because a peer died, hung or left, and so a
+    consequence of another worker's failure rather than a failure of this worker's own: a
+    :class:`gradpress.comm.CollectiveError` or a ``torch.distributed.DistError`` anywhere in its chain
+    of causes, an error whose text carries a CollectiveError (a comm hook's, re-raised by DDP), or a
+    backend error saying that a peer's connection is gone."""
+    kinds: list[type] = []
+    try:
+        from ...comm.errors import CollectiveError
+        kinds.append(CollectiveError)
+    except Exception:  # noqa: BLE001 - a worker that failed to import torch has no collective to blame
+        pass
+    dist_error = getattr(sys.modules.get("torch.distributed"), "DistError", None)
+    if isinstance(dist_error, type):
+        kinds.append(dist_error)
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, tuple(kinds)) or any(word in str(current).lower() for word in _PEER_LOSS_WORDS):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+class StepReporter:
+    """A global optimizer step post-hook (``torch.optim.optimizer.register_optimizer_step_post_hook``):
+    after an optimizer step, ``send(("step", rank, label))`` if nothing was sent for ``interval``
+    seconds. The supervisor's stall timeout counts from these reports, so a run is judged by its
+    steps, however far apart its evaluations are."""
+
+    def __init__(self, send: Callable[[tuple[Any, ...]], None], rank: int, interval: float = STEP_REPORT_INTERVAL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.send, self.rank, self.interval, self.clock = send, rank, interval, clock
+        self.label: str | None = None
+        self._last = -float("inf")
+
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        now = self.clock()
+        if now - self._last >= self.interval:
+            self._last = now
+            self.send(("step", self.rank, self.label))
+
+
+def _worker(rank: int, world_size: int, port: int, config: dict[str, Any], methods: Sequence[Method],
+            channel: Connection, timeout: float) -> None:
+    """Worker process: join the group, train every method, report through ``channel`` (this worker's own).
+
+    Messages: ``("started", rank, label)`` as a method starts, ``("step", rank, label)`` at most every
+    :data:`STEP_REPORT_INTERVAL` seconds while its optimizer steps, ``("progress", rank, label, step,
+    steps, loss)`` at rank 0's evaluations, ``("result", rank, spec, dict)``, and ``("error", rank, label
+    or None, traceback text, is_peer_loss)``. Exits 1 after an error. NCCL with GPU ``rank`` when there
+    are at least ``world_size`` GPUs, gloo on CPU otherwise.
     """
     label: str | None = None
     try:
         import torch
         import torch.distributed as dist
+        from torch.optim.optimizer import register_optimizer_step_post_hook
 
         from ...workloads.training import DemoConfig, train
 
@@ -63,51 +157,101 @@ def _worker(rank: int, world_size: int, port: int, config: dict[str, Any], metho
         dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         cfg = DemoConfig(**config)
+        steps = StepReporter(channel.send, rank)
+        register_optimizer_step_post_hook(steps)
 
-        def progress(name: str, step: int, steps: int, loss: float) -> None:
-            messages.put(("progress", rank, name, step, steps, loss))
+        def progress(name: str, step: int, total: int, loss: float) -> None:
+            channel.send(("progress", rank, name, step, total, loss))
 
         for method in methods:
-            label = method.label
+            label = steps.label = method.label
+            channel.send(("started", rank, label))
             result = train(rank, world_size, method, cfg, on_progress=progress, device=device)
             result["backend"] = dist.get_backend()
-            messages.put(("result", rank, method.spec, result))
+            channel.send(("result", rank, method.spec, result))
         label = None
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - everything goes to the parent, which decides
-        messages.put(("error", rank, label, traceback.format_exc()))
+    except BaseException as exc:  # noqa: BLE001 - everything goes to the parent, which decides
+        try:
+            channel.send(("error", rank, label, traceback.format_exc(), is_peer_loss(exc)))
+        except OSError:
+            pass  # the supervisor is gone: nobody to tell
         sys.exit(1)
 
+
+# --- what the supervisor heard ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WorkerError:
+    """A worker's traceback. ``consequence``: its exception is a collective that lost a peer
+    (:func:`is_peer_loss`), so another worker caused it."""
+
+    method: str | None
+    traceback: str
+    consequence: bool
+
+
+class Ledger:
+    """What the supervisor has heard from the workers: their results, their errors, and when any of
+    them last made progress. Pure bookkeeping, fed one message at a time (:meth:`receive`)."""
+
+    def __init__(self, methods: Sequence[Method], workers: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.methods = list(methods)
+        self.workers = workers
+        self.clock = clock
+        self.results: dict[str, dict[int, dict[str, Any]]] = {m.spec: {} for m in self.methods}
+        self.errors: dict[int, WorkerError] = {}
+        self.last_report = clock()
+        #: Whether any worker has sent anything yet (the workers have started).
+        self.heard = False
+        #: Rank 0's last evaluation: ``(label, step, steps)``.
+        self.last_evaluation: tuple[str, int, int] | None = None
+
+    def receive(self, msg: tuple[Any, ...], on_progress: ProgressFn | None = None) -> None:
+        """Record one worker message (any kind is a sign of life); evaluations go on to ``on_progress``."""
+        self.last_report = self.clock()
+        self.heard = True
+        kind, rank = msg[0], msg[1]
+        if kind == "progress":
+            self.last_evaluation = (msg[2], msg[3], msg[4])
+            if on_progress is not None:
+                on_progress(*msg[2:])
+        elif kind == "result":
+            self.results[msg[2]][rank] = msg[3]
+        elif kind == "error":
+            self.errors.setdefault(rank, WorkerError(msg[2], msg[3], bool(msg[4])))
+
+    @property
+    def received(self) -> int:
+        return sum(len(per_rank) for per_rank in self.results.values())
+
+    @property
+    def expected(self) -> int:
+        return self.workers * len(self.methods)
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.expected
+
+    def idle(self) -> float:
+        """Seconds since the last message from any worker."""
+        return self.clock() - self.last_report
+
+    def completed(self) -> dict[str, list[dict[str, Any]]]:
+        """The results of the methods that every worker finished, in the order they were asked for."""
+        return {m.spec: [self.results[m.spec][rank] for rank in range(self.workers)]
+                for m in self.methods if len(self.results[m.spec]) == self.workers}
+
+    def stopped(self) -> str | None:
+        """The label of the first method that not every worker finished (the one running), if any."""
+        return next((m.label for m in self.methods if len(self.results[m.spec]) < self.workers), None)
+
+
+# --- the failure report -------------------------------------------------------------------------------
 
 def _stuck_line(rank: int) -> str:
     return (f"worker rank {rank} was still running and reported no error: it is probably stuck (the others' "
             "collectives timed out waiting for it)")
-
-
-def _stop(procs: Sequence[Any]) -> None:
-    """Terminate (then kill) every started process that is still alive, and reap all of them."""
-    for proc in procs:
-        if proc.pid is not None and proc.is_alive():
-            proc.terminate()
-    for proc in procs:
-        if proc.pid is None:
-            continue
-        proc.join(timeout=3)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=3)
-
-
-def _drain(messages: Any, errors: dict[int, tuple[str | None, str]], grace: float) -> None:
-    """Collect error messages that arrive within ``grace`` seconds (other messages are dropped)."""
-    end = time.monotonic() + grace
-    while True:
-        try:
-            msg = messages.get(timeout=max(0.0, end - time.monotonic()))
-        except (queue.Empty, OSError, EOFError, ValueError):
-            return
-        if msg[0] == "error":
-            errors.setdefault(msg[1], (msg[2], msg[3]))
 
 
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Warning)\b")
@@ -132,35 +276,161 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _failure_report(errors: dict[int, tuple[str | None, str]], first: int | None,
-                    exit_codes: Sequence[int | None], reason: str | None = None) -> str:
-    """What to print when the workers failed.
+def _during(method: str | None) -> str:
+    return f" during {method}" if method else ""
 
-    ``exit_codes`` are taken before the parent stopped the survivors. A rank that died without a
-    traceback (killed, or failed before it could report) is the likely root cause; otherwise the first
-    traceback received is, and the other ranks' errors (typically "Connection closed by peer") are
-    listed on one line each.
-    """
+
+def root_causes(errors: dict[int, WorkerError], exit_codes: Sequence[int | None]) -> list[int]:
+    """The ranks that failed on their own, in rank order: a worker whose exception is not a collective
+    that lost a peer, and a worker that died (non-zero exit code, a signal) without a traceback. Which
+    message arrived first plays no part: a crashed worker is often heard from after the peers whose
+    collectives its exit broke."""
+    own = {rank for rank, error in errors.items() if not error.consequence}
+    silent = {rank for rank, code in enumerate(exit_codes) if code not in (None, 0) and rank not in errors}
+    return sorted(own | silent)
+
+
+def failure_report(errors: dict[int, WorkerError], exit_codes: Sequence[int | None], reason: str | None = None) -> str:
+    """What to print when the workers failed: each root cause (:func:`root_causes`: the traceback of a
+    worker that raised on its own, or how a worker died without one); without one, the workers still
+    running while the others' collectives failed (probably stuck); then the other workers' errors, one
+    line each, as consequences. ``exit_codes`` are taken before the survivors were stopped (``None``:
+    still running)."""
     lines: list[str] = []
-    silent = [r for r, code in enumerate(exit_codes) if code not in (None, 0) and r not in errors]
-    stuck = [r for r, code in enumerate(exit_codes) if code is None and r not in errors] if errors else []
-    lines += [_stuck_line(r) for r in stuck]
-    for rank in silent:
-        lines.append(f"worker rank {rank} {_describe_exit(exit_codes[rank])} without a traceback "
-                     "(any output it printed is above)")
-    if first is not None and not silent and not stuck:
-        method, tb = errors[first]
-        lines.append(f"worker rank {first} failed{f' during {method}' if method else ''}:")
-        lines.append(tb.rstrip())
-    consequences = sorted(r for r in errors if silent or stuck or r != first)
+    roots = root_causes(errors, exit_codes)
+    consequences = sorted(rank for rank, error in errors.items() if error.consequence)
+    for rank in roots:
+        if rank in errors:
+            lines.append(f"worker rank {rank} failed{_during(errors[rank].method)}:")
+            lines.append(errors[rank].traceback.rstrip())
+        else:
+            lines.append(f"worker rank {rank} {_describe_exit(exit_codes[rank])} without a traceback "
+                         "(any output it printed is above)")
+    if not roots and consequences:
+        stuck = [rank for rank, code in enumerate(exit_codes) if code is None and rank not in errors]
+        lines += [_stuck_line(rank) for rank in stuck]
+        if not stuck:  # every worker's collective failed, none on its own: show one in full
+            first = consequences.pop(0)
+            lines.append(f"every worker failed in a collective (none on its own: a network problem, or a "
+                         f"worker stopped from outside?); worker rank {first} failed{_during(errors[first].method)}:")
+            lines.append(errors[first].traceback.rstrip())
     for rank in consequences:
-        method = errors[rank][0]
-        lines.append(f"worker rank {rank} also failed{f' during {method}' if method else ''}, probably as a "
-                     f"consequence: {_exception_line(errors[rank][1])}")
+        lines.append(f"worker rank {rank} also failed{_during(errors[rank].method)}, as a consequence (its "
+                     f"collective lost a peer): {_exception_line(errors[rank].traceback)}")
     if reason:
         lines.append(reason)
     lines.append("stopped all workers")
     return "\n".join(lines)
+
+
+# --- supervising --------------------------------------------------------------------------------------
+
+class _Process(Protocol):
+    """What the supervision loop needs of a worker process (a ``multiprocessing.Process``)."""
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+def _read(channels: dict[Connection, int], ledger: Ledger, wait_s: float,
+          on_progress: ProgressFn | None = None) -> None:
+    """Record the messages that arrive within ``wait_s`` seconds; a channel at its end (its worker exited,
+    or died mid-message) is dropped from ``channels``."""
+    if not channels:
+        time.sleep(wait_s)
+        return
+    for conn in wait(list(channels), timeout=wait_s):
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            del channels[conn]
+            continue
+        ledger.receive(msg, on_progress)
+
+
+def _settle(channels: dict[Connection, int], ledger: Ledger, grace: float) -> None:
+    """After a failure: keep listening until every worker has sent an error or closed its channel
+    (exited), or ``grace`` seconds passed."""
+    end = time.monotonic() + grace
+    while True:
+        left = end - time.monotonic()
+        if left <= 0 or all(rank in ledger.errors for rank in channels.values()):
+            return
+        _read(channels, ledger, min(0.2, left))
+
+
+def supervise(ledger: Ledger, channels: dict[Connection, int], procs: Sequence[_Process], *, timeout: float,
+              startup: float = 0.0, on_progress: ProgressFn | None = None, settle: float = SETTLE_TIME) -> None:
+    """Relay the workers' messages into ``ledger`` until every result has arrived.
+
+    ``channels``: each worker's pipe (read end) and its rank. Raises :class:`WorkerFailure` (with the
+    methods every worker finished) when a worker reports an error or dies, when the workers exit before
+    sending every result, or when no message has come for ``timeout`` seconds (``kind="stalled"``);
+    before the first message, ``timeout + startup`` seconds. The caller stops the processes.
+    """
+    reason: str | None = None
+    kind, stall = "failed", ""
+    while not ledger.complete:
+        _read(channels, ledger, 0.2, on_progress)
+        if ledger.errors or any(proc.exitcode not in (None, 0) for proc in procs):
+            break
+        if not channels:  # every worker closed its channel before sending every result
+            for proc in procs:
+                proc.join(timeout=1)
+            if all(proc.exitcode == 0 for proc in procs):
+                reason = f"workers exited after sending {ledger.received} of {ledger.expected} results"
+            break
+        if ledger.heard and ledger.idle() > timeout:
+            kind = "stalled"
+            running = ledger.stopped()
+            stall = f"no worker reported progress for {timeout:g} s"
+            last = ledger.last_evaluation
+            if last is not None and last[0] == running:
+                stall += f" (the last evaluation was at step {last[1]} of {last[2]})"
+            reason = (f"the run stalled{_during(running)}: {stall}; --timeout {timeout:g} stops a run after that "
+                      "long without progress (raise it if a step or an evaluation can take longer on this machine)")
+            break
+        if not ledger.heard and ledger.idle() > timeout + startup:
+            kind = "stalled"
+            stall = f"no worker started within {timeout + startup:g} s"
+            reason = (f"the run stalled while starting: {stall} (--timeout {timeout:g}, plus {startup:g} s for "
+                      "joining the process group)")
+            break
+    if ledger.complete:
+        return
+    _settle(channels, ledger, settle if kind == "failed" else min(settle, 1.0))
+    for rank, proc in enumerate(procs):
+        if rank not in channels.values():  # its channel closed: it has exited, or is about to
+            proc.join(timeout=1)
+    codes = [proc.exitcode for proc in procs]
+    report = failure_report(ledger.errors, codes, reason)
+    roots = root_causes(ledger.errors, codes)
+    if kind == "stalled":
+        summary = stall
+    elif not roots:
+        summary = reason or report.splitlines()[0]
+    elif roots[0] in ledger.errors:
+        error = ledger.errors[roots[0]]
+        summary = f"worker rank {roots[0]} failed{_during(error.method)}: {_exception_line(error.traceback)}"
+    else:
+        summary = f"worker rank {roots[0]} {_describe_exit(codes[roots[0]])}"
+    raise WorkerFailure(report, ledger.completed(), ledger.stopped(), kind, summary)
+
+
+def _stop(procs: Sequence[Any]) -> None:
+    """Terminate (then kill) every started process that is still alive, and reap all of them."""
+    for proc in procs:
+        if proc.pid is not None and proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        if proc.pid is None:
+            continue
+        proc.join(timeout=3)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=3)
 
 
 def _raise_on_sigterm() -> Any:
@@ -179,90 +449,61 @@ def _raise_on_sigterm() -> Any:
     return previous
 
 
+
 def run_workers(config: DemoConfig, workers: int, *, timeout: float = DEFAULT_TIMEOUT,
                 methods: Sequence[Method], on_progress: ProgressFn | None = None,
                 collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT) -> dict[str, list[dict[str, Any]]]:
     """Run every method on ``workers`` spawned processes; ``{method.spec: [result of rank 0, 1, ...]}``.
 
-    Raises :class:`WorkerFailure` (after stopping every worker) if a worker raises, dies or the run
-    takes longer than ``timeout`` seconds, and :class:`Interrupted` (with the finished methods' results)
-    on Ctrl-C. No worker process outlives this call. A collective waits ``collective_timeout`` seconds
-    (at most ``timeout``) for a dead or stuck peer; the report then names the worker that was stuck.
+    ``timeout`` is a stall timeout: the run is stopped when no worker has reported anything (an
+    optimizer step, an evaluation, a result) for that many seconds, however long the whole run takes;
+    starting the workers, until the first report, may take the collective timeout more. Raises :class:`WorkerFailure` (after stopping every worker) if a worker
+    raises or dies, or the run stalls, and :class:`Interrupted` on Ctrl-C; both carry the results of the
+    methods every worker had finished (:class:`StoppedEarly`). No worker process outlives this call. A
+    collective waits ``collective_timeout`` seconds (at most ``timeout``) for a dead or stuck peer; the
+    report then names the worker that was stuck.
     """
     ctx = mp.get_context("spawn")
-    messages = ctx.Queue()
+    joining = min(timeout, collective_timeout)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]
     port = free_port()
     procs = [ctx.Process(target=_worker, name=f"gradpress-demo-rank{rank}",
-                         args=(rank, workers, port, config.to_dict(), tuple(methods), messages,
-                               min(timeout, collective_timeout)),
+                         args=(rank, workers, port, config.to_dict(), tuple(methods), pipes[rank][1], joining),
                          daemon=True) for rank in range(workers)]
-    results: dict[str, dict[int, dict[str, Any]]] = {method.spec: {} for method in methods}
-    errors: dict[int, tuple[str | None, str]] = {}
-    expected = workers * len(methods)
-    received = 0
-    first_error: int | None = None
-    reason: str | None = None
-    deadline = time.monotonic() + timeout
+    channels = {reader: rank for rank, (reader, _) in enumerate(pipes)}
+    ledger = Ledger(methods, workers)
     saved_omp = os.environ.get("OMP_NUM_THREADS")
     saved_sigterm = _raise_on_sigterm()
     try:
         os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned interpreters (before torch loads)
         try:
-            for proc in procs:
+            for proc, (_, writer) in zip(procs, pipes):
                 proc.start()
+                writer.close()  # the worker holds its own copy: its exit is then the channel's end
         finally:
             if saved_omp is None:
                 os.environ.pop("OMP_NUM_THREADS", None)
             else:
                 os.environ["OMP_NUM_THREADS"] = saved_omp
-        while received < expected:
-            try:
-                msg = messages.get(timeout=0.2)
-            except queue.Empty:
-                msg = None
-            if msg is not None:
-                kind = msg[0]
-                if kind == "progress":
-                    if on_progress is not None:
-                        on_progress(*msg[2:])
-                elif kind == "result":
-                    results[msg[2]][msg[1]] = msg[3]
-                    received += 1
-                elif kind == "error":
-                    errors[msg[1]] = (msg[2], msg[3])
-                    first_error = msg[1]
-                    break
-            codes = [proc.exitcode for proc in procs]
-            if any(code not in (None, 0) for code in codes):
-                break  # died without a traceback so far; _drain below collects one if it was sent
-            if msg is None and all(code == 0 for code in codes):  # exited, and nothing left to read
-                reason = f"workers exited after sending {received} of {expected} results"
-                break
-            if time.monotonic() > deadline:
-                reason = f"timed out after {timeout:g} s (raise --timeout if the machine is just slow)"
-                break
-        if received < expected:
-            _drain(messages, errors, grace=1.0)  # let the other ranks' errors (if any) arrive
-            if first_error is None and errors:
-                first_error = next(iter(errors))  # the first to arrive
-            codes = [proc.exitcode for proc in procs]
-            _stop(procs)
-            raise WorkerFailure(_failure_report(errors, first_error, codes, reason))
+        ledger.last_report = ledger.clock()  # the stall clock starts with the workers
+        # Starting (importing torch, joining the group) reports nothing until it is done, and joining
+        # waits up to the collective timeout for the others: it gets that long on top of the timeout.
+        supervise(ledger, channels, procs, timeout=timeout, startup=joining, on_progress=on_progress)
         for proc in procs:
             proc.join(timeout=30)
         codes = [proc.exitcode for proc in procs]
         if any(code != 0 for code in codes):
-            _drain(messages, errors, grace=0.5)
+            _settle(channels, ledger, grace=0.5)
             _stop(procs)
-            raise WorkerFailure(_failure_report(errors, min(errors) if errors else None, codes,
-                                                "a worker failed while shutting down"))
+            raise WorkerFailure(failure_report(ledger.errors, codes, "a worker failed while shutting down"),
+                                ledger.completed(), None)
     except KeyboardInterrupt:
-        raise Interrupted({spec: [per_rank[rank] for rank in range(workers)]
-                           for spec, per_rank in results.items() if len(per_rank) == workers}) from None
+        raise Interrupted(ledger.completed(), ledger.stopped()) from None
     finally:
         _stop(procs)
-        messages.close()
-        messages.join_thread()
+        for reader, writer in pipes:
+            reader.close()
+            writer.close()
         if saved_sigterm is not None:
             signal.signal(signal.SIGTERM, saved_sigterm)
-    return {m.spec: [results[m.spec][rank] for rank in range(workers)] for m in methods}
+    return ledger.completed()
