@@ -20,6 +20,7 @@ import json
 import math
 import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -95,7 +96,12 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--rank", type=int, default=4, help="PowerSGD's matrix_approximation_rank")
+    parser.add_argument("--rank", type=int, default=4,
+                        help="PowerSGD's matrix_approximation_rank (the recommended configuration, docs/tuning.md: "
+                             "width / 8, at most 22, so 8 for this 64-wide model)")
+    parser.add_argument("--bytes-per-weight", type=int, choices=(2, 4), default=None,
+                        help="precision on the wire: 2 sends P and Q in fp16 (the recommended configuration), "
+                             "4 or unset in fp32")
     parser.add_argument("--start-iter", type=int, default=10, help="plain allreduce before this iteration")
     parser.add_argument("--out-dir", default="out")
     parser.add_argument("--init-from", choices=("scratch", "resume"), default="scratch")
@@ -105,7 +111,9 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="rank 0 writes the run's figures here")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")  # nanoGPT: nccl on GPUs
+    # nanoGPT: nccl on GPUs. A collective timeout of minutes, not torch's default of 30 (10 with NCCL): a
+    # rank left waiting in a collective its peers never join then fails in minutes.
+    dist.init_process_group("gloo", timeout=timedelta(minutes=10))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     train_data, val_data, vocab = text_codes()
@@ -126,7 +134,8 @@ def main() -> None:
     if args.compile == "ddp":
         model = torch.compile(model)  # or compile the DDP model: DDP's attributes stay reachable through it
     state = gradpress.PowerSGDState(None, matrix_approximation_rank=args.rank,  # gradpress
-                                    start_powerSGD_iter=args.start_iter)       # gradpress
+                                    start_powerSGD_iter=args.start_iter,       # gradpress
+                                    bytes_per_weight=args.bytes_per_weight)    # gradpress
     model.register_comm_hook(state, gradpress.powerSGD_hook)                   # gradpress
     if args.init_from == "resume":  # before or after register_comm_hook, before the first backward
         gradpress.scatter_state(state, checkpoint["powersgd"] if rank == 0 else None)  # gradpress: collective
@@ -156,7 +165,9 @@ def main() -> None:
                     saved_at.append(iter_num)
                     print(f"iter {iter_num}: val loss {val_loss:.4f}, saved {path} (hook state "
                           f"{gradpress.state_nbytes(hooks) / 2**10:.0f} KiB for {world} ranks)", flush=True)
-        data_gen = torch.Generator().manual_seed(1000 * iter_num + rank)  # batches depend on the iteration only
+        # Batches depend on the iteration only (not on how many were drawn before): a resumed run draws the
+        # same ones as an uninterrupted run, which a generator seeded once at start-up would not.
+        data_gen = torch.Generator().manual_seed(1000 * iter_num + rank)
         for micro_step in range(args.grad_accum):
             # The hook runs only on the last micro-step, where DDP synchronizes: state.iter counts
             # optimizer steps, like iter_num.

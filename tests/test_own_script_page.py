@@ -1,0 +1,70 @@
+"""docs/own-script.md shows what docs/tuning.md measured and what examples/own_script.py does: the page a
+new user copies from must not show a configuration the measurements advise against, nor leave out what a
+bitwise resume needs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = (ROOT / "docs" / "own-script.md").read_text()
+TUNING = (ROOT / "docs" / "tuning.md").read_text()
+EXAMPLE = (ROOT / "examples" / "own_script.py").read_text()
+
+
+def _state_arguments(code: str) -> dict[str, str]:
+    """The keyword arguments of the first ``PowerSGDState(...)`` call in ``code``, as written."""
+    code = re.sub(r"#[^\n]*", "", code)
+    start = code.index("PowerSGDState(") + len("PowerSGDState(")
+    depth, end = 1, start
+    while depth:
+        depth += {"(": 1, ")": -1}.get(code[end], 0)
+        end += 1
+    return {key: value.strip() for key, value in re.findall(r"(\w+)=([^,]+)", code[start:end - 1])}
+
+
+def test_the_first_snippet_is_the_recommended_configuration_and_links_it():
+    import sys
+
+    import gradpress.zoo
+    from gradpress.check.advice import recommended_powersgd
+
+    recipe = _state_arguments(TUNING[TUNING.index("## What to use, as measured so far"):])
+    shown = _state_arguments(re.findall(r"```python\n(.*?)```", PAGE, flags=re.S)[0])
+    # nanoGPT trains GPT-2: the snippet shows what the rule of the tuning guide gives for it.
+    gpt2 = recommended_powersgd([p.shape for p in gradpress.zoo.build_model("gpt2").parameters()])
+    assert (int(shown["matrix_approximation_rank"]), int(shown["bytes_per_weight"])) == gpt2 == (22, 2)
+    assert shown["bytes_per_weight"] == recipe["bytes_per_weight"]
+    # Compression from a tenth of the run, whatever the loop calls its length.
+    assert recipe["start_powerSGD_iter"].endswith("// 10") and shown["start_powerSGD_iter"].endswith("// 10")
+    assert "](tuning.md#what-to-use-as-measured-so-far)" in PAGE
+    prose = " ".join(PAGE.split())
+    assert "rank 16 on a width-128 transformer" in prose and "learning rate tuned for allreduce" in prose
+    # The flags the page gives for running the example as recommended are the rule's for its model.
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import own_script
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    model = own_script.GPT(own_script.text_codes()[2], block_size=32)
+    rank, wire = recommended_powersgd([p.shape for p in model.parameters()])
+    assert f"`--rank {rank} --bytes-per-weight {wire}`" in prose
+
+
+def test_the_page_says_in_prose_that_batches_must_depend_on_the_iteration():
+    section = PAGE[PAGE.index("## A resume that repeats the uninterrupted run"):]
+    prose = " ".join(section.split())
+    assert "depend on the iteration alone" in prose and "seeds its generator once" in prose
+    # The pattern it shows is the one the example runs (and test_examples checks bitwise).
+    seed = "manual_seed(1000 * iter_num + rank)"
+    pattern = [line.strip() for line in section.splitlines() if line.startswith("    ") and line.strip()]
+    assert any(seed in line for line in pattern) and any("generator=gen" in line for line in pattern)
+    assert seed in EXAMPLE
+
+
+def test_the_page_names_the_gather_state_fix_and_a_collective_timeout():
+    prose = " ".join(PAGE.split())
+    assert "every rank must call it at the same iteration" in prose and "arrival_timeout" in prose
+    assert "timeout=timedelta(minutes=10)" in prose and "timeout=timedelta(minutes=10)" in EXAMPLE
+    assert 'on_world_size_change="fresh"' in prose
