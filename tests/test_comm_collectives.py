@@ -104,3 +104,47 @@ def test_a_failure_is_a_collective_error_naming_the_collective_and_issuer():
     assert messages[0].endswith("over 2 ranks in the test failed: RuntimeError: Connection reset by peer")
     assert "did not take part within the process group's timeout" in messages[2]
     assert "not a member of the process group" in messages[3]
+
+
+def outside_the_group(rank: int, world: int) -> dict[str, object]:
+    """Rank 1 is not in ``group``: the averaging helpers leave its tensors alone (PyTorch returns early),
+    where a division by the group's world size of -1 once negated them; the collectives raise."""
+    from gradpress import PeriodicModelAverager, average_parameters
+
+    group = dist.new_group([0])  # every rank calls new_group
+    out: dict[str, object] = {"member": comm.is_member(group), "default_member": comm.is_member(None)}
+    params = [torch.nn.Parameter(torch.ones(2, 2) * 2)]
+    average_parameters(params, group)
+    out["averaged"] = params[0].detach().tolist()
+    out["sent"] = comm.average_tensors_([params[0].detach()], group)
+    comm.broadcast_parameters(params, group)
+    out["broadcast"] = params[0].detach().tolist()
+    averager = PeriodicModelAverager(period=1, process_group=group)
+    averager.average_parameters(params)
+    out["averager"] = (params[0].detach().tolist(), averager.num_averages, averager.step)
+    if rank == 1:
+        errors = []
+        for call in (lambda: comm.all_reduce(torch.ones(1), group), lambda: comm.broadcast(torch.ones(1), 0, group),
+                     lambda: comm.all_gather_objects(rank, group), lambda: comm.barrier(group)):
+            try:
+                call()
+                errors.append(None)
+            except comm.CollectiveError as error:
+                errors.append(str(error))
+        out["errors"] = errors
+        try:
+            comm.ProcessGroupCommunicator(group)
+        except ValueError as error:
+            out["communicator"] = str(error)
+    return out
+
+
+def test_a_rank_outside_the_group_keeps_its_tensors_and_collectives_say_why():
+    member, outsider = run(outside_the_group, 2)
+    assert member["member"] and not outsider["member"] and outsider["default_member"]
+    for out in (member, outsider):  # a group of one changes nothing either
+        assert out["averaged"] == out["broadcast"] == [[2.0, 2.0], [2.0, 2.0]]
+        assert out["sent"] == 0
+    assert outsider["averager"] == ([[2.0, 2.0], [2.0, 2.0]], 0, 1)  # the step counts, nothing is averaged
+    assert all(e is not None and "not a member" in e for e in outsider["errors"]), outsider["errors"]
+    assert "process_group" in outsider["communicator"] and "not a member" in outsider["communicator"]

@@ -21,9 +21,12 @@ What differs from PyTorch (each has a test):
   ``.grad`` this step (PyTorch skips those with ``grad is None`` and lets them drift apart);
 * one collective per (device, dtype), each in its own dtype: no silent upcast of fp16/bf16 parameters;
   the sum is taken of ``value / world_size`` so fp16 cannot overflow;
-* no ``torch.cuda.synchronize()``;
-* :class:`HierarchicalModelAverager` counts its periods from the end of warm-up, like
-  :class:`PeriodicModelAverager` (PyTorch's counts from step 0).
+* no ``torch.cuda.synchronize()``.
+
+Where PyTorch's behaviour is kept on purpose: a rank outside the group keeps its parameters;
+:class:`HierarchicalModelAverager` counts its periods from step 0 (``count_from_warmup=True`` counts from
+the end of warm-up, like :class:`PeriodicModelAverager`); a state without ``"step"`` loads with PyTorch's
+warning and the step counter at 0.
 
 Modules: ``tensors`` (what is averaged), ``averagers`` (periodic and hierarchical), ``outer`` (the
 outer step, shared with :mod:`gradpress.streaming`, and the outer-optimizer averager), ``optimizer``

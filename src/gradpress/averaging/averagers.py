@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -11,10 +12,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..checks import check_int
-from ..comm import average_tensors_
+from ..comm import average_tensors_, is_member
 from .tensors import Params, tensors_to_average
 
 __all__ = ["HierarchicalModelAverager", "ModelAverager", "PeriodicModelAverager"]
+
+
+def warn_no_step() -> None:
+    """PyTorch's warning (same words) for an averager state loaded without a step counter."""
+    warnings.warn("Loaded state dict does not contain a step counter for an averager. Setting step counter to 0.",
+                  stacklevel=3)
 
 
 class ModelAverager(ABC):
@@ -26,6 +33,10 @@ class ModelAverager(ABC):
         self.step = 0
         self.bytes_sent = 0
         self.num_averages = 0
+
+    def anchor_parameters(self, params: Params) -> None:
+        """Where local training starts (called by :class:`PostLocalSGDOptimizer` when it is built):
+        averagers with an anchor (DiLoCo's) take ``params`` as it; the others ignore it."""
 
     @abstractmethod
     def average_parameters(self, params: Params) -> None:
@@ -39,7 +50,12 @@ class ModelAverager(ABC):
         return {"step": self.step, "bytes_sent": self.bytes_sent, "num_averages": self.num_averages}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.step = int(state["step"])
+        """Restore :meth:`state_dict`'s output. Without ``"step"``, PyTorch's warning and step 0."""
+        if "step" in state:
+            self.step = int(state["step"])
+        else:
+            warn_no_step()
+            self.step = 0
         self.bytes_sent = int(state.get("bytes_sent", 0))
         self.num_averages = int(state.get("num_averages", 0))
 
@@ -64,7 +80,7 @@ class PeriodicModelAverager(ModelAverager):
         return step >= self.warmup_steps and (step - self.warmup_steps) % self.period == 0
 
     def average_parameters(self, params: Params) -> None:
-        if self.is_averaging_step(self.step):
+        if self.is_averaging_step(self.step) and is_member(self.process_group):
             self._average(tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module)))
         self.step += 1
 
@@ -74,64 +90,77 @@ class PeriodicModelAverager(ModelAverager):
 
 
 class HierarchicalModelAverager(ModelAverager):
-    """Average within groups of different sizes at different periods (PyTorch's name and arguments).
+    """Average within groups of different sizes at different periods (PyTorch's name, arguments, schedule
+    and ``period_process_group_dict``).
 
-    ``period_group_size_dict`` maps periods (increasing) to group sizes (increasing, each dividing the
-    next, the last equal to the size of ``process_group``): at step ``s`` past warm-up, the largest
-    period ``p`` with ``(s - warmup_steps) % p == 0`` wins and parameters are averaged within groups of
-    consecutive ranks of its size. E.g. ``{2: 2, 8: 4}`` on 4 ranks: ranks {0,1} and {2,3} every 2nd
-    step, all 4 every 8th. The subgroups are created here: every rank must construct the averager.
+    ``period_group_size_dict`` maps periods (strictly increasing) to group sizes (each dividing the size
+    of ``process_group``, the last equal to it): at step ``s >= warmup_steps``, the largest period ``p``
+    with ``s % p == 0`` wins and parameters are averaged within groups of consecutive ranks of its size;
+    no period dividing ``s``, no averaging. E.g. ``{2: 2, 8: 4}`` on 4 ranks: ranks {0,1} and {2,3} every
+    2nd step, all 4 every 8th. Periods count from step 0, as PyTorch's do; ``count_from_warmup=True``
+    counts them from the end of warm-up instead (``(s - warmup_steps) % p``, the schedule of
+    :class:`PeriodicModelAverager`, so the first step after warm-up averages over the largest group).
+    The subgroups are created here: every rank must construct the averager.
 
     >>> HierarchicalModelAverager(OrderedDict([(2, 2), (8, 4)]), warmup_steps=100)   # doctest: +SKIP
     """
 
     def __init__(self, period_group_size_dict: Mapping[int, int] | None = None, warmup_steps: int = 0,
-                 process_group: dist.ProcessGroup | None = None, *, average_buffers: bool = False) -> None:
+                 process_group: dist.ProcessGroup | None = None, *, average_buffers: bool = False,
+                 count_from_warmup: bool = False) -> None:
         super().__init__(process_group, average_buffers)
         if not period_group_size_dict:
             raise ValueError("period_group_size_dict must map at least one period to a group size")
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self.count_from_warmup = bool(count_from_warmup)
         items = list(period_group_size_dict.items())
         for period, size in items:
             check_int("period_group_size_dict: every period", period, 1)
             check_int("period_group_size_dict: every group size", size, 1)
         if [p for p, _ in items] != sorted({p for p, _ in items}):
             raise ValueError(f"period_group_size_dict: periods must be strictly increasing, got {[p for p, _ in items]}")
+        if items[-1][0] == 1:
+            warnings.warn("HierarchicalModelAverager: the largest period is 1, so parameters are averaged every step, "
+                          "which sends no fewer bytes than averaging gradients in DDP's backward pass: use DDP "
+                          "alone", stacklevel=2)
         world = dist.get_world_size(process_group)
         if items[-1][1] != world:
             raise ValueError(f"period_group_size_dict: the last group size must be the size of the process group "
                              f"({world}), got {items[-1][1]}")
-        for (_, small), (_, large) in zip(items, items[1:]):
-            if large % small or large <= small:
-                raise ValueError(f"period_group_size_dict: group sizes must increase and each divide the next "
-                                 f"and the world size {world}; {small} then {large} does not")
+        for _, size in items:
+            if world % size:
+                raise ValueError(f"period_group_size_dict: every group size must divide the size of the process "
+                                 f"group ({world}); {size} does not")
         self.period_group_size_dict = OrderedDict(items)
         ranks = dist.get_process_group_ranks(process_group) if process_group is not None \
             else list(range(world))
         me = dist.get_rank()
-        self._groups: dict[int, dist.ProcessGroup | None] = {}
-        for period, size in items:
-            if size == world:
-                self._groups[period] = process_group
+        by_size: dict[int, dist.ProcessGroup | None] = {world: process_group}
+        for _, size in items:
+            if size in by_size:
                 continue
             for start in range(0, world, size):
                 members = ranks[start: start + size]
                 group = dist.new_group(members)  # every rank of the default group must call new_group
                 if me in members:
-                    self._groups[period] = group
+                    by_size[size] = group
+        #: PyTorch's attribute: each period's group containing this rank.
+        self.period_process_group_dict: OrderedDict[int, dist.ProcessGroup | None] = OrderedDict(
+            (period, by_size[size]) for period, size in items)
 
     def group_for_step(self, step: int) -> tuple[int, dist.ProcessGroup | None] | None:
         """``(period, group)`` that averages at ``step``, or ``None``."""
         if step < self.warmup_steps:
             return None
-        for period in reversed(self.period_group_size_dict):
-            if (step - self.warmup_steps) % period == 0:
-                return period, self._groups[period]
+        counted = step - self.warmup_steps if self.count_from_warmup else step
+        for period in reversed(self.period_process_group_dict):
+            if counted % period == 0:
+                return period, self.period_process_group_dict[period]
         return None
 
     def average_parameters(self, params: Params) -> None:
         found = self.group_for_step(self.step)
-        if found is not None:
+        if found is not None and is_member(found[1]):
             tensors = tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module))
             self.bytes_sent += average_tensors_(tensors, found[1], issuer=self._issuer())
             self.num_averages += 1

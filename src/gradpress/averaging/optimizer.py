@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .averagers import ModelAverager
+from .averagers import ModelAverager, warn_no_step
 
 __all__ = ["PostLocalSGDOptimizer"]
 
@@ -15,7 +15,9 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
     """Wrap an optimizer so that each ``step()`` is followed by ``averager.average_parameters``.
 
     ``state_dict()`` holds the wrapped optimizer's state and the averager's (its step counter, and an
-    outer optimizer's state), so a resumed run averages on the same steps as an uninterrupted one.
+    outer optimizer's state), so a resumed run averages on the same steps as an uninterrupted one. As in
+    PyTorch, the step counter is the state's ``"step"`` key: a state without it loads with PyTorch's
+    warning and the counter at 0.
 
     >>> opt = PostLocalSGDOptimizer(torch.optim.SGD(params, lr=0.1), PeriodicModelAverager(4, 100))  # doctest: +SKIP
     """
@@ -29,6 +31,7 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         self.averager = averager
         self.param_groups = optim.param_groups
         self.defaults = optim.defaults
+        averager.anchor_parameters(self.param_groups)  # DiLoCo's anchor: where local training starts
 
     @property
     def state(self) -> Any:  # type: ignore[override]
@@ -59,10 +62,10 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         averager = state.pop("averager", None)
         step = state.pop("step", None)
         self.optim.load_state_dict(state)
-        if averager is not None:
-            self.averager.load_state_dict(averager)
-        elif step is not None:
-            self.averager.step = int(step)
+        if averager is not None:  # its other fields; the step is PyTorch's key alone
+            self.averager.load_state_dict({**averager, "step": 0})
+        if step is None:
+            warn_no_step()
+            self.averager.step = 0
         else:
-            raise ValueError("state_dict has no averager state ('averager' or 'step'): it was not saved by "
-                             "PostLocalSGDOptimizer, and resuming would average on the wrong steps")
+            self.averager.step = int(step)

@@ -13,7 +13,8 @@ engine's :class:`Communicator`), ``collectives`` (every ``torch.distributed`` co
 """
 
 from .collectives import (Work, all_gather_async, all_gather_objects, all_reduce, all_reduce_async, barrier, broadcast,
-                          broadcast_async, gather_objects, is_distributed, reduce_scatter_async, scatter_objects)
+                          broadcast_async, gather_objects, is_distributed, is_member, reduce_scatter_async,
+                          scatter_objects)
 from .communicator import Communicator, Handle, LocalCommunicator, ProcessGroupCommunicator, make_communicator
 from .errors import CollectiveError, check_process_group, collective_error, describe_collective
 from .parameters import average_tensors_, broadcast_parameters, flat_groups
@@ -21,5 +22,5 @@ from .parameters import average_tensors_, broadcast_parameters, flat_groups
 __all__ = ["CollectiveError", "Communicator", "Handle", "LocalCommunicator", "ProcessGroupCommunicator", "Work",
            "all_gather_async", "all_gather_objects", "all_reduce", "all_reduce_async", "average_tensors_", "barrier",
            "broadcast", "broadcast_async", "broadcast_parameters", "check_process_group", "collective_error",
-           "describe_collective", "flat_groups", "gather_objects", "is_distributed", "make_communicator",
+           "describe_collective", "flat_groups", "gather_objects", "is_distributed", "is_member", "make_communicator",
            "reduce_scatter_async", "scatter_objects"]

@@ -77,6 +77,9 @@ class ProcessGroupCommunicator:
                 "ProcessGroupCommunicator needs torch.distributed to be initialized "
                 "(call torch.distributed.init_process_group first)"
             )
+        if process_group is not None and dist.get_rank(process_group) < 0:
+            raise ValueError(f"process_group: this rank (global rank {dist.get_rank()}) is not a member of it; "
+                             f"{issuer} needs a group this rank belongs to (or None, the default group)")
         self.process_group = process_group
         self.comm_device = None if comm_device is None else torch.device(comm_device)
         self.issuer = issuer

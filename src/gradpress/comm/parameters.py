@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .collectives import all_reduce, broadcast, is_distributed
+from .collectives import all_reduce, broadcast, is_distributed, is_member
 
 __all__ = ["average_tensors_", "broadcast_parameters", "flat_groups"]
 
@@ -34,8 +34,11 @@ def average_tensors_(tensors: list[Tensor], process_group: dist.ProcessGroup | N
     """Replace each tensor by its mean over ``process_group``, in place; return the bytes sent.
 
     One allreduce per (device, dtype) group, in that dtype (or ``wire_dtype``), of ``tensor / size``.
-    A failed collective raises :class:`CollectiveError` naming it and ``issuer``.
+    A failed collective raises :class:`CollectiveError` naming it and ``issuer``. On a rank that is not a
+    member of ``process_group`` nothing changes and 0 is returned (as PyTorch's ``average_parameters``).
     """
+    if not is_member(process_group):
+        return 0
     size = dist.get_world_size(process_group)
     if size == 1 or not tensors:
         return 0
@@ -54,11 +57,12 @@ def broadcast_parameters(params: nn.Module | Iterable[Tensor], process_group: di
 
     A collective: every worker of the group calls it with tensors of the same shapes and dtypes. One
     broadcast per (device, dtype). For a module, all its parameters (frozen ones too) and buffers. Nothing
-    happens when ``torch.distributed`` is not initialised or the group has one worker.
+    happens when ``torch.distributed`` is not initialised, the group has one worker, or this rank is not a
+    member of the group.
 
     >>> broadcast_parameters(model)          # after init_process_group, on every rank  # doctest: +SKIP
     """
-    if not is_distributed() or dist.get_world_size(process_group) == 1:
+    if not is_distributed() or not is_member(process_group) or dist.get_world_size(process_group) == 1:
         return
     if isinstance(params, nn.Module):
         tensors = list(params.parameters()) + list(params.buffers())
