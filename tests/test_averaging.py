@@ -100,8 +100,9 @@ def test_buffers_frozen_parameters_and_mixed_dtypes():
     assert all(run(buffers_frozen_and_dtypes, 2))
 
 
-def hierarchical(rank, world, warmup, steps):
-    averager = HierarchicalModelAverager(OrderedDict([(2, 2), (4, 4)]), warmup_steps=warmup)
+def hierarchical(rank, world, warmup, steps, count_from_warmup):
+    averager = HierarchicalModelAverager(OrderedDict([(2, 2), (4, 4)]), warmup_steps=warmup,
+                                         count_from_warmup=count_from_warmup)
     params = _params(rank)
     events = []
     for step in range(steps):
@@ -120,37 +121,72 @@ def hierarchical(rank, world, warmup, steps):
     return events
 
 
-def test_hierarchical_averager_on_four_ranks_averages_the_right_groups_at_the_right_steps():
+@pytest.mark.parametrize("count_from_warmup", [False, True])
+def test_hierarchical_averager_on_four_ranks_averages_the_right_groups_at_the_right_steps(count_from_warmup):
     warmup, steps = 3, 13
     want = []
     for s in range(warmup, steps):
-        if (s - warmup) % 4 == 0:
+        counted = s - warmup if count_from_warmup else s  # PyTorch's schedule counts from step 0
+        if counted % 4 == 0:
             want.append((s, "all"))
-        elif (s - warmup) % 2 == 0:
+        elif counted % 2 == 0:
             want.append((s, "pair"))
-    for events in run(hierarchical, 4, warmup, steps):
-        assert events == want  # warm-up counted like PeriodicModelAverager (step 3 is the first average)
+    for events in run(hierarchical, 4, warmup, steps, count_from_warmup):
+        assert events == want
+
+
+def pytorch_three_level(rank, world):
+    """PyTorch's own 3-level test (distributed_test.py), on gloo: parameters reset to ``rank`` every step."""
+    model = nn.Linear(1, 5, bias=False)
+    param = next(model.parameters())
+    tensor = torch.ones_like(param.data) * rank
+    averager = HierarchicalModelAverager(period_group_size_dict=OrderedDict([(2, 2), (4, 4), (8, world)]),
+                                         warmup_steps=10)
+    ranks1 = dist.get_process_group_ranks(averager.period_process_group_dict[2])
+    group2 = averager.period_process_group_dict[4]
+    ranks2 = list(range(world)) if group2 is None else dist.get_process_group_ranks(group2)
+    assert ranks1 == [rank // 2 * 2, rank // 2 * 2 + 1] and ranks2 == [0, 1, 2, 3]
+    within1 = torch.ones_like(param.data) * sum(ranks1) / 2
+    everyone = torch.ones_like(param.data) * sum(range(world)) / world
+    for step in range(25):
+        with torch.no_grad():
+            param.copy_(tensor)
+        param.grad = torch.ones_like(param.data)
+        averager.average_parameters(model.parameters())
+        if step in (16, 24):
+            assert torch.equal(param.data, everyone), step
+        elif step in (12, 20):
+            assert torch.equal(param.data, everyone), step  # the size-4 subgroup is everyone here
+        elif step in (10, 14, 18, 22):
+            assert torch.equal(param.data, within1), step
+        else:
+            assert torch.equal(param.data, tensor), step
+    return averager.num_averages
+
+
+def test_hierarchical_averager_passes_pytorchs_three_level_test():
+    assert run(pytorch_three_level, 4) == [8] * 4
 
 
 def hierarchical_errors(rank, world):
     messages = []
-    for arg in [{2: 3, 4: 4}, {2: 4, 4: 4}, {4: 2, 2: 4}, {2: 2}, {}, {0: 4}]:
+    for arg in [{2: 3, 4: 4}, {4: 2, 2: 4}, {2: 2}, {}, {0: 4}]:
         try:
             HierarchicalModelAverager(arg)
         except ValueError as exc:
             messages.append(str(exc))
+    HierarchicalModelAverager({2: 4, 4: 4})  # PyTorch accepts a level equal to the world before the last
     return messages
 
 
 def test_hierarchical_averager_rejects_bad_group_sizes_and_periods():
     messages = run(hierarchical_errors, 4)[0]
-    assert len(messages) == 6
+    assert len(messages) == 5
     assert "divide" in messages[0] and "3" in messages[0]
-    assert "increase" in messages[1]
-    assert "strictly increasing" in messages[2]
-    assert "last group size" in messages[3] and "(4)" in messages[3]
-    assert "at least one" in messages[4]
-    assert "period" in messages[5] and ">= 1" in messages[5]
+    assert "strictly increasing" in messages[1]
+    assert "last group size" in messages[2] and "(4)" in messages[2]
+    assert "at least one" in messages[3]
+    assert "period" in messages[4] and ">= 1" in messages[4]
 
 
 def post_local_hook(rank, world, post_local_gradient_allreduce, explicit_subgroup):
@@ -277,9 +313,64 @@ def test_post_local_sgd_optimizer_resume_equals_uninterrupted(kind):
 
 def test_outer_optimizer_validates_its_arguments():
     for kwargs, name in [({"outer_lr": 0}, "outer_lr"), ({"outer_momentum": 1.0}, "outer_momentum"),
-                         ({"compression": "int8"}, "compression")]:
+                         ({"compression": "int8"}, "compression"), ({"first_sync": "plain"}, "first_sync")]:
         with pytest.raises(ValueError, match=name):
             OuterOptimizerAverager(period=2, **kwargs)
-    opt = PostLocalSGDOptimizer(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1), PeriodicModelAverager(2))
-    with pytest.raises(ValueError, match="averager"):
-        opt.load_state_dict(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1).state_dict())
+
+
+def test_post_local_sgd_optimizer_state_without_step_warns_and_restarts_the_count_as_pytorch():
+    """PyTorch's test_post_localSGD_optimizer_step_reload: the "step" key is the averager's step counter;
+    without it, PyTorch's warning and step 0, whatever else the state holds."""
+    param = nn.Parameter(torch.zeros(1))
+    opt = PostLocalSGDOptimizer(torch.optim.SGD([param], lr=1), PeriodicModelAverager(2, warmup_steps=100))
+    for _ in range(5):
+        param.grad = torch.ones(1)
+        opt.step()
+    state = opt.state_dict()
+    assert state["step"] == 5
+    fresh = PostLocalSGDOptimizer(torch.optim.SGD([param], lr=1), PeriodicModelAverager(2, warmup_steps=100))
+    fresh.load_state_dict(state)
+    assert fresh.averager.step == 5
+    del state["step"]  # gradpress's own "averager" entry still says 5: the missing key wins, as in PyTorch
+    with pytest.warns(UserWarning, match="does not contain a step counter for an averager. Setting step "
+                                         "counter to 0"):
+        fresh.load_state_dict(state)
+    assert fresh.averager.step == 0
+    with pytest.warns(UserWarning, match="Setting step counter to 0"):
+        fresh.load_state_dict(torch.optim.SGD([param], lr=1).state_dict())
+    assert fresh.averager.step == 0
+
+
+def outer_bytes_and_silent_load(rank, world, first_sync):
+    """OuterOptimizerAverager sending Δ through PowerSGD: every byte counted (the anchor's broadcast, or the
+    plain first average, then the aggregator's), and loading its state issues no collective."""
+    params = _params(rank)
+    config = Config(rank=1, start_compressing_after_num_steps=0, min_compression_rate=0)
+    averager = OuterOptimizerAverager(period=2, outer_lr=0.5, outer_momentum=0.0, compression=config,
+                                      first_sync=first_sync)
+    averager.anchor_parameters(params)
+    full = sum(p.numel() * p.element_size() for p in params)
+    for step in range(6):  # syncs at 0, 2, 4
+        _local_update(params, rank, step)
+        averager.average_parameters(params)
+    counted = averager.bytes_sent == full + averager._powersgd.total_bytes_sent
+    state = averager.state_dict()
+    issued = []
+    originals = {name: getattr(dist, name) for name in ("broadcast", "all_reduce", "all_gather", "barrier")}
+    for name, fn in originals.items():
+        setattr(dist, name, lambda *a, _name=name, _fn=fn, **k: issued.append(_name) or _fn(*a, **k))
+    try:
+        fresh = OuterOptimizerAverager(period=2, outer_lr=0.5, outer_momentum=0.0, compression=config,
+                                       first_sync=first_sync)
+        if rank == 0:  # one rank alone: a collective here would hang
+            fresh.load_state_dict(state)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return counted, issued, averager.num_averages
+
+
+@pytest.mark.parametrize("first_sync", ["outer", "average"])
+def test_outer_optimizer_with_powersgd_counts_every_byte_and_loads_without_a_collective(first_sync):
+    for counted, issued, averages in run(outer_bytes_and_silent_load, 2, first_sync):
+        assert counted and issued == [] and averages == 3

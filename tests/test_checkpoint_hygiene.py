@@ -146,6 +146,7 @@ def outer_averager_state_of_other_rank(rank, world):
     params = [nn.Parameter(torch.randn(8, 6, dtype=torch.float64))]
     config = Config(rank=1, start_compressing_after_num_steps=0)
     averager = OuterOptimizerAverager(period=1, compression=config)
+    averager.anchor_parameters(params)  # where local training starts: every sync is an outer step
     for _ in range(2):
         averager.average_parameters(params)
     sd = averager.state_dict()
@@ -211,6 +212,7 @@ def _gather_scatter_outer_averager(rank, world_size):
     config = Config(rank=1, start_compressing_after_num_steps=0)
     params = [nn.Parameter(torch.zeros(8, 6))]
     averager = OuterOptimizerAverager(period=1, compression=config)
+    averager.anchor_parameters(params)
     for step in range(3):
         with torch.no_grad():  # local steps: each rank moves its own way between averages
             params[0].add_(torch.randn(8, 6, generator=torch.Generator().manual_seed(10 * step + rank)))

@@ -74,7 +74,7 @@ def _strategy(kind: str, storage: str = "checkpoint") -> tuple[Any, Any]:
         return GradpressDDPStrategy(model_averaging_period=PERIOD, **common), state
     if kind == "hierarchical":  # a factory: the averager creates subgroups, so it is built in setup
         return GradpressDDPStrategy(model_averager=lambda: gradpress.HierarchicalModelAverager(
-            OrderedDict([(2, 1), (PERIOD, 2)]), warmup_steps=WARMUP), **common), state
+            OrderedDict([(2, 1), (PERIOD, 2)]), warmup_steps=WARMUP, count_from_warmup=True), **common), state
     assert kind == "diloco"
     averager = gradpress.OuterOptimizerAverager(
         period=PERIOD, warmup_steps=WARMUP, outer_lr=0.7, outer_momentum=0.9,

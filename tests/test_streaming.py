@@ -75,6 +75,81 @@ def test_one_fragment_no_delay_no_compression_is_outer_optimizer_averager_bitwis
         assert results == [(True, True, True)] * 3
 
 
+# -- the paper's first sync: torchft's published regression values --------------------------------
+
+def torchft_streaming(rank, world, delay):
+    """torchft's streaming DiLoCo regression setting: one 1x1 weight of ones per fragment, 2 fragments, the
+    gradient fixed at 2, inner SGD lr 1, outer SGD lr 2 without momentum, sync every 6 steps, α = 0; its
+    phase (fragment 0 after inner steps 3, 9, 15; fragment 1 after 6, 12) is ``fragment_phase="end"``."""
+    weights = [nn.Parameter(torch.ones(1, 1)), nn.Parameter(torch.ones(1, 1))]
+    averager = StreamingDiLoCoAverager(6, fragments=[[weights[0]], [weights[1]]], fragment_sync_delay=delay,
+                                       outer_lr=2.0, outer_momentum=0.0, fragment_phase="end")
+    opt = PostLocalSGDOptimizer(torch.optim.SGD(weights, lr=1.0), averager)
+    history = [[float(w) for w in weights]]  # "after step 0": where local training starts
+    for _ in range(15):
+        for w in weights:
+            w.grad = torch.full((1, 1), 2.0)
+        opt.step()
+        history.append([float(w) for w in weights])
+    return history, averager.num_averages
+
+
+def test_streaming_diloco_reproduces_torchfts_regression_values():
+    for history, syncs in run(torchft_streaming, WORLD, 0):
+        assert [h[0] for h in history[:10]] == [1, -1, -3, -11, -13, -15, -17, -19, -21, -35]
+        assert history[5][1] == -9 and history[6][1] == -23
+        assert syncs == 5  # fragment 0 after inner steps 3, 9, 15; fragment 1 after 6, 12
+
+
+def first_outer_step(rank, world, first_sync):
+    """Ranks start apart (rank 0's values are the anchor); OuterOptimizerAverager's first sync (step 0, after
+    one local SGD step) against an independent outer SGD on the anchor."""
+    torch.manual_seed(rank)
+    net = nn.Linear(3, 2)
+    start = [p.detach().clone() for p in net.parameters()]
+    averager = OuterOptimizerAverager(3, outer_lr=0.7, outer_momentum=0.9, first_sync=first_sync)
+    opt = PostLocalSGDOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), averager)
+    anchor = [torch.stack(_gather(s))[0] for s in start]  # rank 0's
+    opt.zero_grad()
+    net(torch.full((1, 3), float(rank + 1))).pow(2).sum().backward()
+    before = [p.detach().clone() for p in net.parameters()]
+    opt.step()
+    local = [b - 0.1 * p.grad for b, p in zip(before, net.parameters())]  # this rank's parameters at the sync
+    mean_local = [torch.stack(_gather(t)).mean(0) for t in local]
+    if first_sync == "outer":
+        x = [a.clone().requires_grad_() for a in anchor]
+        outer = torch.optim.SGD(x, lr=0.7, momentum=0.9, nesterov=True)
+        for xi, a, m in zip(x, anchor, mean_local):
+            xi.grad = a - m
+        outer.step()
+        want = [xi.detach() for xi in x]
+    else:
+        want = mean_local
+    gaps = [float((p.detach() - w).abs().max()) for p, w in zip(net.parameters(), want)]
+    return max(gaps), averager.num_averages
+
+
+@pytest.mark.parametrize("first_sync", ["outer", "average"])
+def test_diloco_first_sync_is_an_outer_step_from_where_local_training_started(first_sync):
+    for gap, count in run(first_outer_step, WORLD, first_sync):
+        assert gap < 1e-6 and count == 1
+
+
+def no_anchor(rank, world):
+    averager = StreamingDiLoCoAverager(2)
+    params = _params(rank)
+    try:
+        averager.average_parameters(params)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_a_sync_without_anchor_says_how_to_give_one():
+    for message in run(no_anchor, WORLD):
+        assert "no anchor" in message and "PostLocalSGDOptimizer" in message and "first_sync='average'" in message
+
+
 # -- fragment schedule ---------------------------------------------------------------------------
 
 def schedule(rank, world, explicit):
@@ -111,8 +186,9 @@ def test_each_tensor_synchronizes_once_per_sync_every_at_its_fragments_offset(ex
             due = [f for f in range(3) if r >= 0 and r % sync_every == offsets[f]]
             want = members[due[0]] if due else set()
             assert synced == want, f"step {step}"
-            assert sent == sum(sizes[i] for i in want)  # uncompressed: the fragment's bytes, at that step only
-            if not explicit:
+            anchor = full if step == warmup - 1 else 0  # the anchor (every fragment) at the last warm-up step
+            assert sent == sum(sizes[i] for i in want) + anchor  # uncompressed: the fragment's bytes, then only
+            if not explicit and not anchor:
                 assert sent <= full / 3 + max(sizes)  # 1/F of a full sync, plus rounding to whole tensors
             for i in want:
                 assert step - last_sync.get(i, step - sync_every) == sync_every  # once per sync_every steps
@@ -191,7 +267,9 @@ def compressed_mass(rank, world, compression, delay):
     params = _params(rank)
     averager = StreamingDiLoCoAverager(4, num_fragments=2, fragment_sync_delay=delay, outer_lr=1.0,
                                        outer_momentum=0.0, compression=compression)
-    anchors, sending, true_sum, applied_sum = {}, {}, {}, {}
+    averager.anchor_parameters(params)  # rank 0's parameters: every sync, the first included, is an outer step
+    anchors = {f: _flat(fr["anchor"]) for f, fr in enumerate(averager.state_dict()["fragments"])}
+    sending, true_sum, applied_sum = {}, {}, {}
     worst_mean_gap, lossy, agree, payload_ok = 0.0, False, True, True
     residuals = {0: 0.0, 1: 0.0}
     for step in range(26):  # updates still in flight at the end are left out of both sums
@@ -208,9 +286,7 @@ def compressed_mass(rank, world, compression, delay):
         layout = averager.fragment_layout
         for f in (0, 1):
             members = [p for p, g in zip(params, layout or []) if g == f]
-            if f not in anchors and sent_fragment == f:  # first sync: plain average
-                anchors[f] = _flat(members).clone()
-            elif f in sending and sending[f][0] == step:  # the outer update sent τ steps ago lands now
+            if f in sending and sending[f][0] == step:  # the outer update sent τ steps ago lands now
                 delta = sending.pop(f)[1]
                 new_anchor = _flat(members).clone()
                 applied = anchors[f] - new_anchor
@@ -303,7 +379,7 @@ def overlap(rank, world, compression):
 def test_overlapped_collective_is_in_flight_during_inner_steps(compression):
     for events, agree in run(overlap, WORLD, compression):
         starts = [i for i, e in enumerate(events) if e[0] == "start"]
-        assert len(starts) == 4  # outer sends at steps 7, 10, 13, 16 (first syncs at 1 and 4 are blocking)
+        assert len(starts) == 6  # outer sends at steps 1, 4, 7, 10, 13, 16 (anchors are taken by broadcasts)
         for i in starts:
             key = events[i][1]
             waited = events.index(("wait", key))
@@ -316,6 +392,7 @@ def alpha_merge(rank, world):
     params = _params(rank)
     averager = StreamingDiLoCoAverager(4, fragment_sync_delay=2, fragment_update_alpha=0.25, outer_lr=1.0,
                                        outer_momentum=0.0)
+    averager.anchor_parameters(params)
     gaps = []
     for step in range(12):
         _local_update(params, rank, step)
@@ -339,7 +416,8 @@ def non_finite(rank, world, compression):
     params = _params(rank, torch.float32)
     averager = StreamingDiLoCoAverager(4, num_fragments=2, fragment_sync_delay=1, outer_momentum=0.9,
                                        compression=compression)
-    bad_step = 12  # fragment 0 is sent at 12 (its third outer step), applied at 13
+    averager.anchor_parameters(params)
+    bad_step = 12  # fragment 0 is sent at 12 (its fourth outer step), applied at 13
     for step in range(bad_step):
         _local_update(params, rank, step)
         averager.average_parameters(params)
@@ -400,6 +478,7 @@ def host_reads(rank, world):
         params = _params(rank, torch.float32)
         averager = StreamingDiLoCoAverager(4, num_fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5,
                                            compression=compression)
+        averager.anchor_parameters(params)
         for step in range(14):
             _local_update(params, rank, step)
             with _HostReads() as mode:

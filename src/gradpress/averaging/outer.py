@@ -11,13 +11,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..aggregator import Config, PowerSGD
 from ..checkpoint import check_placement, placement
 from ..checks import check_number
-from ..comm import average_tensors_
+from ..comm import average_tensors_, broadcast_parameters, is_distributed, is_member
 from .averagers import PeriodicModelAverager
+from .tensors import Params, tensors_to_average
 
 __all__ = ["OuterOptimizerAverager", "OuterStep"]
 
@@ -99,22 +100,29 @@ class OuterStep:
 
 
 class OuterOptimizerAverager(PeriodicModelAverager):
-    """DiLoCo-style outer optimization: every ``period`` steps, average the change since the last
+    """DiLoCo (Douillard et al. 2023): every ``period`` steps, average the change since the last
     synchronization and apply it with an outer SGD (Nesterov momentum by default).
 
-    With ``x`` the parameters at the last synchronization (identical on every rank) and ``x_i`` rank
-    i's parameters now, the outer gradient is ``Δ = mean_i(x - x_i)``; the outer optimizer takes a step
-    on ``x`` with gradient ``Δ`` and every rank continues from the new ``x``. The first averaging step
-    (at ``warmup_steps``) is plain averaging and sets ``x``. ``outer_lr=1, outer_momentum=0`` is plain
-    periodic averaging. ``compression``: ``None``, ``"fp16"``, ``"bf16"`` (cast Δ for the allreduce), or
-    a :class:`gradpress.Config` to send Δ through PowerSGD (with its own error feedback).
+    With ``x`` the *anchor* (identical on every rank) and ``x_i`` rank i's parameters now, the outer
+    gradient is ``Δ = mean_i(x - x_i)``; the outer optimizer takes a step on ``x`` with gradient ``Δ``
+    and every rank continues from the new ``x``. As in the paper and in torchft, every synchronization,
+    the first included, is such an outer step, and the first anchor is the parameters where local
+    training starts: taken by :meth:`anchor_parameters`, which :class:`PostLocalSGDOptimizer` calls when
+    it is built, and again at the last warm-up step (step ``warmup_steps - 1``: warm-up steps are taken
+    to be synchronous, e.g. DDP with :func:`post_localSGD_hook` until ``start_localSGD_iter``, so local
+    training starts after them). Taking the anchor broadcasts rank 0's values (one collective), so
+    ranks that did not start equal cannot drift apart. ``first_sync="average"`` restores the former
+    rule: the first synchronization is a plain average that sets the anchor. ``outer_lr=1,
+    outer_momentum=0`` is plain periodic averaging (from the second synchronization on, or with
+    ``first_sync="average"``). ``compression``: ``None``, ``"fp16"``, ``"bf16"`` (cast Δ for the
+    allreduce), or a :class:`gradpress.Config` to send Δ through PowerSGD (with its own error feedback).
 
     A non-finite averaged Δ (a rank's parameters overflowed to inf/NaN since the last synchronization;
     the mean carries it to every rank) is never applied: the outer step is skipped, ``x`` and the outer
     momentum stay as they were, the PowerSGD memory too (compressed variant), and every rank goes back
     to ``x``, so all ranks stay identical and finite. ``num_skipped`` counts such synchronizations (a
     warning is logged); they do not count in ``num_averages``. Deciding reads one flag on the host per
-    synchronization. The first synchronization sets ``x`` by plain averaging: it has nothing to go back to.
+    synchronization.
 
     >>> averager = OuterOptimizerAverager(period=50, outer_lr=0.7, outer_momentum=0.9)     # doctest: +SKIP
     >>> optimizer = PostLocalSGDOptimizer(torch.optim.AdamW(model.parameters()), averager)  # doctest: +SKIP
@@ -122,19 +130,40 @@ class OuterOptimizerAverager(PeriodicModelAverager):
 
     def __init__(self, period: int, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None, *,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
-                 compression: Any = None, average_buffers: bool = False) -> None:
+                 compression: Any = None, average_buffers: bool = False, first_sync: str = "outer") -> None:
         super().__init__(period, warmup_steps, process_group, average_buffers=average_buffers)
         self.outer_lr, self.outer_momentum, self.nesterov = OuterStep.check_options(outer_lr, outer_momentum, nesterov)
         if not (compression is None or compression in ("fp16", "bf16") or isinstance(compression, Config)):
             raise ValueError(f"compression must be None, 'fp16', 'bf16' or a gradpress.Config, got {compression!r}")
+        self.first_sync = check_first_sync(first_sync)
         self.compression = compression
         self._outer: OuterStep | None = None
         self._powersgd: PowerSGD | None = None
         self.num_skipped = 0
 
+    def anchor_parameters(self, params: Params) -> None:
+        """Take ``params`` as the anchor, the parameters where local training starts: rank 0's values
+        (of ``process_group``) are copied to every rank's anchor (a collective: every rank calls it).
+        Called by :class:`PostLocalSGDOptimizer` when it is built and by :meth:`average_parameters` at
+        the last warm-up step; does nothing with ``first_sync="average"`` or on a rank outside
+        ``process_group``."""
+        if self.first_sync != "outer" or not is_member(self.process_group):
+            return
+        tensors = tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module))
+        anchor, sent = take_anchor(tensors, self.process_group)
+        self.bytes_sent += sent
+        self._start(OuterStep(anchor, self.outer_lr, self.outer_momentum, self.nesterov))
+
+    def average_parameters(self, params: Params) -> None:
+        if self.step == self.warmup_steps - 1:
+            self.anchor_parameters(params)
+        super().average_parameters(params)
+
     def _average(self, tensors: list[Tensor]) -> None:
         with torch.no_grad():
             if self._outer is None:
+                if self.first_sync == "outer":
+                    raise ValueError(no_anchor_message(type(self).__name__, self.step))
                 super()._average(tensors)
                 self._start(OuterStep([t.detach().clone() for t in tensors], self.outer_lr, self.outer_momentum,
                                       self.nesterov))
@@ -146,8 +175,9 @@ class OuterOptimizerAverager(PeriodicModelAverager):
                 wire = torch.float16 if self.compression == "fp16" else torch.bfloat16
                 self.bytes_sent += average_tensors_(deltas, self.process_group, wire_dtype=wire, issuer=self._issuer())
             elif self._powersgd is not None:
+                before = self._powersgd.total_bytes_sent
                 self._powersgd.aggregate_(deltas)
-                self.bytes_sent = self._powersgd.total_bytes_sent
+                self.bytes_sent += self._powersgd.total_bytes_sent - before
             else:
                 self.bytes_sent += average_tensors_(deltas, self.process_group, issuer=self._issuer())
             # The averaged deltas are the same on every rank, so every rank takes the same branch.
@@ -168,11 +198,13 @@ class OuterOptimizerAverager(PeriodicModelAverager):
                            self.step)
 
     def _start(self, outer: OuterStep) -> None:
-        """Take ``outer`` (and, compressed, a PowerSGD aggregator over its anchor, as a fresh one)."""
+        """Take ``outer`` (and, compressed, a fresh PowerSGD aggregator over its anchor; the anchor is
+        identical on every rank, so building it issues no collective)."""
         self._outer = outer
         self._powersgd = None
         if self.compression is not None and not isinstance(self.compression, str):
-            self._powersgd = PowerSGD(outer.anchor, self.compression, process_group=self.process_group)
+            self._powersgd = PowerSGD(outer.anchor, self.compression, process_group=self.process_group,
+                                      init_sync=False)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -184,9 +216,9 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         return state
 
     def load_state_dict(self, state: Mapping[str, Any], *, allow_other_rank: bool = False) -> None:
-        """Restore :meth:`state_dict`'s output. The compressed variant's error memory is per rank: a
-        checkpoint saved on another rank or world size raises ``ValueError`` here (unless
-        ``allow_other_rank=True``); older checkpoints without that record are accepted."""
+        """Restore :meth:`state_dict`'s output; issues no collective. The compressed variant's error
+        memory is per rank: a checkpoint saved on another rank or world size raises ``ValueError`` here
+        (unless ``allow_other_rank=True``); older checkpoints without that record are accepted."""
         if isinstance(state.get("powersgd"), Mapping):
             check_placement(state["powersgd"].get("placement"), placement(self.process_group),
                             "OuterOptimizerAverager", allow_other_rank)
@@ -198,6 +230,35 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         self._start(OuterStep.restore(state, self.outer_lr, self.outer_momentum, self.nesterov))
         if self._powersgd is not None and "powersgd" in state:
             self._powersgd.load_state_dict(state["powersgd"], allow_other_rank=True)  # checked above
+
+
+FIRST_SYNC = ("outer", "average")
+
+
+def check_first_sync(value: Any) -> str:
+    """``first_sync`` checked: ``"outer"`` (the paper's) or ``"average"``."""
+    if value not in FIRST_SYNC:
+        raise ValueError(f"first_sync must be one of {FIRST_SYNC}, got {value!r}")
+    return str(value)
+
+
+def take_anchor(tensors: list[Tensor], process_group: dist.ProcessGroup | None) -> tuple[list[Tensor], int]:
+    """Copies of ``tensors`` holding rank 0's values on every rank (one broadcast per (device, dtype)),
+    and the bytes that sent (0 without ``torch.distributed`` or on one rank)."""
+    with torch.no_grad():
+        anchor = [t.detach().clone() for t in tensors]
+    if not is_distributed() or dist.get_world_size(process_group) == 1:
+        return anchor, 0
+    broadcast_parameters(anchor, process_group)
+    return anchor, sum(a.numel() * a.element_size() for a in anchor)
+
+
+def no_anchor_message(name: str, step: int) -> str:
+    return (f"{name}: synchronization at step {step} has no anchor (the parameters where local training "
+            f"started): wrap the inner optimizer in gradpress.PostLocalSGDOptimizer (which takes it when "
+            f"built), call averager.anchor_parameters(params) before the first inner step, set warmup_steps "
+            f">= 1 (the anchor is then taken at the last warm-up step), or pass first_sync='average' (the "
+            f"first synchronization is then a plain average that sets the anchor)")
 
 
 def _all_finite(tensors: list[Tensor]) -> bool:

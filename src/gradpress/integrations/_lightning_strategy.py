@@ -169,6 +169,7 @@ class GradpressStrategyMixin:
         if isinstance(optimizer, (ZeroRedundancyOptimizer, PostLocalSGDOptimizer, TorchPostLocalSGDOptimizer)):
             raise ValueError(f"model averaging cannot run with an optimizer of type {type(optimizer).__name__} "
                              "(it shards or averages by itself)")
+        averager.anchor_parameters(optimizer.param_groups)  # DiLoCo's anchor: where local training starts
         return averager
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

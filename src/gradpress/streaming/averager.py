@@ -10,9 +10,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..averaging import ModelAverager, OuterStep, Params, tensors_to_average
+from ..averaging.outer import check_first_sync, no_anchor_message, take_anchor
 from ..checkpoint import check_placement, placement
 from ..checks import check_int, check_number
-from ..comm import Work, all_gather_async, all_reduce_async, average_tensors_
+from ..comm import Work, all_gather_async, all_reduce_async, average_tensors_, is_member
 from .compress import Compressor
 from .fragments import fragment_offsets, split_by_size
 
@@ -95,12 +96,21 @@ class StreamingDiLoCoAverager(ModelAverager):
     balanced by bytes (:func:`~gradpress.streaming.fragments.split_by_size`), or taken from
     ``fragments`` (modules or tensor lists, torchft's ``model_fragments``; every averaged tensor must be
     in one). With ``r = step - warmup_steps``, fragment ``f`` is *sent* at the steps where ``r >= 0``
-    and ``r % sync_every == f * sync_every // F``: each tensor once per ``sync_every`` steps, one fragment
-    per step at most, so a sync moves about ``1/F`` of the model. A fragment's first sync is a plain
-    (uncompressed, blocking) average that sets its anchor ``x_f``, the same on every rank; with ``F=1``
-    that is at ``warmup_steps``, like :class:`gradpress.OuterOptimizerAverager`.
+    and ``r % sync_every`` is its offset: ``f * sync_every // F`` (``fragment_phase="start"``, the
+    default: fragment 0 right after warm-up; with ``F=1`` at ``warmup_steps``, like
+    :class:`gradpress.OuterOptimizerAverager`) or ``(f + 1) * sync_every // F - 1``
+    (``fragment_phase="end"``: torchft's phase, fragment ``f`` after ``(f + 1) · sync_every / F`` local
+    steps). Each tensor is sent once per ``sync_every`` steps, one fragment per step at most, so a sync
+    moves about ``1/F`` of the model.
 
-    **Outer step** (each later sync of fragment ``f``):
+    **Anchors.** As in the paper and torchft, every fragment's first anchor ``x_f`` is the parameters
+    where local training starts, identical on every rank, and every sync, the first included, is an
+    outer step. :meth:`anchor_parameters` takes it (broadcasting rank 0's values: one collective);
+    :class:`gradpress.PostLocalSGDOptimizer` calls it when built, and :meth:`average_parameters` again
+    at the last warm-up step (warm-up steps are taken to be synchronous). ``first_sync="average"``: a
+    fragment's first sync is instead a plain (uncompressed, blocking) average that sets its anchor.
+
+    **Outer step** (each sync of fragment ``f``):
 
     1. at the send step ``s``: outer gradient ``δ_i = x_f - θ_i`` (rank ``i``'s parameters now), plus
        the rank's residual ``e_i`` when compressed; the collective is started (``async_op=True``);
@@ -162,6 +172,8 @@ class StreamingDiLoCoAverager(ModelAverager):
         fragments: explicit fragments (modules or iterables of tensors), at most ``sync_every``.
         fragment_sync_delay: ``τ`` in ``[0, sync_every)``.
         fragment_update_alpha: ``α`` in ``[0, 1]``.
+        fragment_phase: ``"start"`` (default) or ``"end"`` (torchft's), see above.
+        first_sync: ``"outer"`` (default, the paper's) or ``"average"``, see above.
         outer_lr, outer_momentum, nesterov: the outer SGD (as :class:`OuterOptimizerAverager`).
         compression: ``None``, ``"fp16"``, ``"bf16"`` or a :class:`~gradpress.streaming.Compressor`.
         average_buffers: also synchronize floating-point buffers.
@@ -181,7 +193,7 @@ class StreamingDiLoCoAverager(ModelAverager):
                  *, num_fragments: int | None = None, fragments: Sequence[FragmentSpec] | None = None,
                  fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, compression: Compression = None,
-                 average_buffers: bool = False) -> None:
+                 average_buffers: bool = False, fragment_phase: str = "start", first_sync: str = "outer") -> None:
         super().__init__(process_group, average_buffers)
         self.sync_every = check_int("sync_every", sync_every, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
@@ -217,8 +229,10 @@ class StreamingDiLoCoAverager(ModelAverager):
             raise ValueError(f"compression must be None, 'fp16', 'bf16', QuantizeInt8(...), QuantizeInt4(...) or "
                              f"TopK(...), got {compression!r}")
         self.compression = compression
+        self.first_sync = check_first_sync(first_sync)
+        self.fragment_phase = fragment_phase
         self._fragments = [_Fragment(f, offset) for f, offset in
-                           enumerate(fragment_offsets(sync_every, self.num_fragments))]
+                           enumerate(fragment_offsets(sync_every, self.num_fragments, fragment_phase))]
         self._by_offset = {fr.offset: fr for fr in self._fragments}
         self._layout: list[int] | None = None
         self._in_flight: list[_InFlight] = []
@@ -250,10 +264,27 @@ class StreamingDiLoCoAverager(ModelAverager):
 
     # -- the step ---------------------------------------------------------------------------------
 
+    def anchor_parameters(self, params: Params) -> None:
+        """Take ``params`` as every fragment's anchor, the parameters where local training starts: rank
+        0's values (of ``process_group``) on every rank (a collective: every rank calls it). Called by
+        :class:`gradpress.PostLocalSGDOptimizer` when built and at the last warm-up step; does nothing
+        with ``first_sync="average"`` or on a rank outside ``process_group``."""
+        if self.first_sync != "outer" or not is_member(self.process_group):
+            return
+        tensors = tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module))
+        self._bind(tensors)
+        anchor, sent = take_anchor(tensors, self.process_group)
+        for fr in self._fragments:
+            fr.outer = self._outer_step([anchor[i] for i in fr.positions])
+            if sent:
+                self._count(fr, sum(anchor[i].numel() * anchor[i].element_size() for i in fr.positions))
+
     def average_parameters(self, params: Params) -> None:
         """Send the fragment scheduled at this step and apply the updates due now (see the class
         docstring); mutates ``params`` in place; advances the step counter. A collective on sync steps:
         every rank calls it at every step."""
+        if self.step == self.warmup_steps - 1:
+            self.anchor_parameters(params)
         sent = self.fragment_sent_at(self.step)
         due = [p for p in self._in_flight if p.due == self.step] if self._in_flight else []
         if sent is not None or due:
@@ -306,7 +337,9 @@ class StreamingDiLoCoAverager(ModelAverager):
 
     def _send(self, fr: _Fragment, tensors: list[Tensor]) -> None:
         members = self._members(fr, tensors)
-        if fr.anchor is None:  # first sync: plain average, sets the anchor
+        if fr.anchor is None:  # first sync, first_sync="average": plain average, sets the anchor
+            if self.first_sync == "outer":
+                raise ValueError(no_anchor_message(type(self).__name__, self.step))
             with torch.no_grad():
                 sent = average_tensors_(members, self.process_group, issuer=self._issuer())
                 fr.outer = self._outer_step([t.clone() for t in members])

@@ -39,11 +39,24 @@ def split_by_size(sizes: Sequence[int], num_fragments: int) -> list[int]:
     return out
 
 
-def fragment_offsets(sync_every: int, num_fragments: int) -> list[int]:
-    """Step offset (after warm-up, modulo ``sync_every``) at which each fragment synchronizes:
-    ``f · sync_every // num_fragments``, as in the issue and torchft's spacing.
+def fragment_offsets(sync_every: int, num_fragments: int, phase: str = "start") -> list[int]:
+    """Step offset (after warm-up, modulo ``sync_every``) at which each fragment synchronizes.
+
+    ``phase="start"``: ``f · sync_every // num_fragments``, fragment 0 at the first step after warm-up.
+    ``phase="end"``: ``(f + 1) · sync_every // num_fragments - 1``, fragment ``f`` after
+    ``(f + 1) · sync_every // num_fragments`` local steps, the last one after ``sync_every``: torchft's
+    phase, and with one fragment DiLoCo's (``H`` inner steps, then a sync).
 
     >>> fragment_offsets(6, 3)
     [0, 2, 4]
+    >>> fragment_offsets(6, 2, "end")
+    [2, 5]
     """
+    if phase not in FRAGMENT_PHASES:
+        raise ValueError(f"fragment_phase must be one of {FRAGMENT_PHASES}, got {phase!r}")
+    if phase == "end":
+        return [(f + 1) * sync_every // num_fragments - 1 for f in range(num_fragments)]
     return [f * sync_every // num_fragments for f in range(num_fragments)]
+
+
+FRAGMENT_PHASES = ("start", "end")
