@@ -412,8 +412,9 @@ def _one_state_two_models(rank, world_size, together):
     second.register_comm_hook(state, gradpress.powerSGD_hook)
     x, y = models.batch(rank, 0)
     try:
-        if together:   # one backward pass through both models
-            (models.loss_fn(first, x, y) + models.loss_fn(second, x, y)).backward()
+        if together:   # backward passes through both models (the second one is refused at the latest)
+            for _ in range(2):
+                (models.loss_fn(first, x, y) + models.loss_fn(second, x, y)).backward()
         else:          # the models in turn
             for _ in range(2):
                 models.loss_fn(first, x, y).backward()
@@ -427,6 +428,52 @@ def _one_state_two_models(rank, world_size, together):
 def test_one_state_registered_on_two_models_is_refused(together):
     for message in run(_one_state_two_models, WORLD, together):
         assert "registered on two DDP models" in message and "its own PowerSGDState" in message
+
+
+def _one_state_moved_to_a_new_model(rank, world_size, hook_name):
+    """PyTorch's c10d pattern: the state of a finished model registered on a new DDP model (with another
+    hook and other shapes). The new model starts with fresh memory; the old one is refused afterwards."""
+    import warnings
+
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                    min_compression_rate=0)
+    first = DDP(models.make_model(0))
+    first.register_comm_hook(state, gradpress.powerSGD_hook)
+    for step in range(4):  # two of them compressed
+        first.zero_grad()
+        models.loss_fn(first, *models.batch(rank, step)).backward()
+    second = DDP(models.make_model(1, width=4))
+    second.register_comm_hook(state, getattr(gradpress, hook_name))
+    exact = DDP(models.make_model(1, width=4))  # the same model and data with a fresh state: the oracle
+    fresh = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=0)
+    exact.register_comm_hook(fresh, getattr(gradpress, hook_name))
+    fresh.iter = state.iter  # the iteration count goes on, as in PyTorch
+    same = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            for net in (second, exact):
+                net.zero_grad()
+                models.loss_fn(net, *models.batch(rank, step)).backward()
+            same &= all(torch.equal(a.grad, b.grad) for a, b in zip(second.parameters(), exact.parameters()))
+    moved = [str(w.message) for w in caught if "another DDP model" in str(w.message)]
+    shapes = state.state_dict()["param_shapes"]
+    iters = state.iter
+    try:
+        models.loss_fn(first, *models.batch(rank, 9)).backward()
+        back = "no error"
+    except RuntimeError as error:
+        back = str(error)
+    return same, len(moved), shapes, [list(p.shape) for p in second.module.parameters()], iters, back
+
+
+@pytest.mark.parametrize("hook_name", ["powerSGD_hook", "batched_powerSGD_hook"])
+def test_a_state_moved_to_a_new_model_starts_afresh_and_the_old_model_is_refused(hook_name):
+    for same, warned, shapes, new_shapes, iters, back in run(_one_state_moved_to_a_new_model, WORLD, hook_name):
+        # Per-parameter keys of the new model only (the batched hook keeps its memory by bucket, no keys).
+        assert sorted(shapes) == (sorted(new_shapes) if hook_name == "powerSGD_hook" else [])
+        assert same and warned == 1 and iters == 7
+        assert "registered on two DDP models" in back and "trained in turn" in back
 
 
 def _one_state_one_model_retried(rank, world_size):

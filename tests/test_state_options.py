@@ -129,6 +129,10 @@ def test_half_precision_wire_halves_the_bytes():
     r2 = run(record, WORLD, steps, dict(bytes_per_weight=2), None, torch.float32)
     for (_, (_, before4, after4), *_), (_, (_, before2, after2), *_) in zip(r4, r2):
         assert before4 == before2 > 0 and after2 * 2 == after4
+    # None, as Config documents it: the working precision, fp32 for fp32 gradients: the same run as 4.
+    r_none = run(record, WORLD, steps, dict(bytes_per_weight=None), None, torch.float32)
+    for with_none, with_four in zip(r_none, r4):
+        assert with_none[1] == with_four[1] and torch.equal(with_none[3], with_four[3])
 
 
 def full_rank_fp16(rank, world, bytes_per_weight, scale):
@@ -289,10 +293,12 @@ def test_error_feedback_alias():
     (dict(warm_up_beta_factor=1.5), ValueError, r"warm_up_beta_factor.*\(0, 1\]"),
     (dict(feedback_every_n_iters=0), ValueError, "feedback_every_n_iters.*>= 1"),
     (dict(lr_scheduler=object()), TypeError, "lr_scheduler.*get_last_lr"),
+    (dict(start_powerSGD_iter=-1), ValueError, r"^start_powerSGD_iter must be an integer >= 0, got -1$"),
+    (dict(start_powerSGD_iter="10"), ValueError, r"^start_powerSGD_iter must be an integer >= 0, got '10'$"),
 ])
 def test_invalid_options_name_the_argument_and_allowed_values(kwargs, error, name):
     with pytest.raises(error, match=name):
-        PowerSGDState(None, start_powerSGD_iter=2, **kwargs)
+        PowerSGDState(None, **{"start_powerSGD_iter": 2, **kwargs})
 
 
 def test_options_survive_state_dict_and_pickle():

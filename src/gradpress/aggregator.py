@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .comm import broadcast_parameters
-from .checkpoint import check_placement, placement
+from .checkpoint import check_placement, placement, reject_gathered
 from .comm import Communicator, check_process_group, make_communicator
 from .diagnostics import (ApproximationSummary, check_measure_every, parameter_names, relative_errors,
                           should_measure, summarize)
@@ -486,6 +486,7 @@ class PowerSGD(Aggregator):
         on another rank or world size (checkpoints without this record are accepted;
         ``allow_other_rank=True`` skips the rank/world-size check).
         """
+        reject_gathered(state_dict, "PowerSGD.load_state_dict")
         if state_dict.get("version") != _STATE_DICT_VERSION:
             raise ValueError(f"unsupported PowerSGD state_dict version {state_dict.get('version')!r}; "
                              f"expected {_STATE_DICT_VERSION}")

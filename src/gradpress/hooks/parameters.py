@@ -2,8 +2,8 @@
 
 DDP's communication hooks see buckets, not parameters by name, and DDP rebuilds its buckets after the
 first iteration. :class:`ParameterKeys` gives every parameter a stable key (the order in which the hook
-first saw it: DDP's first layout, the same in a resumed process), refuses a second model on one state,
-and resolves each key's rank: by name under a ``rank_policy`` and, with an ``adaptive_rank``, the rank in
+first saw it: DDP's first layout, the same in a resumed process), refuses two models trained with one
+state (a state moved to a new model once its model is done starts afresh), and resolves each key's rank: by name under a ``rank_policy`` and, with an ``adaptive_rank``, the rank in
 force. :class:`gradpress.PowerSGDState` holds one.
 
 >>> import torch
@@ -15,6 +15,7 @@ force. :class:`gradpress.PowerSGDState` holds one.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -44,7 +45,7 @@ class ParameterKeys:
     """
 
     __slots__ = ("keys", "shapes", "closed", "iteration_buckets", "names", "policy", "policy_ranks",
-                 "adaptive", "adaptive_ranks", "limits", "previous_norms", "min_compression_rate")
+                 "adaptive", "adaptive_ranks", "limits", "previous_norms", "min_compression_rate", "left")
 
     def __init__(self, rank: int, min_compression_rate: float, rank_policy: RankRules | None = None,
                  adaptive_rank: AdaptiveRank | None = None) -> None:
@@ -62,6 +63,8 @@ class ParameterKeys:
         self.limits: dict[int, tuple[int, int]] = {}       # key -> (lowest, highest) rank it may take
         self.previous_norms: dict[int, float] = {}         # key -> last interval's mean gradient norm
         self.min_compression_rate = min_compression_rate
+        # Parameters of the models this state was moved away from: id -> weak reference (see moved_to).
+        self.left: dict[int, weakref.ref[Tensor]] = {}
 
     # --- keys -----------------------------------------------------------------------------------------
     def note_bucket(self, bucket: Any) -> None:
@@ -89,6 +92,32 @@ class ParameterKeys:
                     raise RuntimeError(_TWO_MODELS.format(
                         f"a parameter of shape {tuple(param.shape)} arrived after DDP's first iteration, "
                         "which hands over every parameter of the model"))
+
+    def starts_another_model(self, bucket: Any) -> bool:
+        """Whether ``bucket`` begins the first iteration of another DDP model, as when PyTorch's own tests
+        register the state of a finished model on a new one: this state's model completed an iteration,
+        no bucket of this backward pass arrived yet, and none of ``bucket``'s parameters is known. A
+        parameter of a model the state was moved away from is refused (two models trained in turn)."""
+        if not isinstance(bucket, dist.GradBucket):
+            return False
+        params = bucket.parameters()
+        for param in params if self.left else ():
+            ref = self.left.get(id(param))
+            if ref is not None and ref() is param:
+                raise RuntimeError(_TWO_MODELS.format(
+                    "a parameter of the model it was moved away from arrived again: two models trained in turn"))
+        if not self.closed or self.iteration_buckets:
+            return False
+        return bool(params) and all(self.key_of(p) is None for p in params)
+
+    def moved_to_another_model(self) -> ParameterKeys:
+        """Fresh keys for the next model (same policy and adaptive rule, no names, no memory keys),
+        remembering this model's parameters so that they are refused if they come back."""
+        fresh = ParameterKeys(1, self.min_compression_rate, None, self.adaptive)
+        fresh.policy = self.policy
+        fresh.left = dict(self.left)
+        fresh.left.update((id(p), weakref.ref(p)) for p, _ in self.keys.values())
+        return fresh
 
     def end_iteration(self) -> None:
         """The iteration's last bucket was handed over: from now on every parameter is known."""

@@ -19,6 +19,7 @@ Differences from PyTorch that users can rely on (each has a test):
 """
 
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..checkpoint import check_placement, placement
+from ..checkpoint import check_placement, placement, reject_gathered
 from ..comm import Communicator, check_process_group, make_communicator
 from ..adaptive import AdaptiveRank
 from ..policy import RankRules
@@ -82,6 +83,8 @@ class PowerSGDState:
             (default), 2 = half (bf16 for bf16 gradients, else fp16 scaled so the sum cannot overflow,
             at the cost of a one-element max-allreduce per phase), 8 = fp64. Error memory and
             orthogonalization keep fp32 (or the gradient's wider dtype). ``bytes_stats()`` counts it.
+            ``None``: that working precision on the wire too (fp32; fp64 for fp64 gradients), as
+            ``Config(bytes_per_weight=None)``.
         lr_scheduler: a ``torch.optim.lr_scheduler.LRScheduler`` or anything with ``get_last_lr()``.
             The error memory is kept in update units: when the learning rate (of the first parameter
             group) goes from ``lr_old`` to ``lr_new``, the memory is multiplied by ``lr_old / lr_new``
@@ -151,7 +154,7 @@ class PowerSGDState:
         num_iters_per_step: int | None = None,
         *,
         error_feedback: bool | None = None,
-        bytes_per_weight: int = 4,
+        bytes_per_weight: int | None = 4,
         lr_scheduler: Any = None,
         feedback_every_n_iters: int = 1,
         warm_up_beta_factor: float | None = None,
@@ -176,8 +179,10 @@ class PowerSGDState:
         if lr_scheduler is not None and not callable(getattr(lr_scheduler, "get_last_lr", None)):
             raise TypeError(f"lr_scheduler must be None or have a get_last_lr() method (a "
                             f"torch.optim.lr_scheduler.LRScheduler), got {type(lr_scheduler).__name__}")
-        if bytes_per_weight is None:
-            raise ValueError("bytes_per_weight must be 2, 4 or 8, got None")
+        # Checked before the engine's config, whose messages name its own fields (warm_up_steps).
+        if isinstance(start_powerSGD_iter, bool) or not isinstance(start_powerSGD_iter, int) \
+                or start_powerSGD_iter < 0:
+            raise ValueError(f"start_powerSGD_iter must be an integer >= 0, got {start_powerSGD_iter!r}")
         check_measure_every(approximation_error_every_n_iters)
         config = EngineConfig(
             rank=matrix_approximation_rank, min_compression_rate=min_compression_rate,
@@ -185,10 +190,7 @@ class PowerSGDState:
             orthogonalization_epsilon=orthogonalization_epsilon, random_seed=random_seed,
             num_iters_per_step=num_iters_per_step, bytes_per_weight=bytes_per_weight,
             feedback_every_n_iters=feedback_every_n_iters, warm_up_beta_factor=warm_up_beta_factor,
-            warm_up_steps=start_powerSGD_iter if isinstance(start_powerSGD_iter, int) else 0)
-        if isinstance(start_powerSGD_iter, bool) or not isinstance(start_powerSGD_iter, int) \
-                or start_powerSGD_iter < 0:
-            raise ValueError(f"start_powerSGD_iter must be an integer >= 0, got {start_powerSGD_iter!r}")
+            warm_up_steps=start_powerSGD_iter)
         if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
             raise ValueError(
                 "Expect `start_powerSGD_iter` > 1 if `use_error_feedback` or `warm_start` is enabled, "
@@ -265,8 +267,7 @@ class PowerSGDState:
         return self._session.config.use_error_feedback
 
     @property
-    def bytes_per_weight(self) -> int:
-        assert self._session.config.bytes_per_weight is not None
+    def bytes_per_weight(self) -> int | None:
         return self._session.config.bytes_per_weight
 
     @property
@@ -507,6 +508,7 @@ class PowerSGDState:
         rank or world size (checkpoints without this record are accepted; ``allow_other_rank=True`` skips
         the rank/world-size check).
         """
+        reject_gathered(state_dict, "PowerSGDState.load_state_dict")
         if state_dict.get("version") != _STATE_DICT_VERSION:
             raise ValueError(f"unsupported PowerSGDState state_dict version {state_dict.get('version')!r}; "
                              f"expected {_STATE_DICT_VERSION}")
@@ -623,6 +625,8 @@ class PowerSGDState:
         """Begin a hook's work on ``bucket``: before ``start_powerSGD_iter`` average it exactly and return
         the future (parameters are still given their keys, in DDP's first layout); after, ``None``, and
         the hook compresses it with :meth:`compress_bucket`. Refuses a second DDP model on this state."""
+        if self._params.starts_another_model(bucket):
+            self._move_to_another_model()
         self._params.note_bucket(bucket)
         if self.iter >= self.start_powerSGD_iter:
             return None
@@ -630,6 +634,19 @@ class PowerSGDState:
         fut = allreduce_mean_future(bucket.buffer(), self.process_group, comm_device=self.comm_device)
         self.maybe_increase_iter(bucket)
         return fut
+
+    def _move_to_another_model(self) -> None:
+        """PyTorch's pattern of registering a finished model's state on a new DDP model: the new model
+        starts with fresh error memory and factors (its buckets are not the old one's); the iteration
+        count and the statistics go on, as in PyTorch."""
+        warnings.warn("PowerSGDState: this state now serves another DDP model than the one it was used with; its "
+                      "error memory and warm-start factors start afresh for the new model (the iteration count "
+                      "goes on). The old model's parameters are refused from now on: give each model that trains "
+                      "its own PowerSGDState", stacklevel=4)
+        self._session.drain()
+        self._session.forget_memory()
+        self._params = self._params.moved_to_another_model()
+        self._lr_iter = -1
 
     def compress_bucket(self, bucket: Any, segment: Segment, tensors: list[Tensor], result: Tensor, *,
                         numel: int | None = None, finish: Callable[[], Any] | None = None,

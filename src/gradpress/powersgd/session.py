@@ -111,6 +111,13 @@ class EngineSession:
         self._pending: list[tuple[Callable[[], None], Callable[[BaseException], None]]] = []
 
     # --- running steps ------------------------------------------------------------------------------
+    def forget_memory(self) -> None:
+        """Drop every error memory and warm-start factor (the state moved to another model); the
+        counters and the learning rate stay. Nothing may be in flight."""
+        self.store = SegmentStore(self.config)
+        self._padded.clear()
+        self._saved_padded.clear()
+
     def commit_each_task_alone(self) -> None:
         """From now on each submitted task commits when it ends (its result is needed at once)."""
         self.commit_each_task = True
