@@ -71,8 +71,9 @@ def main() -> int:
             print(f"step {step:3d}  loss {mean_loss.item() / world:.4f}", flush=True)
 
     compressed_steps = state.iter - state.start_powerSGD_iter
-    mine = torch.tensor([state.bytes_stats()[2] / max(1, compressed_steps)])
-    sent = [torch.zeros(1) for _ in range(world)]
+    device = next(model.parameters()).device  # NCCL collectives need tensors on the GPU
+    mine = torch.tensor([state.bytes_stats()[2] / max(1, compressed_steps)], device=device)
+    sent = [torch.zeros(1, device=device) for _ in range(world)]
     dist.all_gather(sent, mine)
     if rank == 0:
         shapes = [p.shape for p in model.parameters()]
