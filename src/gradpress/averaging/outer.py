@@ -145,10 +145,10 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         """Take ``params`` as the anchor, the parameters where local training starts: rank 0's values
         (of ``process_group``) are copied to every rank's anchor (a collective: every rank calls it).
         Called by :class:`PostLocalSGDOptimizer` when it is built and by :meth:`average_parameters` at
-        the last warm-up step; does nothing with ``first_sync="average"`` or on a rank outside
-        ``process_group``."""
-        if self.first_sync != "outer" or not is_member(self.process_group):
-            return
+        the last warm-up step; does nothing before that step (the anchor is taken there), with
+        ``first_sync="average"``, or on a rank outside ``process_group``."""
+        if self.first_sync != "outer" or not is_member(self.process_group) or self.step < self.warmup_steps - 1:
+            return  # (before the last warm-up step: the anchor is taken there)
         tensors = tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module))
         anchor, sent = take_anchor(tensors, self.process_group)
         self.bytes_sent += sent

@@ -268,9 +268,10 @@ class StreamingDiLoCoAverager(ModelAverager):
         """Take ``params`` as every fragment's anchor, the parameters where local training starts: rank
         0's values (of ``process_group``) on every rank (a collective: every rank calls it). Called by
         :class:`gradpress.PostLocalSGDOptimizer` when built and at the last warm-up step; does nothing
-        with ``first_sync="average"`` or on a rank outside ``process_group``."""
-        if self.first_sync != "outer" or not is_member(self.process_group):
-            return
+        before that step (the anchor is taken there), with ``first_sync="average"``, or on a rank outside
+        ``process_group``."""
+        if self.first_sync != "outer" or not is_member(self.process_group) or self.step < self.warmup_steps - 1:
+            return  # (before the last warm-up step: the anchor is taken there)
         tensors = tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module))
         self._bind(tensors)
         anchor, sent = take_anchor(tensors, self.process_group)

@@ -82,7 +82,9 @@ class MethodKind:
     averaging kinds, the bytes of one complete model synchronisation after warm-up (the report's
     bytes/step is this over the period). ``alternating``: the compressed steps send different amounts
     (the report gives their mean, not the last step's). ``final_average``: always end on a plain average
-    of the workers' models (not only when the last step did not synchronise).
+    of the workers' models (not only when the last step did not synchronise). ``anchored``: the averager
+    is DiLoCo's, whose anchor (the parameters where local steps start) is broadcast once, at the last
+    warm-up step (:func:`anchor_bytes`).
     """
 
     name: str
@@ -94,6 +96,7 @@ class MethodKind:
     sync_bytes: SyncBytesFn | None = None
     alternating: bool = False
     final_average: bool = False
+    anchored: bool = False
 
     @property
     def warms_up(self) -> bool:
@@ -208,10 +211,23 @@ def _multi_payload(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
 
 def _periodic_payload(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
     """Every element on the synchronous steps and on each averaging step (every ``period`` steps from
-    ``start_iter``), nothing on the others."""
+    ``start_iter``), nothing on the others; DiLoCo's anchor at the last warm-up step."""
     period = method.period or 1
-    return [4 * plan.numel if step < config.start_iter or (step - config.start_iter) % period == 0 else 0
-            for step in range(config.steps)]
+    out = [4 * plan.numel if step < config.start_iter or (step - config.start_iter) % period == 0 else 0
+           for step in range(config.steps)]
+    return _with_anchor(out, method, plan, config)
+
+
+def anchor_bytes(method: Method, plan: Plan, config: DemoConfig) -> int:
+    """Bytes of the anchor's broadcast (every parameter, fp32) for DiLoCo's averagers, else 0."""
+    return 4 * plan.numel if METHOD_REGISTRY[method.kind].anchored else 0
+
+
+def _with_anchor(out: list[int], method: Method, plan: Plan, config: DemoConfig) -> list[int]:
+    """``out`` with the anchor's broadcast added at the last warm-up step (step 0 without warm-up)."""
+    if out:
+        out[min(len(out) - 1, max(0, config.start_iter - 1))] += anchor_bytes(method, plan, config)
+    return out
 
 
 def _whole_model(method: Method, plan: Plan, config: DemoConfig) -> int:
@@ -220,7 +236,7 @@ def _whole_model(method: Method, plan: Plan, config: DemoConfig) -> int:
 
 def _fragment_payloads(method: Method, plan: Plan, config: DemoConfig
                        ) -> tuple[StreamingDiLoCoAverager, list[int], list[int]]:
-    """``(averager, numel of each fragment, bytes of each fragment's outer sync after its first)`` of a
+    """``(averager, numel of each fragment, bytes of each fragment's outer sync)`` of a
     kind whose averager is a :class:`StreamingDiLoCoAverager`."""
     build = METHOD_REGISTRY[method.kind].averager
     assert build is not None
@@ -235,22 +251,17 @@ def _fragment_payloads(method: Method, plan: Plan, config: DemoConfig
 
 
 def _fragment_payload(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
-    """fp32 gradients until ``start_iter``, then at each fragment's sync step its payload (a fragment's
-    first sync: plain fp32 averaging)."""
-    averager, numel, steady = _fragment_payloads(method, plan, config)
-    out, synced = [], set()
+    """fp32 gradients until ``start_iter``, the anchor at its last step, then at each fragment's sync step
+    its payload (every sync, the first included, is an outer step)."""
+    averager, _, steady = _fragment_payloads(method, plan, config)
+    out = []
     for step in range(config.steps):
         fragment = averager.fragment_sent_at(step)  # the averager's step numbering is the 0-based step
         if step < config.start_iter:
             out.append(4 * plan.numel)
-        elif fragment is None:
-            out.append(0)
-        elif fragment not in synced:
-            synced.add(fragment)
-            out.append(4 * numel[fragment])
         else:
-            out.append(steady[fragment])
-    return out
+            out.append(0 if fragment is None else steady[fragment])
+    return _with_anchor(out, method, plan, config)
 
 
 def _fragment_sync_bytes(method: Method, plan: Plan, config: DemoConfig) -> int:
@@ -260,7 +271,7 @@ def _fragment_sync_bytes(method: Method, plan: Plan, config: DemoConfig) -> int:
 def _streamed(name: str, description: str, averager: AveragerBuilder, final_average: bool = False) -> MethodKind:
     """An averaging kind whose averager is a :class:`StreamingDiLoCoAverager` (fragments, compression)."""
     return MethodKind(name, description, "period", hook=_post_local, payload=_fragment_payload,
-                      averager=averager, sync_bytes=_fragment_sync_bytes, final_average=final_average)
+                      averager=averager, sync_bytes=_fragment_sync_bytes, final_average=final_average, anchored=True)
 
 
 #: Every method kind, in the order ``--help`` lists them.
@@ -280,7 +291,8 @@ METHOD_REGISTRY: dict[str, MethodKind] = {kind.name: kind for kind in (
                hook=_post_local, payload=_periodic_payload, averager=_periodic_averager, sync_bytes=_whole_model),
     MethodKind("diloco", "like localsgd, but every H steps the averaged change goes through an outer Nesterov "
                "optimizer (DiLoCo; outer lr 0.7, momentum 0.5)", "period",
-               hook=_post_local, payload=_periodic_payload, averager=_outer_averager, sync_bytes=_whole_model),
+               hook=_post_local, payload=_periodic_payload, averager=_outer_averager, sync_bytes=_whole_model,
+               anchored=True),
     # Its fragments are never all in step at once: the run always ends on a plain average.
     _streamed("streaming", "streaming DiLoCo: diloco with the model in 4 fragments synchronised in turn (one every "
               "H/4 steps, a quarter of the bytes each time), each sync overlapped with the next inner step",
