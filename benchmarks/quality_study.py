@@ -218,7 +218,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> Non
     config = DemoConfig(task=args.task, steps=args.steps, start_iter=args.start_iter, seed=args.seed,
                         lr=args.lr, momentum=args.momentum, evals=args.evals, warm_up_beta=args.warm_up_beta,
                         powersgd_options=powersgd_options(args.powersgd_options),
-                        clip_grad_norm=args.clip_grad_norm, clip_before_averaging=args.clip_before_averaging)
+                        clip_grad_norm=args.clip_grad_norm, clip_before_averaging=args.clip_before_averaging,
+                        optimizer=args.optimizer, batch_size=args.batch_size)
     method = parse_methods(args.methods, [1])
     if len(method) != 1:
         raise SystemExit(f"--methods must name one method, got {args.methods!r}")
@@ -257,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=None, help="default: the task's")
     parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                        help="adamw: nanoGPT's (betas 0.9/0.95, weight decay 0.1 on matrices, warm-up, cosine)")
+    parser.add_argument("--batch-size", type=int, default=None, help="per worker per step (default: the task's)")
     parser.add_argument("--methods", "--method", default="allreduce", help="one method, e.g. allreduce or powersgd:4")
     parser.add_argument("--powersgd-options", "--options", default=None,
                         help='JSON object of further PowerSGDState arguments, e.g. \'{"num_iters_per_step": 2}\'')

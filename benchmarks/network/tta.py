@@ -52,7 +52,8 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{args.port}",
                             rank=args.rank, world_size=args.world_size)
     config = DemoConfig(task=args.task, steps=args.steps, start_iter=args.start_iter, evals=args.evals,
-                        seed=args.seed, lr=args.lr, momentum=args.momentum,
+                        seed=args.seed, lr=args.lr, momentum=args.momentum, optimizer=args.optimizer,
+                        batch_size=args.batch_size,
                         powersgd_options=json.loads(args.powersgd_options) if args.powersgd_options else None)
     results = []
     for method in parse_methods(args.methods, [1]):
@@ -151,8 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-iter", type=int, default=None, help="default: a tenth of --steps, as the demo")
     parser.add_argument("--evals", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=None, help="every method's SGD learning rate (default: the task's)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="every method's learning rate, AdamW's peak (default: the task's, or 1e-3 for AdamW)")
     parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                        help="adamw: nanoGPT's (betas 0.9/0.95, weight decay 0.1 on matrices, warm-up, cosine)")
+    parser.add_argument("--batch-size", type=int, default=None, help="per worker per step (default: the task's)")
     parser.add_argument("--powersgd-options", default=None, metavar="JSON",
                         help='further PowerSGDState arguments for the PowerSGD methods, e.g. \'{"bytes_per_weight": 2}\'')
     parser.add_argument("--target", type=float, required=True, help="the metric value to reach")
@@ -190,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                   "task": args.task, "world_size": args.world_size, "target": args.target, "rates": {}}
         forwarded = ["--task", args.task, "--methods", args.methods, "--steps", str(args.steps), "--start-iter",
                      str(args.start_iter), "--evals", str(args.evals), "--seed", str(args.seed),
-                     "--target", str(args.target), "--momentum", str(args.momentum)]
+                     "--target", str(args.target), "--momentum", str(args.momentum), "--optimizer", args.optimizer]
+        forwarded += ["--batch-size", str(args.batch_size)] if args.batch_size is not None else []
         forwarded += ["--lr", str(args.lr)] if args.lr is not None else []
         forwarded += ["--powersgd-options", args.powersgd_options] if args.powersgd_options else []
         with Network(args.world_size, rates[0]) as net:

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from .tasks import get_task
 
-__all__ = ["FAIL_KINDS", "DemoConfig", "default_start_iter"]
+__all__ = ["ADAMW_BETAS", "ADAMW_LR", "ADAMW_MIN_LR_FRACTION", "FAIL_KINDS", "OPTIMIZERS", "DemoConfig",
+           "default_start_iter"]
 
 #: How an injected failure (``DemoConfig.fail_at_step``) fails.
 FAIL_KINDS = ("raise", "sigkill", "hang")
+
+#: The inner optimizers a run can use (``DemoConfig.optimizer``).
+OPTIMIZERS = ("sgd", "adamw")
+#: AdamW as nanoGPT trains transformers: betas, the final learning rate of the cosine decay as a fraction
+#: of the peak, and the peak when the user gives none (not tuned per task).
+ADAMW_BETAS = (0.9, 0.95)
+ADAMW_MIN_LR_FRACTION = 0.1
+ADAMW_LR = 1e-3
 
 
 def default_start_iter(steps: int) -> int:
@@ -46,6 +56,10 @@ class DemoConfig:
     ``clip_before_averaging`` each worker's own gradient, before the hook (before PowerSGD's error
     feedback, as in the PowerSGD paper's LSTM runs; DDP then puts the whole gradient in one bucket, so the
     norm is the model's).
+    ``optimizer``: ``"sgd"`` (momentum ``momentum``, constant ``lr``) or ``"adamw"`` as nanoGPT trains
+    transformers: betas ``ADAMW_BETAS``, weight decay ``weight_decay`` on matrices only (biases, norms and
+    other vectors none), the learning rate rising linearly over the first tenth of the run to ``lr``
+    (default ``ADAMW_LR``), then a cosine decay to ``ADAMW_MIN_LR_FRACTION`` of it (:meth:`lr_at`).
     """
 
     task: str = "digits"
@@ -66,8 +80,19 @@ class DemoConfig:
     fail_kind: str = "raise"
     clip_grad_norm: float | None = None
     clip_before_averaging: bool = False
+    optimizer: str = "sgd"
+    weight_decay: float = 0.1
 
     def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if isinstance(self.weight_decay, bool) or not isinstance(self.weight_decay, (int, float)) \
+                or self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be a number >= 0, got {self.weight_decay!r}")
+        if self.batch_size is not None and (isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int)
+                                            or self.batch_size < 1):
+            raise ValueError(f"batch_size must be an integer >= 1 (sequences per worker per step) or None, "
+                             f"got {self.batch_size!r}")
         if self.fail_kind not in FAIL_KINDS:
             raise ValueError(f"fail_kind must be one of {', '.join(FAIL_KINDS)}, got {self.fail_kind!r}")
         if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float))
@@ -85,4 +110,31 @@ class DemoConfig:
         return self.batch_size if self.batch_size is not None else get_task(self.task).batch_size
 
     def resolved_lr(self) -> float:
-        return self.lr if self.lr is not None else get_task(self.task).lr
+        """The (peak) learning rate: ``lr``, else the task's for SGD or ``ADAMW_LR`` for AdamW."""
+        if self.lr is not None:
+            return self.lr
+        return get_task(self.task).lr if self.optimizer == "sgd" else ADAMW_LR
+
+    def lr_warmup_steps(self) -> int:
+        """AdamW's linear warm-up: the first tenth of the run (at least one step)."""
+        return max(1, round(self.steps / 10))
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step`` (1-based, as the training loop counts): constant for SGD;
+        for AdamW, ``peak * step / warmup`` up to the warm-up's end, then a cosine from the peak down to
+        ``ADAMW_MIN_LR_FRACTION`` of it at the last step. A pure function of the step, so a resumed run
+        follows the same schedule with nothing to save.
+
+        >>> config = DemoConfig(task="gpt", steps=100, optimizer="adamw", lr=1e-3)
+        >>> [round(config.lr_at(s), 6) for s in (1, 10, 55, 100)]
+        [0.0001, 0.001, 0.00055, 0.0001]
+        """
+        peak = self.resolved_lr()
+        if self.optimizer == "sgd":
+            return peak
+        warmup = self.lr_warmup_steps()
+        if step <= warmup:
+            return peak * step / warmup
+        progress = (step - warmup) / max(1, self.steps - warmup)
+        low = peak * ADAMW_MIN_LR_FRACTION
+        return low + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (peak - low)

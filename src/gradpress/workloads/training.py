@@ -27,16 +27,17 @@ from ..averaging import ModelAverager, PostLocalSGDOptimizer, average_tensors_, 
 from ..hooks import PowerSGDState
 from ..powersgd import make_plan
 from . import checkpoints
-from .config import FAIL_KINDS, DemoConfig, default_start_iter
+from .config import ADAMW_BETAS, FAIL_KINDS, DemoConfig, default_start_iter
 from .methods import (DEFAULT_PERIOD, METHOD_KINDS, METHOD_REGISTRY, SPARSELOCO, STREAMING_ALPHA, STREAMING_DELAY,
-                      STREAMING_FRAGMENTS, Method, MethodKind, bytes_schedule, method_kind, parse_methods)
+                      STREAMING_FRAGMENTS, Method, MethodKind, anchor_bytes, bytes_schedule, method_kind,
+                      parse_methods)
 from .tasks import get_task
 
 # The configuration and the methods live in .config and .methods; this module re-exports them, so
 # ``from gradpress.workloads.training import DemoConfig, parse_methods, SPARSELOCO`` keeps working.
 __all__ = ["DEFAULT_PERIOD", "DemoConfig", "FAIL_KINDS", "METHOD_KINDS", "METHOD_REGISTRY", "Method", "MethodKind",
            "ProgressFn", "SPARSELOCO", "STREAMING_ALPHA", "STREAMING_DELAY", "STREAMING_FRAGMENTS", "bytes_schedule",
-           "default_start_iter", "param_checksum", "parse_methods", "train"]
+           "default_start_iter", "make_optimizer", "param_checksum", "parse_methods", "train"]
 
 #: ``on_progress(label, step, steps, loss)``: called on rank 0 at every logged step.
 ProgressFn = Callable[[str, int, int, float], None]
@@ -107,6 +108,19 @@ def _data_parallel(model: nn.Module, state_and_hook: tuple[Any, Any], config: De
         state.name_parameters(model)
     ddp.register_comm_hook(state, hook)
     return ddp, state
+
+
+def make_optimizer(params: list[nn.Parameter], config: DemoConfig) -> torch.optim.Optimizer:
+    """The run's inner optimizer over ``params``: SGD with ``config.momentum``, or AdamW as nanoGPT trains
+    (betas ``ADAMW_BETAS``, ``config.weight_decay`` on parameters of 2 or more dimensions, none on
+    vectors). Its learning rate is ``config.lr_at(step)``, set by the training loop at every step."""
+    lr = config.lr_at(1)
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=config.momentum)
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}], lr=lr, betas=ADAMW_BETAS)
 
 
 def _clip_averaged_gradient(ddp: DistributedDataParallel, config: DemoConfig) -> None:
@@ -185,8 +199,7 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     model = task.model(config.seed).to(device)
     plan = make_plan([p.shape for p in model.parameters()], method.rank or 1, config.min_compression_rate)
     ddp, state = _data_parallel(model, kind.hook(method, config), config, device)
-    optimizer: torch.optim.Optimizer = torch.optim.SGD(ddp.parameters(), lr=config.resolved_lr(),
-                                                       momentum=config.momentum)
+    optimizer: torch.optim.Optimizer = make_optimizer(list(ddp.parameters()), config)
     averager: ModelAverager | None = (None if kind.averager is None
                                       else kind.averager(method, config, len(plan.tensors)))
     if averager is not None:
@@ -238,6 +251,9 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
         if config.fail_at_step == step and rank == config.fail_rank and resume_step is None:
             _fail(config.fail_kind, rank, step)
         optimizer.zero_grad(set_to_none=True)
+        if config.optimizer != "sgd":
+            for group in optimizer.param_groups:
+                group["lr"] = config.lr_at(step)
         loss = task.loss(ddp, x_local[index].to(device), y_local[index].to(device))
         loss.backward()
         _clip_averaged_gradient(ddp, config)
@@ -317,8 +333,10 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     }
     if averager is not None:
         # The averagers count bytes sent, so nothing with one worker.
+        # Its bytes: the syncs after warm-up, and DiLoCo's anchor (broadcast at the last warm-up step).
+        anchor = anchor_bytes(method, plan, config) if world_size > 1 else 0
         result["counted"] = {"averages": averager.num_averages, "bytes_averaged": averager.bytes_sent,
-                             "ok": averager.bytes_sent == sum(tail)}
+                             "ok": averager.bytes_sent == sum(tail) + anchor}
     elif isinstance(state, PowerSGDState):
         # PowerSGDState counts the payload it hands to the collectives, whatever the world size.
         compressed = max(0, config.steps - config.start_iter)

@@ -37,7 +37,7 @@ from typing import Any
 
 from ...hooks import PowerSGDState
 from ...launch import free_port, usable_cores
-from ...workloads.config import DemoConfig, default_start_iter
+from ...workloads.config import ADAMW_LR, OPTIMIZERS, DemoConfig, default_start_iter
 from ...workloads.methods import METHOD_KINDS, METHOD_REGISTRY, Method, parse_methods
 from ...workloads.tasks import TASKS, get_task
 from ..args import int_at_least, int_list, positive_float
@@ -148,9 +148,17 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                              f"multi) (integers >= 1; default: the task's measured recipe, "
                              f"{_recipes_help('rank')}; {','.join(map(str, DEFAULT_RANKS))} on the other tasks)")
     parser.add_argument("--lr", type=positive_float, default=None, metavar="LR",
-                        help="SGD learning rate of every method (default: the task's measured recipe, "
+                        help="learning rate of every method (AdamW: its peak) (default: the task's measured recipe, "
                              f"{_recipes_help('lr')}; the task's own on the others: "
                              f"{', '.join(f'{t.name} {t.lr:g}' for t in TASKS.values() if t.recipe is None)})")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default=_DEFAULTS.optimizer,
+                        help="the inner optimizer: sgd (momentum 0.9, constant lr) or adamw as nanoGPT trains "
+                             "(betas 0.9/0.95, weight decay 0.1 on matrices, linear warm-up over a tenth of the "
+                             f"run, then cosine decay to 10%%; lr default {ADAMW_LR:g}, the recipe's lr is for "
+                             "sgd) (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=None, metavar="N",
+                        help="samples (sequences on the language tasks) per worker per step (integer >= 1; "
+                             "default: the task's)")
     parser.add_argument("--powersgd-options", type=parse_powersgd_options, default=None, metavar="JSON",
                         help="further PowerSGDState arguments for the PowerSGD methods, as a JSON object (e.g. "
                              "'{\"bytes_per_weight\": 4}' for an fp32 wire; default: the task's measured recipe, "
@@ -269,7 +277,7 @@ def resolve(args: argparse.Namespace) -> Resolved:
     powersgd = any(METHOD_REGISTRY[m.kind].argument == "rank" for m in methods)
     lr, options = args.lr, args.powersgd_options
     applied: list[str] = []
-    if recipe is not None and lr is None:
+    if recipe is not None and lr is None and getattr(args, "optimizer", "sgd") == "sgd":  # measured with SGD
         lr = recipe.lr
         applied.append(f"lr {lr:g} for every method")
     details: list[str] = []
@@ -336,7 +344,8 @@ def run(args: argparse.Namespace) -> int:
               "this machine")
     config = DemoConfig(task=task.name, steps=args.steps, start_iter=start_iter, seed=args.seed, lr=resolved.lr,
                         evals=min(15, args.steps), warm_up_beta=args.warm_up_beta,
-                        powersgd_options=resolved.powersgd_options)
+                        powersgd_options=resolved.powersgd_options, optimizer=args.optimizer,
+                        batch_size=args.batch_size)
     argv = getattr(args, "argv", None)
     command = " ".join(["gradpress", "demo", *map(shlex.quote, argv or [])])
     print(f"gradpress demo: {task.name} ({task.description}), {plural(args.workers, 'worker')}, "
