@@ -75,6 +75,12 @@ def main() -> None:
                       f"({rate:.1f}x)")
     accelerator.print("ranks identical:", all(torch.equal(copies[0], c) for c in copies[1:]))
     accelerator.print("parameters digest:", hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16])
+    # Tear the process group down here, every rank past its last collective first: left to the
+    # interpreter's exit, a gloo worker thread that still holds the last collective's tensors (whose
+    # Python objects die with this function) releases them after finalization has begun, cannot take
+    # the GIL, and the process aborts with "terminate called without an active exception".
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -155,17 +155,27 @@ def test_the_state_file_name_is_per_rank_and_per_registration(tmp_path):
     assert Path(state_file(tmp_path, 1, 2)).name == "gradpress_comm_state_2_rank1.pt"
 
 
-def test_the_example_runs_under_torchrun(tmp_path):
-    """``examples/accelerate_powersgd.py`` (the README's Accelerate snippet) on 2 processes started by torchrun."""
+def test_the_example_runs_under_torchrun_and_tears_its_process_group_down(tmp_path):
+    """``examples/accelerate_powersgd.py`` (the README's Accelerate snippet) on 2 processes started by torchrun.
+
+    Each process runs the script as ``python example.py`` would, then says whether the process group is
+    still up: a gloo group left to the interpreter's exit sometimes aborts it ("terminate called without
+    an active exception"), so the example must destroy it itself."""
     import subprocess
     import sys
 
     example = Path(__file__).resolve().parent.parent / "examples" / "accelerate_powersgd.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    then_check = ("import runpy, sys, torch.distributed as dist; sys.argv[0] = sys.argv[1]; del sys.argv[1]; "
+                  "runpy.run_path(sys.argv[0], run_name='__main__'); "
+                  "print('process group still up after the script:', dist.is_initialized())")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(example), "--epochs", "2", "--save", str(tmp_path / "checkpoint")],
+                           "--no-python", sys.executable, "-c", then_check, str(example),
+                           "--epochs", "2", "--save", str(tmp_path / "checkpoint")],
                           capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr
+    assert proc.stdout.count("process group still up after the script: False") == 2, proc.stdout
     losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("epoch ")]
     assert len(losses) == 2 and losses[1] < losses[0]
     assert "PowerSGD: 32 synchronizing steps" in proc.stdout and "ranks identical: True" in proc.stdout
