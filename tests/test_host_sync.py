@@ -127,8 +127,8 @@ def _memory_is_finite(segment, with_p, error_feedback=True):
     return bool(torch.isfinite(factors).all()) and (not error_feedback or bool(torch.isfinite(segment.error_memory).all()))
 
 
-def _run(segment, grads, config, compressed_step):
-    task, _ = compress_step(segment, grads, LocalCommunicator(), config, compressed_step)
+def _run(segment, grads, config, compressed_step, measure=False):
+    task, _ = compress_step(segment, grads, LocalCommunicator(), config, compressed_step, measure=measure)
     for handle in task:
         handle.wait()
 
@@ -165,6 +165,24 @@ def test_engine_steps_read_nothing_on_the_host(name, non_finite):
     assert _memory_is_finite(segment, config.num_iters_per_step is not None, config.use_error_feedback)
 
 
+@pytest.mark.parametrize("non_finite", [False, True], ids=["finite", "non-finite"])
+@pytest.mark.parametrize("name", ["classic", "classic-no-warm-start", "classic-fp16-wire",
+                                  "classic-feedback-every-2-beta", "three-iterations"])
+def test_measuring_steps_read_nothing_on_the_host(name, non_finite):
+    # Both diagnostics: the per-worker norms at the commit and the global residual's sketch (drawn on the
+    # CPU, moved, all-reduced, kept or not at the commit). The accelerator path measures what the CPU one does.
+    config = EngineConfig(rank=2, min_compression_rate=0, random_seed=3, **CONFIGS[name])
+    on_cpu, on_device = _segment(config), _segment(config)
+    for compressed_step in range(4):
+        bad = non_finite and compressed_step == 2
+        _run(on_cpu, _gradients(compressed_step, bad), config, compressed_step, measure=True)
+        with as_on_an_accelerator(), no_host_reads():
+            _run(on_device, _gradients(compressed_step, bad), config, compressed_step, measure=True)
+        torch.testing.assert_close(on_device.global_residual_norms(), on_cpu.global_residual_norms())
+        torch.testing.assert_close(on_device.approximation_norms(), on_cpu.approximation_norms())
+    assert bool(torch.isfinite(on_device.global_residual_norms()).all())
+
+
 @pytest.mark.parametrize("num_iters", [None, 1, 2])
 def test_aggregator_steps_read_nothing_on_the_host(num_iters):
     params = [torch.zeros(shape) for shape in SHAPES]
@@ -177,14 +195,17 @@ def test_aggregator_steps_read_nothing_on_the_host(num_iters):
         assert _memory_is_finite(segment, num_iters is not None)
 
 
+@pytest.mark.parametrize("measure", [False, True], ids=["", "measured"])
 @pytest.mark.parametrize("name", ["classic", "classic-fp16-wire", "three-iterations"])
-def test_engine_runs_on_a_device_without_values(name):
+def test_engine_runs_on_a_device_without_values(name, measure):
     # On "meta" every read of a value raises, in Python and in C++: no mock needed, and the engine
     # takes the accelerator path because reading there is not free.
     config = EngineConfig(rank=2, min_compression_rate=0, **CONFIGS[name])
     segment = _segment(config, device="meta")
     for compressed_step in range(3):
-        _run(segment, _gradients(compressed_step, False, device="meta"), config, compressed_step)
+        _run(segment, _gradients(compressed_step, False, device="meta"), config, compressed_step, measure)
+    if measure:
+        assert segment.global_residual_norms().device.type == "meta"
     # The device-side commit ran (there is no value to read on "meta"): its candidate memory was built
     # in the workspace, on that device.
     assert segment.workspace.nbytes > 0
@@ -270,13 +291,13 @@ def test_a_non_finite_gradient_on_one_rank_leaves_every_rank_as_before(num_iters
         torch.testing.assert_close(results[0][step][1], results[1][step][1], rtol=0, atol=0, equal_nan=True)
 
 
-def _hook_steps(rank, world, hook_name, num_iters):
+def _hook_steps(rank, world, hook_name, num_iters, measure_every=None):
     from gradpress.bench.overhead import FakeBucket
 
     params = [torch.zeros(shape) for shape in SHAPES]
     buckets = [FakeBucket(0, params[2:], False, torch.float32), FakeBucket(1, params[:2], True, torch.float32)]
     state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=0,
-                                    num_iters_per_step=num_iters)
+                                    num_iters_per_step=num_iters, approximation_error_every_n_iters=measure_every)
     hook = getattr(gradpress, hook_name)
     with as_on_an_accelerator(), no_host_reads():
         for step in range(5):
@@ -285,11 +306,14 @@ def _hook_steps(rank, world, hook_name, num_iters):
                 torch._foreach_copy_(bucket.gradients(), [grads[id(p)] for p in bucket.parameters()])
             for future in [hook(state, bucket) for bucket in buckets]:
                 future.wait()
-    return all(_memory_is_finite(segment, num_iters is not None)
-               for segment in state.session.segments())
+    measured = measure_every is None or (state.global_residual() and state.approximation_error())
+    return bool(measured) and all(_memory_is_finite(segment, num_iters is not None)
+                                  for segment in state.session.segments())
 
 
+@pytest.mark.parametrize("measure_every", [None, 2], ids=["", "measured"])
 @pytest.mark.parametrize("hook_name, num_iters", [("powerSGD_hook", None), ("powerSGD_hook", 2),
                                                   ("batched_powerSGD_hook", None)])
-def test_ddp_hooks_read_nothing_on_the_host(hook_name, num_iters):
-    assert all(run(_hook_steps, WORLD, hook_name, num_iters))
+def test_ddp_hooks_read_nothing_on_the_host(hook_name, num_iters, measure_every):
+    # measured: every other compressed step also all-reduces the global residual's sketch, over gloo.
+    assert all(run(_hook_steps, WORLD, hook_name, num_iters, measure_every))

@@ -35,8 +35,8 @@ from torch import Tensor
 from .comm import broadcast_parameters
 from .checkpoint import check_placement, placement, reject_gathered
 from .comm import Communicator, check_process_group, make_communicator
-from .diagnostics import (ApproximationSummary, check_measure_every, parameter_names, relative_errors,
-                          should_measure, summarize)
+from .diagnostics import (ApproximationSummary, captured_energies, check_measure_every, parameter_names,
+                          relative_errors, should_measure, summarize)
 from .policy import RankPolicy, RankRules
 from .pipeline import OrderedPipeline, Task
 from .powersgd.config import EngineConfig
@@ -340,7 +340,8 @@ class PowerSGD(Aggregator):
 
     @property
     def total_bytes_sent(self) -> int:
-        """Bytes sent so far, at the wire's precision (``bytes_per_weight``)."""
+        """Bytes sent so far, at the wire's precision (``bytes_per_weight``); the global-residual sketch of
+        measured steps (:meth:`global_residual`), a diagnostic, is not counted."""
         return self._session.bytes_sent
 
     @total_bytes_sent.setter
@@ -462,6 +463,25 @@ class PowerSGD(Aggregator):
         """The errors of :meth:`approximation_error` in one :class:`~gradpress.diagnostics.ApproximationSummary`
         (``None`` before the first measurement)."""
         return summarize(self._session.approximation_norms(), self._name)
+
+    def global_residual(self) -> dict[str, float]:
+        """``{parameter: ||mean M - P Q^T|| / ||mean M||}`` for each compressed parameter, at its last
+        measured step (as :meth:`approximation_error`): how much of the workers' *averaged* matrix the
+        applied ``P Q^T`` misses, the same on every worker. Estimated with a seeded Gaussian sketch of 16
+        columns (exact for matrices of at most 16 columns, and 0 when P Q^T is the mean); see
+        :mod:`gradpress.diagnostics`. Measuring adds one all-reduce of ``n x 16`` per matrix to each
+        measured step, not counted in :attr:`total_bytes_sent`. Reads the values on the host."""
+        return relative_errors(self._session.global_residual_norms(), self._name)
+
+    def global_residual_summary(self) -> ApproximationSummary | None:
+        """:meth:`global_residual` in one :class:`~gradpress.diagnostics.ApproximationSummary` (overall,
+        mean, worst, ``captured_energy``; ``None`` before the first measurement)."""
+        return summarize(self._session.global_residual_norms(), self._name)
+
+    def captured_energy(self) -> dict[str, float]:
+        """``{parameter: 1 - global_residual^2}``: the share of the averaged matrix's energy the applied
+        approximation captures (see :meth:`global_residual`)."""
+        return captured_energies(self._session.global_residual_norms(), self._name)
 
     # --- checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

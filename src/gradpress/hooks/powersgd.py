@@ -31,7 +31,8 @@ from ..checkpoint import check_placement, placement, reject_gathered
 from ..comm import Communicator, check_process_group, make_communicator
 from ..adaptive import AdaptiveRank
 from ..policy import RankRules
-from ..diagnostics import ApproximationSummary, check_measure_every, relative_errors, should_measure, summarize
+from ..diagnostics import (ApproximationSummary, captured_energies, check_measure_every, relative_errors,
+                           should_measure, summarize)
 from ..pipeline import Task
 from ..powersgd.config import EngineConfig
 from ..powersgd.memory import RESIZE_DRAW, Segment, work_dtype_for
@@ -375,7 +376,9 @@ class PowerSGDState:
 
     def bytes_stats(self) -> tuple[float, int, int]:
         """``(rate, bytes before, bytes after)``: like :meth:`compression_stats`, in bytes, counting the
-        gradients' dtype before and ``bytes_per_weight`` (the wire dtype) after."""
+        gradients' dtype before and ``bytes_per_weight`` (the wire dtype) after. The global-residual
+        sketch that measured iterations all-reduce (:meth:`global_residual`) is a diagnostic and is not
+        counted, here or in :meth:`compression_stats`."""
         before, after = self.total_bytes_before_compression, self.total_bytes_after_compression
         return (before / after if after > 0 else 0, before, after)
 
@@ -412,6 +415,26 @@ class PowerSGDState:
         """:meth:`approximation_error` in one :class:`~gradpress.diagnostics.ApproximationSummary`
         (overall, mean, worst): ``None`` before the first measurement."""
         return summarize(self._session.approximation_norms(), self._namer())
+
+    def global_residual(self) -> dict[str, float]:
+        """``{parameter: ||mean M - P Q^T|| / ||mean M||}`` for every compressed parameter, at the last
+        iteration that measured it (the same iterations as :meth:`approximation_error`): how much of the
+        workers' *averaged* matrix the applied ``P Q^T`` misses, the same on every rank. Estimated with a
+        seeded Gaussian sketch of 16 columns (exact for matrices of at most 16 columns, and 0 when P Q^T
+        is the mean); see :mod:`gradpress.diagnostics`. Measuring adds one all-reduce of ``n x 16`` per
+        matrix to each measured iteration, not counted in :meth:`bytes_stats`. Reads the values on the
+        host."""
+        return relative_errors(self._session.global_residual_norms(), self._namer())
+
+    def global_residual_summary(self) -> ApproximationSummary | None:
+        """:meth:`global_residual` in one :class:`~gradpress.diagnostics.ApproximationSummary` (overall,
+        mean, worst, ``captured_energy``): ``None`` before the first measurement."""
+        return summarize(self._session.global_residual_norms(), self._namer())
+
+    def captured_energy(self) -> dict[str, float]:
+        """``{parameter: 1 - global_residual^2}``: the share of the averaged matrix's energy the applied
+        approximation captures, per compressed parameter (see :meth:`global_residual`)."""
+        return captured_energies(self._session.global_residual_norms(), self._namer())
 
     def ranks(self) -> dict[str, int]:
         """The rank each compressed parameter uses now (by name, as :meth:`approximation_error`): the
@@ -667,12 +690,17 @@ class PowerSGDState:
             rate, before, after = self.compression_stats()
             logger.info("Compression stats: iter %s, total before compression %s, total after compression %s, "
                         "rate %s", self.iter, before, after, rate)
-            summary = (self.approximation_error_summary() if self.approximation_error_every_n_iters is not None
-                       and logger.isEnabledFor(logging.INFO) else None)
+            measured = self.approximation_error_every_n_iters is not None and logger.isEnabledFor(logging.INFO)
+            summary = self.approximation_error_summary() if measured else None
             if summary is not None:
                 logger.info("Approximation error: overall %.4f, mean %.4f, worst %.4f (%s), over %s parameters",
                             summary.overall, summary.mean, summary.worst, summary.worst_name,
                             summary.parameters)
+            global_summary = self.global_residual_summary() if measured else None
+            if global_summary is not None:
+                logger.info("Global residual (of the workers' mean, sketched): overall %.4f, captured energy %.4f, "
+                            "worst %.4f (%s)", global_summary.overall, global_summary.captured_energy,
+                            global_summary.worst, global_summary.worst_name)
             self.next_stats_report = self.iter + self.compression_stats_logging_frequency
 
 

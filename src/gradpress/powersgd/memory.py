@@ -19,8 +19,8 @@ from torch import Tensor
 from .config import EngineConfig
 from .plan import GroupPlan, Plan, make_plan
 
-__all__ = ["ALIGNMENT_BYTES", "RESIZE_DRAW", "Finiteness", "ParamMemory", "Segment", "SegmentStore", "StagedFactors",
-           "Workspace", "seeded_normal", "work_dtype_for"]
+__all__ = ["ALIGNMENT_BYTES", "RESIZE_DRAW", "SKETCH_COLUMNS", "Finiteness", "ParamMemory", "Segment", "SegmentStore",
+           "StagedFactors", "Workspace", "seeded_normal", "seeded_sketch", "work_dtype_for"]
 
 #: Every matrix's error memory starts at a multiple of this many bytes (PyTorch's CPU allocations are
 #: aligned the same way). BLAS rounds differently when an operand starts at another alignment (MKL's
@@ -32,6 +32,10 @@ ALIGNMENT_BYTES = 64
 _MASK64 = (1 << 64) - 1
 _P_DRAW = 1 << 40  # draw numbers of P factors, disjoint from those of Q
 RESIZE_DRAW = 1 << 41  # draw numbers of the columns an adaptive rank adds, disjoint from the first draws
+_SKETCH_KEY = 1 << 62  # keys of the global-residual sketches (| m), disjoint from parameter keys
+
+#: Columns k of the global-residual sketch Omega (m x k): see :func:`seeded_sketch`.
+SKETCH_COLUMNS = 16
 
 
 def _mix(*parts: int) -> int:
@@ -56,6 +60,20 @@ def seeded_normal(shape: Sequence[int], seed: int, key: int, draw: int) -> Tenso
     generator = torch.Generator(device="cpu")
     generator.manual_seed(_mix(seed, key, draw))
     return torch.randn(tuple(shape), generator=generator, dtype=torch.float32)
+
+
+def seeded_sketch(m: int, seed: int, draw: int) -> Tensor:
+    """The ``(m, k)`` fp32 test matrix Omega of the global-residual diagnostic, on the CPU: a pure function
+    of ``(seed, m, draw)`` (``draw``: the measurement's compressed step), so identical on every rank and
+    device (house rule: identical randomness) and the same for every matrix with ``m`` columns.
+
+    ``m > SKETCH_COLUMNS``: ``k = SKETCH_COLUMNS`` standard normal columns, so ``E ||X Omega||_F^2 = k ||X||_F^2``
+    for any ``(n, m)`` matrix X (an unbiased estimate of ``||X||^2`` after dividing by k). ``m <=
+    SKETCH_COLUMNS``: the identity (``k = m``), which costs no more to send and measures exactly.
+    """
+    if m <= SKETCH_COLUMNS:
+        return torch.eye(m, dtype=torch.float32)
+    return seeded_normal((m, SKETCH_COLUMNS), seed, _SKETCH_KEY | m, draw)
 
 
 class StagedFactors(enum.Enum):
@@ -207,7 +225,7 @@ class Segment:
 
     __slots__ = ("plan", "keys", "dtype", "device", "error_memory", "wire", "phase1", "q", "group_views",
                  "error_views", "p_views", "q_views", "factors_to_draw", "saved_factors", "staged", "workspace",
-                 "norms", "signals")
+                 "norms", "global_norms", "signals")
 
     def __init__(self, plan: Plan, keys: Sequence[int], device: torch.device, dtype: torch.dtype,
                  workspace: Workspace | None = None) -> None:
@@ -247,6 +265,9 @@ class Segment:
         # ||M|| and ||M - P Q^T|| per compressed matrix (group order) at the last measured step; None
         # until a step measures (see approximation_norms).
         self.norms: Tensor | None = None
+        # Sketched ||mean M|| and ||mean M - P Q^T|| per compressed matrix (group order) at the last measured
+        # step; None until a step measures (see global_residual_norms).
+        self.global_norms: Tensor | None = None
         # Sum of ||P Q^T|| per compressed matrix over the finite steps that tracked it (adaptive rank).
         self.signals: Tensor | None = None
 
@@ -282,6 +303,21 @@ class Segment:
         if self.norms is None:
             self.norms = torch.full((len(self.error_views), 2), float("nan"), device=self.device, dtype=self.dtype)
         return self.norms
+
+    def global_residual_norms(self) -> Tensor:
+        """``(C, 2)`` in the working dtype, on the segment's device: per compressed matrix (in the order of
+        :attr:`compressed_order`), the sketched ``||mean_i M_i Omega||_F`` and ``||(mean_i M_i - P Q^T) Omega||_F``
+        at the last step that measured them (M_i: worker i's compressed matrix; P Q^T: the approximation
+        every worker applied; Omega: :func:`seeded_sketch`), NaN before any. Allocated at the first call;
+        written on the device, never read here."""
+        if self.global_norms is None:
+            self.global_norms = torch.full((len(self.error_views), 2), float("nan"), device=self.device,
+                                           dtype=self.dtype)
+        return self.global_norms
+
+    def factor_group_views(self, wire: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Per shape group, its ``(B, n, r)`` P and ``(B, r, m)`` Q^T in ``wire`` (or in a copy of it)."""
+        return [self._factor_group_views(wire, group) for group in self.plan.groups]
 
     def output_signals(self) -> Tensor:
         """``(C,)``: per compressed matrix (group order), the sum of the applied approximation's norm
@@ -449,19 +485,12 @@ class SegmentStore:
         """Per parameter key, ``(||M||, ||M - P Q^T||)`` of its last measured step, for the compressed
         matrices of the segments in use that measured one (see :meth:`Segment.approximation_norms`).
         Reads the values on the host: one transfer per device."""
-        by_device: dict[torch.device, list[tuple[list[int], Tensor]]] = {}
-        for segment in self.segments.values():
-            if segment.norms is not None:
-                keys = [segment.keys[i] for i in segment.compressed_order]
-                by_device.setdefault(segment.device, []).append((keys, segment.norms))
-        result: dict[int, tuple[float, float]] = {}
-        for entries in by_device.values():
-            values = torch.cat([norms for _, norms in entries]).tolist()
-            keys = [key for entry_keys, _ in entries for key in entry_keys]
-            for key, (whole, residual) in zip(keys, values):
-                if whole == whole:  # NaN: not measured yet
-                    result[key] = (whole, residual)
-        return result
+        return _read_norms([(segment, segment.norms) for segment in self.segments.values()])
+
+    def global_residual_norms(self) -> dict[int, tuple[float, float]]:
+        """Per parameter key, the sketched ``(||mean M||, ||mean M - P Q^T||)`` of its last measured step
+        (see :meth:`Segment.global_residual_norms`), as :meth:`approximation_norms`."""
+        return _read_norms([(segment, segment.global_norms) for segment in self.segments.values()])
 
     def signals(self) -> dict[int, Tensor]:
         """Per parameter key, its adaptive-rank signal (a 0-d tensor on its device; nothing is read)."""
@@ -504,3 +533,21 @@ class SegmentStore:
         """Drop every segment and make ``memory`` the pool (segments are rebuilt from it on use)."""
         self.segments.clear()
         self.pool = dict(memory)
+
+
+def _read_norms(measured: Sequence[tuple[Segment, Tensor | None]]) -> dict[int, tuple[float, float]]:
+    """``{key: (whole, residual)}`` from per-segment ``(C, 2)`` norms (``None``: never measured; NaN rows: not
+    measured yet). Reads the values on the host: one transfer per device."""
+    by_device: dict[torch.device, list[tuple[list[int], Tensor]]] = {}
+    for segment, norms in measured:
+        if norms is not None:
+            keys = [segment.keys[i] for i in segment.compressed_order]
+            by_device.setdefault(segment.device, []).append((keys, norms))
+    result: dict[int, tuple[float, float]] = {}
+    for entries in by_device.values():
+        values = torch.cat([norms for _, norms in entries]).tolist()
+        keys = [key for entry_keys, _ in entries for key in entry_keys]
+        for key, (whole, residual) in zip(keys, values):
+            if whole == whole:  # NaN: not measured yet
+                result[key] = (whole, residual)
+    return result

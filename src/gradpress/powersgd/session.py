@@ -232,10 +232,21 @@ class EngineSession:
     # --- reading the memory -----------------------------------------------------------------------
     def approximation_norms(self) -> dict[int, tuple[float, float]]:
         """``{key: (||M||, ||M - P Q^T||)}`` of the last measured step (batched buckets under ``-1 - index``)."""
-        norms = self.store.approximation_norms()
+        return self._with_padded(self.store.approximation_norms(), lambda segment: segment.norms)
+
+    def global_residual_norms(self) -> dict[int, tuple[float, float]]:
+        """``{key: (||mean M Omega||, ||(mean M - P Q^T) Omega||)}`` of the last measured step, sketched over
+        the workers' mean (see :meth:`~gradpress.powersgd.memory.Segment.global_residual_norms`; batched
+        buckets under ``-1 - index``)."""
+        return self._with_padded(self.store.global_residual_norms(), lambda segment: segment.global_norms)
+
+    def _with_padded(self, norms: dict[int, tuple[float, float]],
+                     of: Callable[[Segment], Tensor | None]) -> dict[int, tuple[float, float]]:
+        """``norms`` plus the batched hook's per-bucket norms (``of(segment)``), read on the host."""
         for index, (_, segment, _) in self._padded.items():
-            if segment.norms is not None:
-                whole, residual = segment.norms[0].tolist()
+            measured = of(segment)
+            if measured is not None:
+                whole, residual = measured[0].tolist()
                 if whole == whole:
                     norms[-1 - index] = (whole, residual)
         return norms

@@ -6,16 +6,16 @@ Optimization", NeurIPS 2019, Algorithm 1 (one power iteration, warm start) with 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 from torch import Tensor
 
-from ..comm import Communicator
+from ..comm import Communicator, Handle
 from ..linalg import orthogonalize_
 from ..pipeline import Task
 from .config import EngineConfig
-from .memory import Finiteness, Segment, StagedFactors
+from .memory import Finiteness, Segment, StagedFactors, seeded_sketch
 
 __all__ = ["StepCommit", "alternating_step", "compress_step", "power_step"]
 
@@ -103,7 +103,9 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     M - PQ^T is multiplied by it first (warm-up). Non-finite gradients give non-finite outputs (so an AMP
     GradScaler skips the step) and leave the memory and the factors as they were. ``measure``: record
     ``||M||`` and ``||M - PQ^T||`` of every compressed matrix in the segment at the commit
-    (:meth:`Segment.approximation_norms`), on the device. ``track``: add ``||P Q^T||`` of every
+    (:meth:`Segment.approximation_norms`), on the device; and, after one more all-reduce (of ``M Omega``,
+    a seeded sketch: :func:`_global_sketch`), the sketched ``||mean M||`` and ``||mean M - PQ^T||`` over the
+    workers (:meth:`Segment.global_residual_norms`). ``track``: add ``||P Q^T||`` of every
     compressed matrix to :meth:`Segment.output_signals` (adaptive rank), on the device.
 
     Building M twice costs two elementwise passes over the gradients more than building it once and
@@ -137,8 +139,11 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
         # 5. Mean of Q.
         yield from _send(segment.q, comm, wire_dtype)
         pieces.append((segment.p_views, segment.q_views))
+    # Measuring: one more all-reduce, of the sketched M's (the global residual; same steps on every rank).
+    sketched = (yield from _global_sketch(segment, matrices, with_memory, [segment.wire], comm, config.random_seed,
+                                          step)) if measure and segment.group_views else None
     # 6. At the commit.
-    _finish(segment, commit, own, matrices, pieces, [], config, add_memory, damping, measure, track)
+    _finish(segment, commit, own, matrices, pieces, [], config, add_memory, damping, measure, track, sketched)
 
 
 def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
@@ -207,7 +212,11 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
             copies.append(segment.wire.clone())
             earlier.append(segment.factor_views(copies[-1]))
     pieces = earlier + [(segment.p_views, segment.q_views)] if segment.group_views else []
-    _finish(segment, commit, own, matrices, pieces, copies, config, add_memory, damping, measure, track)
+    # Measuring: one more all-reduce, of the sketched M's (the global residual; same steps on every rank).
+    sketched = (yield from _global_sketch(segment, matrices, with_memory, [*copies, segment.wire], comm,
+                                          config.random_seed, first_iteration // iterations)) \
+        if measure and segment.group_views else None
+    _finish(segment, commit, own, matrices, pieces, copies, config, add_memory, damping, measure, track, sketched)
 
 
 def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
@@ -218,8 +227,11 @@ def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator,
 
     ``commit``: the :class:`StepCommit` of the optimizer step this task is part of (the caller applies
     it once every task of the step has finished); ``None``: the task commits its own segment.
-    ``measure``: also record each compressed matrix's approximation error; ``track``: add the norm of
-    each applied approximation to the segment's adaptive-rank signal (see :func:`power_step`).
+    ``measure``: also record each compressed matrix's approximation error and its global residual (the
+    latter costs one more all-reduce, of a sketch, at the end of the task: a diagnostic, not counted in
+    the number of elements returned; every rank measures the same steps, so it is issued in the same
+    order everywhere); ``track``: add the norm of each applied approximation to the segment's
+    adaptive-rank signal (see :func:`power_step`).
 
     A step that is not finite still counts: the caller's counter (hence ``compressed_step``, which picks
     the side the alternating scheme sends first, the fresh draw without warm start, and the warm-up and
@@ -245,10 +257,12 @@ def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator,
 
 def _finish(segment: Segment, commit: StepCommit, own: bool, matrices: list[Tensor],
             pieces: list[tuple[list[Tensor], list[Tensor]]], copies: list[Tensor], config: EngineConfig,
-            add_memory: bool, damping: float | None, measure: bool, track: bool) -> None:
+            add_memory: bool, damping: float | None, measure: bool, track: bool,
+            sketched: Tensor | None = None) -> None:
     """Add the segment's all-finite flag (over everything it averaged, ``copies`` of earlier iterations'
     factors included: identical on every rank) and its commit to the step; apply the step if it is this
-    segment's alone."""
+    segment's alone. ``sketched``: the measured step's global-residual norms (:func:`_global_sketch`),
+    stored at the commit if the step is finite."""
     finite = torch.isfinite(segment.wire).all()
     for wire in copies:
         finite = finite & torch.isfinite(wire).all()
@@ -259,6 +273,8 @@ def _finish(segment: Segment, commit: StepCommit, own: bool, matrices: list[Tens
                     measure)
         if track and pieces and finiteness is not Finiteness.NOT_FINITE:
             _track(segment, matrices, step_finite, finiteness)
+        if sketched is not None:
+            _keep_global_norms(segment, sketched, step_finite, finiteness)
         segment.restore_factors(step_finite.to(segment.device), finiteness)
 
     commit.add(finite, finish)
@@ -366,6 +382,74 @@ def _keep_norms(norms: Tensor | None, fresh: Tensor | None, finite: Tensor) -> N
     if norms is None or fresh is None or fresh is norms:
         return
     torch.where(finite.to(norms.device), fresh, norms, out=norms)
+
+
+def _global_sketch(segment: Segment, matrices: list[Tensor], with_memory: bool, wires: list[Tensor],
+                   comm: Communicator, seed: int, draw: int) -> Generator[Handle, None, Tensor]:
+    """The global-residual diagnostic's phase: one all-reduce, whose ``(C, 2)`` result (per compressed
+    matrix, group order) is the sketched ``||mean_i M_i Omega||`` and ``||(mean_i M_i - P Q^T) Omega||``.
+
+    Omega is :func:`~gradpress.powersgd.memory.seeded_sketch` of ``(seed, m, draw)``, drawn on the CPU
+    (identical on every rank) and moved to the device, once per column count. M is built in the
+    workspace exactly as the step compressed it (``with_memory``; chunked as in :func:`_products`), and
+    only ``S_i = M_i Omega`` (``(n, k)``, k <= 16) is averaged: ``[S / W]`` of every matrix in one buffer of
+    the working dtype. Then, per shape group with one ``bmm`` per piece, ``mean S - sum_pieces P (Q^T Omega)``
+    where ``wires`` hold the pieces' factors (the segment's wire, after copies of earlier iterations'):
+    exactly the ``P Q^T`` every rank applies. Run after the step's last collective, before its commit;
+    the gradients still hold g and the error memory e. Nothing is read on the host; the buffer is a
+    diagnostic, not counted in the bytes a step sends.
+    """
+    device, dtype = segment.device, segment.dtype
+    omegas: dict[int, Tensor] = {}
+    for group, _, _, _ in segment.group_views:
+        if group.m not in omegas:
+            omega = seeded_sketch(group.m, seed, draw).to(dtype)
+            if device.type == "cuda":  # a pinned, asynchronous copy: no wait for the stream
+                omega = omega.pin_memory().to(device, non_blocking=True)
+            omegas[group.m] = omega.to(device)
+    sizes = [group.batch * group.n * omegas[group.m].shape[1] for group, _, _, _ in segment.group_views]
+    sketch = torch.empty(sum(sizes), device=device, dtype=dtype)
+    sketches = [view.view(group.batch, group.n, -1)
+                for (group, _, _, _), view in zip(segment.group_views, sketch.split(sizes))]
+    workspace = segment.workspace
+    position = 0
+    for (group, memory, _, _), out in zip(segment.group_views, sketches):
+        b, n, m = group.batch, group.n, group.m
+        omega = omegas[m]
+        one_by_one = device.type == "cpu" and (b == 1 or group.rank == 1)
+        for lo, hi in ([(i, i + 1) for i in range(b)] if one_by_one else [(0, b)]):
+            operand = workspace.matrices(hi - lo, n, m, device, dtype)
+            _operand(segment, operand, memory[lo:hi], matrices[position + lo: position + hi], with_memory, [],
+                     position + lo)
+            torch.bmm(operand, omega.expand(hi - lo, *omega.shape), out=out[lo:hi])
+        position += b
+    sketch.div_(comm.world_size)
+    yield comm.allreduce_sum(sketch)
+    norms = torch.empty(len(matrices), 2, device=device, dtype=dtype)
+    factors = [segment.factor_group_views(wire) for wire in wires]
+    position = 0
+    for index, ((group, _, _, _), mean) in enumerate(zip(segment.group_views, sketches)):
+        b = group.batch
+        omega = omegas[group.m].expand(b, *omegas[group.m].shape)
+        torch.linalg.vector_norm(mean, dim=(1, 2), out=norms[position: position + b, 0])
+        for pieces in factors:
+            p, qt = pieces[index]
+            mean.sub_(torch.bmm(p, torch.bmm(qt, omega)))
+        torch.linalg.vector_norm(mean, dim=(1, 2), out=norms[position: position + b, 1])
+        position += b
+    return norms
+
+
+def _keep_global_norms(segment: Segment, sketched: Tensor, finite: Tensor, finiteness: Finiteness) -> None:
+    """Store the global-residual norms of a measured step in the segment if the step is finite (chosen
+    on the device where ``finiteness`` is :attr:`~Finiteness.ON_DEVICE`); a skipped step keeps the last."""
+    if finiteness is Finiteness.NOT_FINITE:
+        return
+    stored = segment.global_residual_norms()
+    if finiteness is Finiteness.FINITE:
+        stored.copy_(sketched)
+    else:
+        _keep_norms(stored, sketched, finite)
 
 
 def _write_output(matrix: Tensor, pieces: list[tuple[list[Tensor], list[Tensor]]], position: int) -> None:
