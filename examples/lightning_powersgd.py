@@ -98,6 +98,10 @@ def main() -> None:
             print(f"averaged {strategy.model_averager.num_averages} times")
         print("ranks identical:", all(torch.equal(copies[0], c) for c in copies[1:]))
         print("parameters digest:", hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16])
+    # Tear the group down while Python is still fully running: a gloo thread that still holds the last
+    # collective's tensors when the interpreter shuts down can abort the process ("terminate called ...").
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
