@@ -249,14 +249,22 @@ def test_the_demo_training_records_the_error_along_its_curve():
     model = get_task("digits").model(0)
     plan = make_plan([p.shape for p in model.parameters()], 2, 2.0)
     compressed = {name for (name, _), t in zip(model.named_parameters(), plan.tensors) if t.compressed}
-    for result in run(_demo_run, WORLD, "powersgd:2"):
+    results = run(_demo_run, WORLD, "powersgd:2")
+    for result in results:
         measured = [p["approximation_error"] for p in result["curve"] if p.get("approximation_error") is not None]
         assert len(measured) == 3  # evaluations at steps 4, 6, 8; compression from step 3
         assert result["approximation_error"] == pytest.approx(sum(measured) / 3)
         assert set(result["approximation_errors"]) == compressed and "fc2.bias" not in compressed
         assert all(0 < value < 1.5 for value in result["approximation_errors"].values())
+        residuals = [p["global_residual"] for p in result["curve"] if p.get("global_residual") is not None]
+        assert len(residuals) == 3 and result["global_residual"] == pytest.approx(sum(residuals) / 3)
+        assert set(result["global_residuals"]) == compressed
+        assert all(0 < value < 1 for value in result["global_residuals"].values())
+    # The global residual is the workers' (of their mean), the same on each.
+    assert results[0]["global_residuals"] == results[1]["global_residuals"]
     for result in run(_demo_run, WORLD, "allreduce"):
         assert result["approximation_error"] is None and result["approximation_errors"] is None
+        assert result["global_residual"] is None and result["global_residuals"] is None
 
 
 def test_the_tuning_guides_first_example_runs_and_reports_by_name(capsys):

@@ -10,8 +10,9 @@ Lightning's ``DDPStrategy`` (2.6):
    ``PostLocalSGDState`` with ``model_averaging_period``, gradpress's state or PyTorch's), then restores
    the hook/averager state that ``load_checkpoint`` read.
 3. ``optimizer_step``: runs the averager on the stepped optimizer's parameters after every step, and
-   logs a ``PowerSGDState``'s approximation errors through the trainer's loggers after each step that
-   measured them (``approximation_error_every_n_iters``; names from the LightningModule).
+   logs a ``PowerSGDState``'s approximation errors and global residuals (``powersgd/approximation_error/*``,
+   ``powersgd/global_residual/*`` with ``captured_energy``) through the trainer's loggers after each step
+   that measured them (``approximation_error_every_n_iters``; names from the LightningModule).
 4. ``save_checkpoint`` / ``load_checkpoint`` / ``remove_checkpoint``: keep each rank's hook and averager
    state with the checkpoint (``comm_state_storage``); with local SGD (a model averager or a
    ``PostLocalSGDState``), also each rank's parameters and optimizer state, which differ between averages
@@ -180,8 +181,10 @@ class GradpressStrategyMixin:
         return output
 
     def _log_approximation_error(self) -> None:
-        """Send a new measurement of the hook state's approximation errors to the trainer's loggers
-        (each logger writes on rank 0 only, as Lightning's do; the values are rank 0's)."""
+        """Send a new measurement of the hook state's approximation errors and global residuals to the
+        trainer's loggers (:func:`~gradpress.diagnostics.approximation_error_metrics`; each logger writes
+        on rank 0 only, as Lightning's do; the per-worker errors are rank 0's, the global residuals every
+        rank's)."""
         from ..hooks.powersgd import PowerSGDState
 
         state = self._ddp_comm_state

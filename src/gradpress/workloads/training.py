@@ -65,6 +65,13 @@ def _approximation_error(state: Any) -> float | None:
     return None if summary is None else summary.overall
 
 
+def _global_residual(state: Any) -> float | None:
+    """PowerSGD's overall global residual ``||mean M - P Q^T|| / ||mean M||`` at its last measurement, the
+    same on every worker (``None``: not PowerSGD, or nothing measured yet)."""
+    summary = state.global_residual_summary() if isinstance(state, PowerSGDState) else None
+    return None if summary is None else summary.overall
+
+
 def _fail(kind: str, rank: int, step: int) -> None:
     """The failure ``DemoConfig.fail_kind`` injects on ``rank`` at ``step``."""
     if kind == "sigkill":
@@ -266,7 +273,8 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
             test_loss, metric = _evaluate(task, model, x_test, y_test, device)
             curve.append({"step": step, "train_loss": running / running_n, "test_loss": test_loss,
                           "metric": metric, "bytes": sent, "time_s": train_time,
-                          "approximation_error": _approximation_error(state)})
+                          "approximation_error": _approximation_error(state),
+                          "global_residual": _global_residual(state)})
             if on_progress is not None and rank == 0:
                 on_progress(method.label, step, config.steps, running / running_n)
             running, running_n = 0.0, 0
@@ -327,6 +335,9 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
         # Mean over the run's measurements of this worker's overall approximation error (PowerSGD only).
         "approximation_error": _mean([p["approximation_error"] for p in curve if p.get("approximation_error") is not None]),
         "approximation_errors": state.approximation_error() if isinstance(state, PowerSGDState) else None,
+        # The same for the global residual (of the workers' mean; sketched), and its last values by parameter.
+        "global_residual": _mean([p["global_residual"] for p in curve if p.get("global_residual") is not None]),
+        "global_residuals": state.global_residual() if isinstance(state, PowerSGDState) else None,
         "curve": curve,
         "checksum": checksum,
         "digest": digest,

@@ -116,7 +116,7 @@ def table(summary: dict[str, Any], markdown: bool = False) -> list[str]:
     metric = summary["metric_name"]
     bandwidth = summary["bandwidth_bytes_per_s"]
     header = ["method", "test acc" if metric == "accuracy" else "test ppl", "test loss", "train loss",
-              "bytes/step", "compression", "total MB", "total ratio", "syncs", "approx err", "time (s)",
+              "bytes/step", "compression", "total MB", "total ratio", "syncs", "approx err", "global res", "time (s)",
               "ms/step"]
     if bandwidth is not None:
         header.append(f"@{format_rate(bandwidth)} (s)*")
@@ -125,9 +125,11 @@ def table(summary: dict[str, Any], markdown: bool = False) -> list[str]:
         score = f"{100 * m['metric']:.1f}%" if metric == "accuracy" else f"{m['metric']:.2f}"
         score += "" if m.get("settled", True) else " !"
         error = m.get("approximation_error")
+        residual = m.get("global_residual")
         row = [m["label"], score, f"{m['test_loss']:.4f}", f"{m['train_loss']:.4f}",
                _format_bytes(m["bytes_per_step"]), _ratio(m["compression_ratio"]), f"{m['bytes_total'] / 1e6:.3g}",
                _ratio(m["total_ratio"]), str(m["synchronizations"]), "-" if error is None else f"{error:.2f}",
+               "-" if residual is None else f"{residual:.2f}",
                f"{m['wall_time_s']:.1f}", f"{1000 * m['time_per_step_s']:.1f}"]
         if bandwidth is not None:
             row.append(f"{m['modelled_time_s']:.1f}")
@@ -165,6 +167,11 @@ def notes(summary: dict[str, Any]) -> list[str]:
         lines.append("approx err: PowerSGD's ||M - P Q^T|| / ||M|| over all compressed matrices (M: a worker's "
                      "gradient plus error memory), worker 0, mean of the measurements at the evaluations; near 1: "
                      "the error memory dwarfs what each step sends (see docs/tuning.md)")
+    if any(m.get("global_residual") is not None for m in summary["methods"].values()):
+        lines.append("global res: PowerSGD's ||mean M - P Q^T|| / ||mean M|| over all compressed matrices (mean M: the "
+                     "workers' average, what P Q^T stands in for; 1 - its square is the captured energy), the same "
+                     "on every worker, mean of the measurements at the evaluations; estimated from a 16-column "
+                     "random sketch (exact for matrices of at most 16 columns)")
     unsettled = [m for m in summary["methods"].values() if not m.get("settled", True)]
     if unsettled:
         swings = "; ".join(f"{m['label']}: {_swing(m)}" for m in unsettled)
