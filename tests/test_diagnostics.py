@@ -102,12 +102,15 @@ def test_a_non_finite_step_leaves_the_measurement_as_it_was(accelerator_path):
     segment = _segment(config)
     _step(segment, _gradients(0), config, 0)
     before = segment.approximation_norms().clone()
+    global_before = segment.global_residual_norms().clone()
     if accelerator_path:
         with as_on_an_accelerator():
             _step(segment, _gradients(1, bad=True), config, 1)
     else:
         _step(segment, _gradients(1, bad=True), config, 1)
     assert torch.equal(segment.approximation_norms(), before)
+    assert torch.equal(segment.global_residual_norms(), global_before)  # the sketch of that step is dropped
+    assert bool(torch.isfinite(global_before).all())
 
 
 def test_the_aggregator_measures_every_nth_compressed_step_and_names_parameters():
