@@ -322,9 +322,25 @@ def check_wire(world, sent, first_iteration):
                                    first_iteration, config.num_iters_per_step)
         assert all(dtype == expected for numel, dtype in sums if numel)
         maxes = [(numel, dtype) for op, numel, dtype in comm.sent if op == "max"]
-        # The fp16 wire agrees on a scale with a one-element max per collective; nothing else uses max.
-        assert all(numel == 1 for numel, _ in maxes) and (not maxes or expected == torch.float16)
+        # The fp16 wire agrees on its scales with one max before each sum, of one float per tensor span;
+        # nothing else uses max.
+        assert not maxes or expected == torch.float16
+        assert all(op == "sum" for (before, *_), (op, *_) in zip(comm.sent, comm.sent[1:]) if before == "max")
+        if maxes:
+            rows = direct_plan(world.shapes, config.rank, config.min_compression_rate)
+            assert sum(numel for numel, _ in maxes) == direct_scales(rows, config.num_iters_per_step)
         comm.sent.clear()
+
+
+def direct_scales(rows, iterations):
+    """Floats in the fp16 wire's max-allreduces over one step: one per non-empty tensor span of each
+    collective (a P or Q factor of each compressed matrix, each uncompressed tensor), one for a classic
+    first collective with nothing in it; without compressed matrices, only the first collective is sent."""
+    compressed = sum(1 for row in rows if row[3])
+    rest = sum(1 for numel, _, _, c in rows if not c and numel)
+    if iterations is None:
+        return max(1, compressed + rest) + compressed
+    return rest + compressed * iterations
 
 
 def relative_error(got, want):

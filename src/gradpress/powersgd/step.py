@@ -6,6 +6,7 @@ Optimization", NeurIPS 2019, Algorithm 1 (one power iteration, warm start) with 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Generator, Sequence
 
 import torch
@@ -126,7 +127,8 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     if unsent:
         torch._foreach_copy_(list(unsent_buffer.split([t.numel() for t in unsent])), unsent)
     wire_dtype = config.wire_dtype(grads[0].dtype, segment.dtype) if grads else segment.dtype
-    yield from _send(segment.phase1, comm, wire_dtype)
+    sent = segment.phase1.numel()
+    yield from _send(segment, 0, sent, comm, wire_dtype)
 
     if unsent:
         torch._foreach_copy_(unsent, list(unsent_buffer.split([t.numel() for t in unsent])))
@@ -137,7 +139,7 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
             orthogonalize_(p, config.orthogonalization_epsilon)
         _products(segment, matrices, with_memory, [], right=False)
         # 5. Mean of Q.
-        yield from _send(segment.q, comm, wire_dtype)
+        yield from _send(segment, sent, segment.wire.numel(), comm, wire_dtype)
         pieces.append((segment.p_views, segment.q_views))
     # Measuring: one more all-reduce, of the sketched M's (the global residual; same steps on every rank).
     sketched = (yield from _global_sketch(segment, matrices, with_memory, [segment.wire], comm, config.random_seed,
@@ -201,9 +203,8 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
         if it == 0 and unsent:
             torch._foreach_copy_(list(unsent_buffer.split([t.numel() for t in unsent])), unsent)
             start, end = (0, q_start) if right else (p_end, segment.wire.numel())
-        buffer = segment.wire[start:end]
-        if buffer.numel():
-            yield from _send(buffer, comm, wire_dtype)
+        if end > start:
+            yield from _send(segment, start, end, comm, wire_dtype)
         if it == 0 and unsent:
             torch._foreach_copy_(unsent, list(unsent_buffer.split([t.numel() for t in unsent])))
         if not segment.group_views:
@@ -458,33 +459,100 @@ def _write_output(matrix: Tensor, pieces: list[tuple[list[Tensor], list[Tensor]]
         _outer_sum(ps[position], qs[position], matrix, accumulate=j > 0)
 
 
-def _send(buffer: Tensor, comm: Communicator, wire_dtype: torch.dtype) -> Task:
-    """Average ``buffer`` over the workers, in place, sending it as ``wire_dtype``.
+def _send(segment: Segment, start: int, end: int, comm: Communicator, wire_dtype: torch.dtype) -> Task:
+    """Average ``segment.wire[start:end]`` (a phase: its ends are where P, the uncompressed tensors or Q
+    begin or end) over the workers, in place, sending it as ``wire_dtype``.
 
     The buffer is divided by the world size first, so a sum of W terms is bounded by W times the largest
-    term. For an fp16 wire, that bound is agreed on by a one-element max-allreduce and the buffer is
-    scaled by the power of two that puts it at 2^14 (well inside fp16's 65504, and using its precision):
-    no overflow whatever the gradients' magnitude. bf16 has fp32's range and needs no scaling.
+    term. For an fp16 wire each tensor span of the buffer (each P factor, each uncompressed tensor, each
+    Q factor: see :func:`_wire_spans`) is scaled by its own power of two, the one that puts W times its
+    largest |value| over the workers at 2^14 (well inside fp16's 65504, and using its precision): no
+    overflow whatever the gradients' magnitude, and a value's scale depends on its own tensor only, never
+    on which tensors share its bucket (docs/design.md, "numbers that do not depend on the bucket layout").
+    The maxima travel in one max-allreduce of one float per span before the sum (not counted as payload).
+    A span that is all zero or holds a non-finite value keeps the scale 1 (a non-finite value stays so).
+    bf16 has fp32's range and needs no scaling.
     """
+    buffer = segment.wire[start:end]
     buffer.div_(comm.world_size)
     if wire_dtype == buffer.dtype:
         yield comm.allreduce_sum(buffer)
         return
-    scale = None
-    if wire_dtype == torch.float16:
-        peak = buffer.abs().max().reshape(1).float() if buffer.numel() else buffer.new_zeros(1, dtype=torch.float32)
-        yield comm.allreduce_max(peak)
-        bound = peak * comm.world_size
-        usable = torch.isfinite(bound) & (bound > 0)
-        scale = torch.where(usable, torch.exp2(torch.ceil(torch.log2(bound.clamp_min(1e-30))) - 14),
-                            torch.ones_like(bound)).to(buffer.dtype)
-        wire = (buffer / scale).to(wire_dtype)
-    else:
+    if wire_dtype != torch.float16:
         wire = buffer.to(wire_dtype)
+        yield comm.allreduce_sum(wire)
+        buffer.copy_(wire)
+        return
+    spans = _wire_spans(segment)
+    first, last = spans.first[start], spans.first[end]
+    if last > first:  # one reduction for all spans; lengths are on the device: nothing is read on the host
+        peaks = torch.segment_reduce(buffer.abs(), "max", lengths=spans.lengths[first:last], unsafe=True,
+                                     initial=0).float()
+    else:  # nothing to send (the max-allreduce is still issued, as on every rank)
+        peaks = buffer.new_zeros(1, dtype=torch.float32)
+    yield comm.allreduce_max(peaks)
+    bound = peaks * comm.world_size
+    usable = torch.isfinite(bound) & (bound > 0)
+    scales = torch.where(usable, torch.exp2(torch.ceil(torch.log2(bound.clamp_min(1e-30))) - 14),
+                         torch.ones_like(bound)).to(buffer.dtype)
+    # Each element's scale: span numbers first..last-1 are looked up in ``scales`` shifted by ``first``.
+    scale = torch.nn.functional.pad(scales, (first, 0)).index_select(0, spans.index[start:end])
+    buffer.div_(scale)  # by powers of two: exact
+    wire = buffer.to(wire_dtype)
     yield comm.allreduce_sum(wire)
-    buffer.copy_(wire)
-    if scale is not None:
-        buffer.mul_(scale)
+    torch.mul(wire, scale, out=buffer)
+
+
+class _WireSpans:
+    """Where a segment's wire holds each tensor: its non-empty spans, in wire order, the P factor of each
+    compressed matrix (group order), each uncompressed tensor (plan order), the Q factor of each
+    compressed matrix (group order). They tile the wire (it has no padding: only the error memory's
+    matrices are aligned), so every element has one span.
+
+    ``lengths``: ``(S,)`` int64, each span's length; ``index``: ``(wire numel,)`` int32, each element's
+    span number; both on the segment's device, built once. ``first``: wire offset -> number of the first
+    span at or after it, for the offsets where phases begin or end (0, end of P, start of Q, the end).
+    """
+
+    __slots__ = ("lengths", "index", "first")
+
+    def __init__(self, segment: Segment) -> None:
+        plan = segment.plan
+        p_spans = [group.n * group.rank for group in plan.groups for _ in range(group.batch)]
+        unsent = [plan.tensors[i].numel for i in plan.uncompressed]
+        q_spans = [group.m * group.rank for group in plan.groups for _ in range(group.batch)]
+        spans = [length for length in p_spans + unsent + q_spans if length]
+        assert sum(spans) == segment.wire.numel()
+        p_count = len([length for length in p_spans if length])
+        unsent_count = len([length for length in unsent if length])
+        self.first = {0: 0, plan.p_numel: p_count, plan.p_numel + plan.uncompressed_numel: p_count + unsent_count,
+                      segment.wire.numel(): len(spans)}
+        lengths = torch.tensor(spans, dtype=torch.int64)
+        index = torch.repeat_interleave(torch.arange(len(spans), dtype=torch.int32), lengths)
+        self.lengths = lengths.to(segment.device)
+        self.index = index.to(segment.device)
+
+
+#: The spans of each segment's wire, by ``id(segment.wire)`` (with a weak reference to it, whose callback
+#: drops the entry when the segment's wire is freed).
+_SPANS: dict[int, tuple[weakref.ref[Tensor], _WireSpans]] = {}
+
+
+def _wire_spans(segment: Segment) -> _WireSpans:
+    """The :class:`_WireSpans` of ``segment``, built at its first fp16 send and kept while it lives."""
+    wire = segment.wire
+    entry = _SPANS.get(id(wire))
+    if entry is not None and entry[0]() is wire:
+        return entry[1]
+    key = id(wire)
+
+    def forget(ref: weakref.ref[Tensor]) -> None:
+        if _SPANS.get(key, (None,))[0] is ref:
+            del _SPANS[key]
+
+    spans = _WireSpans(segment)
+    _SPANS[key] = (weakref.ref(wire, forget), spans)
+    return spans
 
 
 def _views(segment: Segment, grads: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
