@@ -82,7 +82,7 @@ class PowerSGDState:
             ``use_error_feedback=True`` (``use_error_feedback=False, error_feedback=True`` is an error).
         bytes_per_weight: precision of P, Q and the uncompressed tensors *on the wire*: 4 = fp32
             (default), 2 = half (bf16 for bf16 gradients, else fp16 scaled so the sum cannot overflow,
-            at the cost of a one-element max-allreduce per phase), 8 = fp64. Error memory and
+            at the cost of a max-allreduce of one float per tensor per phase), 8 = fp64. Error memory and
             orthogonalization keep fp32 (or the gradient's wider dtype). ``bytes_stats()`` counts it.
             ``None``: that working precision on the wire too (fp32; fp64 for fp64 gradients), as
             ``Config(bytes_per_weight=None)``.

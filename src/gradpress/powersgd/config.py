@@ -24,7 +24,7 @@ class EngineConfig:
     collective each, every low-rank piece used; see :func:`gradpress.powersgd.step.alternating_step`).
     ``bytes_per_weight``: precision of what is allreduced (P, Q, uncompressed tensors): ``None`` sends the
     working dtype; 2 = half precision (bf16 for bf16 gradients, else fp16, scaled by a power of two
-    agreed on by a one-element max-allreduce so that the sum cannot overflow), 4 = fp32, 8 = fp64.
+    one per tensor, agreed on by a max-allreduce so that the sum cannot overflow), 4 = fp32, 8 = fp64.
     ``feedback_every_n_iters``: add the error memory back into the gradient on every n-th compressed
     step only (the residual of every step is accumulated); 1 is standard PowerSGD.
     ``warm_up_beta_factor``, ``warm_up_steps``: store ``beta * residual`` instead of the residual during
