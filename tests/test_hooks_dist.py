@@ -476,6 +476,29 @@ def test_a_state_moved_to_a_new_model_starts_afresh_and_the_old_model_is_refused
         assert "registered on two DDP models" in back and "trained in turn" in back
 
 
+def _loaded_then_moved(rank, world_size):
+    """A checkpoint loaded into a state that served another model, then a new model: refused (starting
+    afresh would throw the loaded memory away), not silently moved."""
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+    first = DDP(models.make_model(0))
+    first.register_comm_hook(state, gradpress.powerSGD_hook)
+    for step in range(3):
+        models.loss_fn(first, *models.batch(rank, step)).backward()
+    state.load_state_dict(state.state_dict())
+    second = DDP(models.make_model(0))
+    second.register_comm_hook(state, gradpress.powerSGD_hook)
+    try:
+        models.loss_fn(second, *models.batch(rank, 3)).backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_state_loaded_after_serving_a_model_is_not_moved_silently():
+    for message in run(_loaded_then_moved, WORLD):
+        assert "checkpoint was loaded" in message and "fresh PowerSGDState" in message
+
+
 def _one_state_one_model_retried(rank, world_size):
     # Many buckets, DDP's bucket rebuild after the first iteration, the start of compression: one model.
     torch.manual_seed(0)

@@ -581,3 +581,48 @@ def test_bad_compressor_configs_raise_naming_the_field():
             make(**kwargs)
     with pytest.raises(TypeError, match="num_fragments or fragments"):
         StreamingDiLoCoAverager(4, num_fragments=2, fragments=[[nn.Parameter(torch.zeros(1))]])
+
+
+def anchor_taken_once(rank, world):
+    """With a warm-up the anchor is taken once, at its last step (not also when the optimizer is built); a
+    later anchor_parameters call changes nothing; a rank outside the group keeps its parameters."""
+    out = {}
+    for warmup in (1, 3):
+        net = _net(rank)
+        averager = OuterOptimizerAverager(2, warmup_steps=warmup, outer_lr=0.7, outer_momentum=0.9)
+        opt = PostLocalSGDOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), averager)
+        sent = [averager.bytes_sent]
+        for step in range(warmup + 3):
+            train_regression(net, opt, rank, step, step + 1)
+            sent.append(averager.bytes_sent)
+        anchor = [a.clone() for a in averager.state_dict()["anchor"]]
+        averager.anchor_parameters(net.parameters())  # after syncs: the run's anchor stays
+        kept = all(torch.equal(a, b) for a, b in zip(anchor, averager.state_dict()["anchor"]))
+        out[warmup] = (sent, kept)
+    group = dist.new_group([0])
+    params = _params(rank)
+    before = [p.detach().clone() for p in params]
+    outsider = StreamingDiLoCoAverager(2, process_group=group, first_sync="average")
+    for _ in range(3):
+        outsider.average_parameters(params)
+    out["outside"] = (all(torch.equal(p, b) for p, b in zip(params, before)), outsider.step)
+    return out
+
+
+def test_the_anchor_is_taken_once_and_a_rank_outside_the_group_is_left_alone():
+    full = sum(p.numel() * 4 for p in _net(0).parameters())
+    for rank, out in enumerate(run(anchor_taken_once, WORLD)):
+        for warmup in (1, 3):
+            sent, kept = out[warmup]
+            assert sent[:warmup] == [0] * warmup and sent[warmup] == full  # one broadcast, at step warmup - 1
+            assert sent[warmup + 1] == 2 * full and kept  # the first outer sync at step warmup
+        if rank == 1:
+            assert out["outside"] == (True, 3)
+
+
+def test_an_averager_refuses_a_state_that_is_not_its_own():
+    averager = OuterOptimizerAverager(2)
+    with pytest.raises(ValueError, match="no 'step'"):
+        averager.load_state_dict({"anchor": []})
+    with pytest.raises(ValueError, match="gathered state of 2 ranks"):
+        averager.load_state_dict({"format": "gradpress.gathered_state", "world_size": 2, "ranks": [{}, {}]})

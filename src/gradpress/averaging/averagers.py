@@ -11,17 +11,12 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..checkpoint import reject_gathered
 from ..checks import check_int
 from ..comm import average_tensors_, is_member
 from .tensors import Params, tensors_to_average
 
 __all__ = ["HierarchicalModelAverager", "ModelAverager", "PeriodicModelAverager"]
-
-
-def warn_no_step() -> None:
-    """PyTorch's warning (same words) for an averager state loaded without a step counter."""
-    warnings.warn("Loaded state dict does not contain a step counter for an averager. Setting step counter to 0.",
-                  stacklevel=3)
 
 
 class ModelAverager(ABC):
@@ -50,12 +45,14 @@ class ModelAverager(ABC):
         return {"step": self.step, "bytes_sent": self.bytes_sent, "num_averages": self.num_averages}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output. Without ``"step"``, PyTorch's warning and step 0."""
-        if "step" in state:
-            self.step = int(state["step"])
-        else:
-            warn_no_step()
-            self.step = 0
+        """Restore :meth:`state_dict`'s output (``ValueError`` for anything else: a gathered state, a
+        dict without ``"step"``). :class:`PostLocalSGDOptimizer` loads a state without a step counter as
+        PyTorch does (warning, step 0)."""
+        reject_gathered(state, f"{type(self).__name__}.load_state_dict")
+        if "step" not in state:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: the state has no 'step': it is not what "
+                             f"state_dict() returned (keys: {sorted(state)})")
+        self.step = int(state["step"])
         self.bytes_sent = int(state.get("bytes_sent", 0))
         self.num_averages = int(state.get("num_averages", 0))
 

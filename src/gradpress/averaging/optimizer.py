@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
-from .averagers import ModelAverager, warn_no_step
+from .averagers import ModelAverager
 
 __all__ = ["PostLocalSGDOptimizer"]
 
@@ -65,7 +66,9 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         if averager is not None:  # its other fields; the step is PyTorch's key alone
             self.averager.load_state_dict({**averager, "step": 0})
         if step is None:
-            warn_no_step()
+            # PyTorch's warning, in its words.
+            warnings.warn("Loaded state dict does not contain a step counter for an averager. Setting step "
+                          "counter to 0.", stacklevel=2)
             self.averager.step = 0
         else:
             self.averager.step = int(step)

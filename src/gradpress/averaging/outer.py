@@ -107,11 +107,13 @@ class OuterOptimizerAverager(PeriodicModelAverager):
     gradient is ``Δ = mean_i(x - x_i)``; the outer optimizer takes a step on ``x`` with gradient ``Δ``
     and every rank continues from the new ``x``. As in the paper and in torchft, every synchronization,
     the first included, is such an outer step, and the first anchor is the parameters where local
-    training starts: taken by :meth:`anchor_parameters`, which :class:`PostLocalSGDOptimizer` calls when
-    it is built, and again at the last warm-up step (step ``warmup_steps - 1``: warm-up steps are taken
-    to be synchronous, e.g. DDP with :func:`post_localSGD_hook` until ``start_localSGD_iter``, so local
-    training starts after them). Taking the anchor broadcasts rank 0's values (one collective), so
-    ranks that did not start equal cannot drift apart. ``first_sync="average"`` restores the former
+    training starts, taken once: without warm-up by :meth:`anchor_parameters`, which
+    :class:`PostLocalSGDOptimizer` calls when it is built; with ``warmup_steps`` by
+    :meth:`average_parameters` at the last warm-up step (warm-up steps are taken to be synchronous, e.g.
+    DDP with :func:`post_localSGD_hook` until ``start_localSGD_iter``, so local training starts after
+    them). Taking the anchor broadcasts rank 0's values (one collective), so ranks that did not start
+    equal cannot drift apart. With :class:`PeriodicModelAverager`'s schedule the first outer step comes
+    at ``warmup_steps``, one inner step after the anchor, and then every ``period`` steps. ``first_sync="average"`` restores the former
     rule: the first synchronization is a plain average that sets the anchor. ``outer_lr=1,
     outer_momentum=0`` is plain periodic averaging (from the second synchronization on, or with
     ``first_sync="average"``). ``compression``: ``None``, ``"fp16"``, ``"bf16"`` (cast Δ for the
@@ -142,22 +144,30 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         self.num_skipped = 0
 
     def anchor_parameters(self, params: Params) -> None:
-        """Take ``params`` as the anchor, the parameters where local training starts: rank 0's values
-        (of ``process_group``) are copied to every rank's anchor (a collective: every rank calls it).
-        Called by :class:`PostLocalSGDOptimizer` when it is built and by :meth:`average_parameters` at
-        the last warm-up step; does nothing before that step (the anchor is taken there), with
+        """Take ``params`` as the anchor, the parameters where local training starts (before the first
+        inner step; :class:`PostLocalSGDOptimizer` calls it when built): rank 0's values (of
+        ``process_group``) are copied to every rank's anchor (a collective: every rank calls it). Does
+        nothing where :func:`takes_anchor` says so: with a warm-up (the anchor is taken at its last step),
+        once a synchronization happened (the anchor and its momentum are the run's), with
         ``first_sync="average"``, or on a rank outside ``process_group``."""
-        if self.first_sync != "outer" or not is_member(self.process_group) or self.step < self.warmup_steps - 1:
-            return  # (before the last warm-up step: the anchor is taken there)
+        if takes_anchor(self, from_average=False):
+            self._take_anchor(params)
+
+    def _take_anchor(self, params: Params) -> None:
         tensors = tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module))
         anchor, sent = take_anchor(tensors, self.process_group)
         self.bytes_sent += sent
         self._start(OuterStep(anchor, self.outer_lr, self.outer_momentum, self.nesterov))
 
     def average_parameters(self, params: Params) -> None:
-        if self.step == self.warmup_steps - 1:
-            self.anchor_parameters(params)
+        if takes_anchor(self, from_average=True):
+            self._take_anchor(params)
         super().average_parameters(params)
+
+    @property
+    def synchronized(self) -> bool:
+        """Whether a synchronization happened (applied or skipped)."""
+        return self.num_averages + self.num_skipped > 0
 
     def _average(self, tensors: list[Tensor]) -> None:
         with torch.no_grad():
@@ -235,6 +245,18 @@ class OuterOptimizerAverager(PeriodicModelAverager):
 FIRST_SYNC = ("outer", "average")
 
 
+def takes_anchor(averager: Any, from_average: bool) -> bool:
+    """Whether DiLoCo's ``averager`` takes its anchor now, once per run: never after a synchronization,
+    with ``first_sync="average"`` or on a rank outside its group; with a warm-up, in
+    ``average_parameters`` at its last step; without one, from ``anchor_parameters`` (before the first
+    inner step)."""
+    if averager.first_sync != "outer" or averager.synchronized or not is_member(averager.process_group):
+        return False
+    if averager.warmup_steps == 0:
+        return not from_average
+    return from_average and averager.step == averager.warmup_steps - 1
+
+
 def check_first_sync(value: Any) -> str:
     """``first_sync`` checked: ``"outer"`` (the paper's) or ``"average"``."""
     if value not in FIRST_SYNC:
@@ -247,10 +269,9 @@ def take_anchor(tensors: list[Tensor], process_group: dist.ProcessGroup | None) 
     and the bytes that sent (0 without ``torch.distributed`` or on one rank)."""
     with torch.no_grad():
         anchor = [t.detach().clone() for t in tensors]
-    if not is_distributed() or dist.get_world_size(process_group) == 1:
-        return anchor, 0
-    broadcast_parameters(anchor, process_group)
-    return anchor, sum(a.numel() * a.element_size() for a in anchor)
+    broadcast_parameters(anchor, process_group)  # nothing without torch.distributed or on one rank
+    alone = not is_distributed() or dist.get_world_size(process_group) == 1
+    return anchor, 0 if alone else sum(a.numel() * a.element_size() for a in anchor)
 
 
 def no_anchor_message(name: str, step: int) -> str:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .collectives import Work, start_described
+from .collectives import Work, is_member, start_described
 from .errors import describe_collective
 
 __all__ = ["Communicator", "Handle", "LocalCommunicator", "ProcessGroupCommunicator", "make_communicator"]
@@ -77,7 +77,7 @@ class ProcessGroupCommunicator:
                 "ProcessGroupCommunicator needs torch.distributed to be initialized "
                 "(call torch.distributed.init_process_group first)"
             )
-        if process_group is not None and dist.get_rank(process_group) < 0:
+        if not is_member(process_group):
             raise ValueError(f"process_group: this rank (global rank {dist.get_rank()}) is not a member of it; "
                              f"{issuer} needs a group this rank belongs to (or None, the default group)")
         self.process_group = process_group

@@ -45,7 +45,7 @@ class ParameterKeys:
     """
 
     __slots__ = ("keys", "shapes", "closed", "iteration_buckets", "names", "policy", "policy_ranks",
-                 "adaptive", "adaptive_ranks", "limits", "previous_norms", "min_compression_rate", "left")
+                 "adaptive", "adaptive_ranks", "limits", "previous_norms", "min_compression_rate", "left", "loaded")
 
     def __init__(self, rank: int, min_compression_rate: float, rank_policy: RankRules | None = None,
                  adaptive_rank: AdaptiveRank | None = None) -> None:
@@ -65,6 +65,7 @@ class ParameterKeys:
         self.min_compression_rate = min_compression_rate
         # Parameters of the models this state was moved away from: id -> weak reference (see moved_to).
         self.left: dict[int, weakref.ref[Tensor]] = {}
+        self.loaded = False  # a checkpoint was loaded since the last iteration
 
     # --- keys -----------------------------------------------------------------------------------------
     def note_bucket(self, bucket: Any) -> None:
@@ -72,7 +73,8 @@ class ParameterKeys:
         bucket index, so a bucket index seen twice in one iteration (two models in one backward pass)
         or a parameter first seen after that iteration (two models in turn) means that the state was
         registered on two models. Their iterations would be counted twice and their buckets share
-        memory slots. Only DDP's own buckets are checked: FSDP units leave out parameters that have no
+        memory slots. (A state moved to a new model once its model is done is not a second model:
+        :meth:`starts_another_model` sees it first.) Only DDP's own buckets are checked: FSDP units leave out parameters that have no
         gradient, so a parameter may first appear there later."""
         if not isinstance(bucket, dist.GradBucket):
             return
@@ -108,7 +110,13 @@ class ParameterKeys:
                     "a parameter of the model it was moved away from arrived again: two models trained in turn"))
         if not self.closed or self.iteration_buckets:
             return False
-        return bool(params) and all(self.key_of(p) is None for p in params)
+        if not params or any(self.key_of(p) is not None for p in params):
+            return False
+        if self.loaded:  # starting afresh would throw the loaded memory away
+            raise RuntimeError(_TWO_MODELS.format(
+                "a checkpoint was loaded into it after it served another model; build a fresh PowerSGDState "
+                "for the new model and load the checkpoint into that"))
+        return True
 
     def moved_to_another_model(self) -> ParameterKeys:
         """Fresh keys for the next model (same policy and adaptive rule, no names, no memory keys),
@@ -122,6 +130,7 @@ class ParameterKeys:
     def end_iteration(self) -> None:
         """The iteration's last bucket was handed over: from now on every parameter is known."""
         self.iteration_buckets.clear()
+        self.loaded = False
         self.closed = bool(self.keys)
 
     def keys_for(self, params: Sequence[Tensor]) -> tuple[int, ...]:
@@ -248,6 +257,7 @@ class ParameterKeys:
                                  f"has {shape}: the checkpoint belongs to a different model")
         self.shapes = saved if len(saved) >= len(self.shapes) else self.shapes
         self.iteration_buckets.clear()  # a backward pass cut short before the load is over
+        self.loaded = True
         self.adaptive_ranks = {int(k): int(v) for k, v in adaptive.get("ranks", {}).items()}
         self.limits = {int(k): (int(v[0]), int(v[1])) for k, v in adaptive.get("limits", {}).items()}
         self.previous_norms = {int(k): float(v) for k, v in adaptive.get("previous", {}).items()}

@@ -647,7 +647,8 @@ class PowerSGDState:
     def start_bucket(self, bucket: Any) -> torch.futures.Future | None:
         """Begin a hook's work on ``bucket``: before ``start_powerSGD_iter`` average it exactly and return
         the future (parameters are still given their keys, in DDP's first layout); after, ``None``, and
-        the hook compresses it with :meth:`compress_bucket`. Refuses a second DDP model on this state."""
+        the hook compresses it with :meth:`compress_bucket`. Moves the state to a new DDP model once its model
+        is done (fresh memory, with a warning); refuses two models trained with it."""
         if self._params.starts_another_model(bucket):
             self._move_to_another_model()
         self._params.note_bucket(bucket)

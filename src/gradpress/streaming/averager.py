@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..averaging import ModelAverager, OuterStep, Params, tensors_to_average
-from ..averaging.outer import check_first_sync, no_anchor_message, take_anchor
+from ..averaging.outer import check_first_sync, no_anchor_message, take_anchor, takes_anchor
 from ..checkpoint import check_placement, placement
 from ..checks import check_int, check_number
 from ..comm import Work, all_gather_async, all_reduce_async, average_tensors_, is_member
@@ -265,13 +265,21 @@ class StreamingDiLoCoAverager(ModelAverager):
     # -- the step ---------------------------------------------------------------------------------
 
     def anchor_parameters(self, params: Params) -> None:
-        """Take ``params`` as every fragment's anchor, the parameters where local training starts: rank
-        0's values (of ``process_group``) on every rank (a collective: every rank calls it). Called by
-        :class:`gradpress.PostLocalSGDOptimizer` when built and at the last warm-up step; does nothing
-        before that step (the anchor is taken there), with ``first_sync="average"``, or on a rank outside
-        ``process_group``."""
-        if self.first_sync != "outer" or not is_member(self.process_group) or self.step < self.warmup_steps - 1:
-            return  # (before the last warm-up step: the anchor is taken there)
+        """Take ``params`` as every fragment's anchor, the parameters where local training starts (before
+        the first inner step; :class:`gradpress.PostLocalSGDOptimizer` calls it when built): rank 0's
+        values (of ``process_group``) on every rank (a collective: every rank calls it). Does nothing
+        where :func:`~gradpress.averaging.outer.takes_anchor` says so: with a warm-up (the anchor is taken
+        at its last step), once a fragment synchronized, with ``first_sync="average"``, or on a rank
+        outside ``process_group``."""
+        if takes_anchor(self, from_average=False):
+            self._take_anchor(params)
+
+    @property
+    def synchronized(self) -> bool:
+        """Whether a fragment synchronized (sent or applied)."""
+        return self.num_averages > 0 or any(fr.syncs for fr in self._fragments)
+
+    def _take_anchor(self, params: Params) -> None:
         tensors = tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module))
         self._bind(tensors)
         anchor, sent = take_anchor(tensors, self.process_group)
@@ -283,9 +291,12 @@ class StreamingDiLoCoAverager(ModelAverager):
     def average_parameters(self, params: Params) -> None:
         """Send the fragment scheduled at this step and apply the updates due now (see the class
         docstring); mutates ``params`` in place; advances the step counter. A collective on sync steps:
-        every rank calls it at every step."""
-        if self.step == self.warmup_steps - 1:
-            self.anchor_parameters(params)
+        every rank calls it at every step; a rank outside ``process_group`` only counts the step."""
+        if not is_member(self.process_group):
+            self.step += 1
+            return
+        if takes_anchor(self, from_average=True):
+            self._take_anchor(params)
         sent = self.fragment_sent_at(self.step)
         due = [p for p in self._in_flight if p.due == self.step] if self._in_flight else []
         if sent is not None or due:

@@ -119,7 +119,8 @@ class MethodKind:
 def wire_bytes(config: DemoConfig) -> int:
     """Bytes per element the PowerSGD methods put on the wire on compressed steps: the
     ``bytes_per_weight`` of ``config.powersgd_options`` (4, fp32, when not given)."""
-    return int((config.powersgd_options or {}).get("bytes_per_weight", 4))
+    value = (config.powersgd_options or {}).get("bytes_per_weight")
+    return 4 if value is None else int(value)  # None: the working precision, fp32 here
 
 
 # --- hooks ----------------------------------------------------------------------------------------------

@@ -345,7 +345,7 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     if averager is not None:
         # The averagers count bytes sent, so nothing with one worker.
         # Its bytes: the syncs after warm-up, and DiLoCo's anchor (broadcast at the last warm-up step).
-        anchor = anchor_bytes(method, plan, config) if world_size > 1 else 0
+        anchor = anchor_bytes(method, plan, config) if world_size > 1 and config.start_iter >= 1 else 0
         result["counted"] = {"averages": averager.num_averages, "bytes_averaged": averager.bytes_sent,
                              "ok": averager.bytes_sent == sum(tail) + anchor}
     elif isinstance(state, PowerSGDState):

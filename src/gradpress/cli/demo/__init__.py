@@ -3,7 +3,7 @@
 The parent process spawns ``--workers`` local processes (gloo on CPU with one thread each; NCCL when
 there is one GPU per worker). Every worker runs :func:`gradpress.workloads.training.train` once per
 method, with the same seed, weights and data order, and sends progress, results or its traceback back
-through a queue. The parent shows progress bars, then prints a table (test metric, loss, bytes per
+through a pipe of its own. The parent shows progress bars, then prints a table (test metric, loss, bytes per
 step, compression, time) and writes ``demo.json``, ``demo.md`` and ``demo.png`` to ``--out``. It checks
 that every worker ended with identical parameters and that PowerSGD's counted bytes match the plan.
 
