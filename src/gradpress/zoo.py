@@ -37,7 +37,8 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["GPT2", "MODELS", "PARAMETER_COUNTS", "BasicBlock", "Bottleneck", "LSTMLanguageModel", "ResNet",
-           "build_model", "gpt2", "lstm_wikitext2", "model_names", "resnet18_cifar", "resnet50"]
+           "build_model", "gpt2", "import_callable", "import_from_current_folder", "lstm_wikitext2", "model_names",
+           "resnet18_cifar", "resnet50"]
 
 
 # --- ResNet ---------------------------------------------------------------------------------------
@@ -272,21 +273,28 @@ def _valid_names() -> str:
 
 
 def _import_factory(name: str) -> Callable[[], object]:
-    module_name, _, attribute = name.partition(":")
+    return import_callable(name, f"model {name!r}")
+
+
+def import_callable(spec: str, prefix: str, kind: str = "factory",
+                    not_callable: str = "not a callable factory") -> Callable[[], object]:
+    """The callable ``module.path:attr`` names, checked to take no arguments; ``ValueError`` starting
+    with ``prefix`` (e.g. ``"--model 'x:y'"``) and naming what is wrong otherwise. ``kind`` names the
+    expected callable in the messages, ``not_callable`` ends the message for an object that is not one."""
+    module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
-        raise ValueError(f"model {name!r}: expected module.path:factory, e.g. mypackage.models:build")
+        raise ValueError(f"{prefix}: expected module.path:{kind}, e.g. mypackage.models:build")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"model {name!r}: cannot import module {module_name!r} ({exc})") from None
+        raise ValueError(f"{prefix}: cannot import module {module_name!r} ({exc})") from None
     factory: object = module
     for part in attribute.split("."):
         if not hasattr(factory, part):
-            raise ValueError(f"model {name!r}: module {module_name!r} has no attribute {attribute!r}")
+            raise ValueError(f"{prefix}: module {module_name!r} has no attribute {attribute!r}")
         factory = getattr(factory, part)
     if not callable(factory):
-        raise ValueError(f"model {name!r}: {attribute!r} is an object of type {type(factory).__name__}, "
-                         "not a callable factory")
+        raise ValueError(f"{prefix}: {attribute!r} is an object of type {type(factory).__name__}, {not_callable}")
     try:
         signature: inspect.Signature | None = inspect.signature(factory)
     except (TypeError, ValueError):  # some builtins have no signature; calling them will tell
@@ -295,7 +303,7 @@ def _import_factory(name: str) -> Callable[[], object]:
         try:
             signature.bind()
         except TypeError as exc:
-            raise ValueError(f"model {name!r}: the factory must be callable with no arguments, but "
+            raise ValueError(f"{prefix}: the {kind} must be callable with no arguments, but "
                              f"{attribute}() is {exc}") from None
     return factory
 

@@ -20,15 +20,13 @@ no data is loaded (what ``inspect`` needs: shapes and dtypes only).
 from __future__ import annotations
 
 import contextlib
-import importlib
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..zoo import MODELS, build_model, import_from_current_folder
+from ..zoo import MODELS, build_model, import_callable, import_from_current_folder
 
 __all__ = ["Loss", "load_model", "valid_models"]
 
@@ -69,32 +67,9 @@ def _building_on(device: torch.device) -> contextlib.AbstractContextManager[Any]
 
 def _function(spec: str) -> Callable[[], Any]:
     """The function ``module.path:function`` names, checked to be callable with no arguments."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"--model {spec!r}: expected module.path:function, e.g. mypackage.models:build")
     import_from_current_folder()
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"--model {spec!r}: cannot import module {module_name!r} ({exc})") from None
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ValueError(f"--model {spec!r}: module {module_name!r} has no attribute {attr!r}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise ValueError(f"--model {spec!r}: {attr!r} is an object of type {type(target).__name__}, not a "
-                         f"function; give a function returning {_RETURNS}")
-    try:
-        signature: inspect.Signature | None = inspect.signature(target)
-    except (TypeError, ValueError):  # some builtins have no signature; calling them will tell
-        signature = None
-    if signature is not None:
-        try:
-            signature.bind()
-        except TypeError as exc:
-            raise ValueError(f"--model {spec!r}: the function must be callable with no arguments, but "
-                             f"{attr}() is {exc}") from None
-    return target
+    return import_callable(spec, f"--model {spec!r}", "function",
+                           f"not a function; give a function returning {_RETURNS}")
 
 
 def load_model(spec: str, device: torch.device, *, data: bool = True) -> tuple[nn.Module, Any, Loss]:
