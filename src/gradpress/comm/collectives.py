@@ -33,7 +33,8 @@ def is_member(process_group: dist.ProcessGroup | None = None) -> bool:
     collectives no-ops: the averaging helpers here return early on such a rank, as PyTorch's
     ``average_parameters`` does, and the collectives raise a :class:`CollectiveError`.
     """
-    return process_group is None or dist.get_rank(process_group) >= 0
+    # new_group hands ranks outside the group this sentinel (what torch itself checks for).
+    return process_group is not dist.GroupMember.NON_GROUP_MEMBER
 
 
 def _require_member(process_group: dist.ProcessGroup | None, what: str | Callable[[], str]) -> None:
