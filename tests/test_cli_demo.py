@@ -121,18 +121,20 @@ def test_demo_streaming_and_compressed_diloco_methods_send_what_the_formulas_say
     int4 = (numel + 1) // 2 + 4 * chunks(1024)
     k = round(SPARSELOCO["density"] * 4096)
     topk = -(-chunks(4096) * k // 4) + 4 * chunks(4096) + 2 * chunks(4096) * k  # 2-bit codes, scales, int16 indices
-    # One fragment, H=4 after 4 synchronous steps: syncs at steps 5, 9, 13, 17; the first is a plain
-    # average (it sets the anchor), and the run ends on a final plain average (step 20 is no sync step).
+    # One fragment, H=4 after 4 synchronous steps: the anchor is broadcast at the last of them (fp32,
+    # every parameter), every sync at steps 5, 9, 13, 17 is an outer step with a compressed payload, and
+    # the run ends on a final plain average (step 20 is no sync step).
+    anchor = 4 * numel
     for spec, payload in [("diloco-int8:4", int8), ("diloco-int4:4", int4), ("sparseloco:4", topk)]:
         entry = methods[spec]
         assert entry["bytes_per_step"] == pytest.approx(payload / 4), spec
-        assert entry["bytes_total"] == warm_up + 4 * numel + 3 * payload + 4 * numel, spec
-        assert entry["counted"] == {"averages": 4, "bytes_averaged": 4 * numel + 3 * payload, "ok": True}, spec
+        assert entry["bytes_total"] == warm_up + anchor + 4 * payload + 4 * numel, spec
+        assert entry["counted"] == {"averages": 4, "bytes_averaged": anchor + 4 * payload, "ok": True}, spec
         assert entry["ranks_agree"]
     # Streaming: 4 fragments, one sent at every step after warm-up, each parameter once per 4 steps.
     streaming = methods["streaming:4"]
     assert streaming["bytes_per_step"] == numel  # 4 numel bytes per period of 4 steps
-    assert streaming["bytes_total"] == warm_up + 4 * 4 * numel + 4 * numel
+    assert streaming["bytes_total"] == warm_up + anchor + 4 * 4 * numel + 4 * numel
     assert streaming["counted"]["ok"] and streaming["ranks_agree"]
 
 
