@@ -102,6 +102,7 @@ def normalize(record: dict[str, Any], name: str) -> dict[str, Any]:
         return {"label": record["label"], "task": config["task"], "workers": record["workers"],
                 "steps": config["steps"], "seed": config["seed"], "start_iter": config["start_iter"],
                 "lr": config["lr"], "momentum": config["momentum"], "method": record["method"],
+                "optimizer": config.get("optimizer", "sgd"), "batch": config.get("batch_size"),
                 "options": {k: v for k, v in (("powersgd_options", config.get("powersgd_options")),
                                               ("warm_up_beta", config.get("warm_up_beta")),
                                               ("clip_grad_norm", config.get("clip_grad_norm")),
@@ -114,17 +115,28 @@ def normalize(record: dict[str, Any], name: str) -> dict[str, Any]:
     return {"label": record.get("label", name), "task": record["task"], "workers": record["workers"],
             "steps": record["steps"], "seed": record["seed"], "start_iter": record["start_iter"],
             "lr": record["lr"], "momentum": record["momentum"], "method": record["method"],
+            "optimizer": "sgd", "batch": None,
             "options": {"powersgd_options": options} if options else {}, "curve": record["curve"],
             "final": record["curve"][-1]["metric"], "bytes_per_step": record["bytes_per_step"],
             "bytes_allreduce_per_step": record["bytes_allreduce_per_step"],
             "command": "python3 " + record["command"]}
 
 
+def group(run: dict[str, Any]) -> tuple:
+    """The runs one baseline serves: same task, workers, steps, seed, optimizer and batch size."""
+    return run["task"], run["workers"], run["steps"], run["seed"], run.get("optimizer", "sgd"), run.get("batch")
+
+
+def optimizer_name(run: dict[str, Any]) -> str:
+    optimizer = run.get("optimizer", "sgd")
+    return f"sgd m{run['momentum']:g}" if optimizer == "sgd" else optimizer
+
+
 def pick_baselines(runs: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
-    """Per (task, workers, steps, seed): the allreduce run with the lowest final metric."""
+    """Per :func:`group`: the allreduce run with the lowest final metric."""
     best: dict[tuple, dict[str, Any]] = {}
     for run in runs:
-        key = (run["task"], run["workers"], run["steps"], run["seed"])
+        key = group(run)
         if run["method"] == "allreduce" and (key not in best or run["final"] < best[key]["final"]):
             best[key] = run
     return best
@@ -137,16 +149,16 @@ def table(runs: list[dict[str, Any]], baseline: str | None = None) -> str:
     baselines = pick_baselines(runs)
     for label in (baseline.split(",") if baseline else []):  # chosen ones, one per group
         chosen = named[label]
-        baselines[(chosen["task"], chosen["workers"], chosen["steps"], chosen["seed"])] = chosen
+        baselines[group(chosen)] = chosen
     lines, seen = [], set()
-    rows = ["| label | task | workers | momentum | lr | method | options | start | ppl@mid | ppl@end | "
+    rows = ["| label | task | workers | optimizer | batch | lr | method | options | start | ppl@mid | ppl@end | "
             "steps to base mid / base's | same, smoothed curves | end vs base | last 3 evals vs base's | bytes/step after warm-up: x fewer | "
             "whole run's bytes: x fewer |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    order = sorted(runs, key=lambda r: (r["task"], r["workers"], r["method"] != "allreduce", -r["momentum"],
-                                        r["method"], r["lr"], r["label"]))
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    order = sorted(runs, key=lambda r: (r["task"], r["workers"], r.get("optimizer", "sgd"), r.get("batch") or 0,
+                                        r["method"] != "allreduce", -r["momentum"], r["method"], r["lr"], r["label"]))
     for run in order:
-        base = baselines.get((run["task"], run["workers"], run["steps"], run["seed"]))
+        base = baselines.get(group(run))
         if base is None:
             continue
         mid = base["steps"] // 2
@@ -154,8 +166,8 @@ def table(runs: list[dict[str, Any]], baseline: str | None = None) -> str:
         base_steps = steps_to_reach(base["curve"], target)
         if base["label"] not in seen:
             seen.add(base["label"])
-            lines.append(f"Baseline {base['label']} ({base['task']}, {base['workers']} workers, momentum "
-                         f"{base['momentum']}, lr {base['lr']}): ppl {target:.2f} at step {mid} (reached at step "
+            lines.append(f"Baseline {base['label']} ({base['task']}, {base['workers']} workers, "
+                         f"{optimizer_name(base)}, lr {base['lr']}): ppl {target:.2f} at step {mid} (reached at step "
                          f"{base_steps:.1f}), {base['final']:.2f} at the end; within 1.5%: <= "
                          f"{1.015 * base['final']:.4f}.")
         reach = steps_to_reach(run["curve"], target)
@@ -170,7 +182,8 @@ def table(runs: list[dict[str, Any]], baseline: str | None = None) -> str:
                  if run["method"] != "allreduce" else run["steps"] * run["bytes_allreduce_per_step"])
         tail = tail_mean(run["curve"]) / tail_mean(base["curve"]) - 1
         opts = ", ".join(f"{k}={json.dumps(v)}" for k, v in run["options"].items())
-        rows.append(f"| {run['label']} | {run['task']} | {run['workers']} | {run['momentum']:g} | {run['lr']:g} | "
+        rows.append(f"| {run['label']} | {run['task']} | {run['workers']} | {optimizer_name(run)} | "
+                    f"{run.get('batch') or 'task'} | {run['lr']:g} | "
                     f"{run['method']} | {opts} | {run['start_iter']} | {metric_at(run['curve'], mid):.2f} | "
                     f"{run['final']:.2f} | {ratio} | {smooth_ratio} | {100 * (run['final'] / base['final'] - 1):+.2f}% | "
                     f"{100 * tail:+.2f}% | {fewer:.2f}x | {run['steps'] * run['bytes_allreduce_per_step'] / total:.2f}x |")

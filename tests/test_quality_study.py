@@ -51,3 +51,14 @@ def test_table_uses_the_best_allreduce_as_baseline() -> None:
     assert f"| {100 * (20.06 / 19 - 1):+.2f}% |" in row
     # 8 warm-up steps of allreduce (1000 B), then 72 of 50 B
     assert row.endswith(f"| {80 * 1000 / (8 * 1000 + 72 * 50):.2f}x |")
+
+
+def test_each_optimizer_and_batch_size_has_its_own_baseline() -> None:
+    sgd = _run("sgd-ar", "allreduce", 1.0, [10.0, 5.0, 4.0], 1000.0)
+    adamw = {**_run("adamw-ar", "allreduce", 3e-3, [10.0, 6.0, 5.0], 1000.0), "optimizer": "adamw", "batch": 32}
+    adamw_psgd = {**_run("adamw-psgd", "powersgd:4", 3e-3, [10.0, 6.0, 5.05], 50.0), "optimizer": "adamw",
+                  "batch": 32}
+    text = qs.table([sgd, adamw, adamw_psgd])
+    assert "Baseline sgd-ar" in text and "Baseline adamw-ar (charlm, 2 workers, adamw, lr 0.003)" in text
+    row = next(line for line in text.splitlines() if line.startswith("| adamw-psgd "))
+    assert "| adamw | 32 |" in row and "| +1.00% |" in row  # against the AdamW baseline, not SGD's 4.0
