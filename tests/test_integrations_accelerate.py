@@ -8,6 +8,7 @@ and runs as MULTI_CPU, as under ``accelerate launch --cpu`` or ``torchrun``.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -168,14 +169,21 @@ def test_the_example_runs_under_torchrun_and_tears_its_process_group_down(tmp_pa
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     then_check = ("import runpy, sys, torch.distributed as dist; sys.argv[0] = sys.argv[1]; del sys.argv[1]; "
                   "runpy.run_path(sys.argv[0], run_name='__main__'); "
-                  "print('process group still up after the script:', dist.is_initialized())")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "--no-python", sys.executable, "-c", then_check, str(example),
-                           "--epochs", "2", "--save", str(tmp_path / "checkpoint")],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+                  # one write of one line: the two processes share the pipe, and print's separate writes of
+                  # the text and the newline interleave
+                  "sys.stdout.write(f'process group still up after the script: {dist.is_initialized()}\\n'); "
+                  "sys.stdout.flush()")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
+               sys.executable, "-c", then_check, str(example), "--epochs", "2", "--save", str(tmp_path / "checkpoint")]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    except subprocess.TimeoutExpired as error:  # say where it stood
+        out, err = (text.decode() if isinstance(text, bytes) else text or "" for text in (error.stdout, error.stderr))
+        raise AssertionError(f"the example did not finish in 300 s; stdout:\n{out}\nstderr:\n{err[-3000:]}") from None
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr
-    assert proc.stdout.count("process group still up after the script: False") == 2, proc.stdout
+    assert re.findall(r"process group still up after the script: (\w+)", proc.stdout) == ["False", "False"], \
+        proc.stdout
     losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("epoch ")]
     assert len(losses) == 2 and losses[1] < losses[0]
     assert "PowerSGD: 32 synchronizing steps" in proc.stdout and "ranks identical: True" in proc.stdout
