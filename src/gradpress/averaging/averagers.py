@@ -115,7 +115,8 @@ class HierarchicalModelAverager(ModelAverager):
             check_int("period_group_size_dict: every period", period, 1)
             check_int("period_group_size_dict: every group size", size, 1)
         if [p for p, _ in items] != sorted({p for p, _ in items}):
-            raise ValueError(f"period_group_size_dict: periods must be strictly increasing, got {[p for p, _ in items]}")
+            raise ValueError(f"period_group_size_dict: periods must be strictly increasing, got "
+                             f"{[p for p, _ in items]}")
         if items[-1][0] == 1:
             warnings.warn("HierarchicalModelAverager: the largest period is 1, so parameters are averaged every step, "
                           "which sends no fewer bytes than averaging gradients in DDP's backward pass: use DDP "

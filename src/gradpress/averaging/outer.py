@@ -113,11 +113,12 @@ class OuterOptimizerAverager(PeriodicModelAverager):
     DDP with :func:`post_localSGD_hook` until ``start_localSGD_iter``, so local training starts after
     them). Taking the anchor broadcasts rank 0's values (one collective), so ranks that did not start
     equal cannot drift apart. With :class:`PeriodicModelAverager`'s schedule the first outer step comes
-    at ``warmup_steps``, one inner step after the anchor, and then every ``period`` steps. ``first_sync="average"`` restores the former
-    rule: the first synchronization is a plain average that sets the anchor. ``outer_lr=1,
-    outer_momentum=0`` is plain periodic averaging (from the second synchronization on, or with
-    ``first_sync="average"``). ``compression``: ``None``, ``"fp16"``, ``"bf16"`` (cast Δ for the
-    allreduce), or a :class:`gradpress.Config` to send Δ through PowerSGD (with its own error feedback).
+    at ``warmup_steps``, one inner step after the anchor, and then every ``period`` steps.
+    ``first_sync="average"`` restores the former rule: the first synchronization is a plain average
+    that sets the anchor. ``outer_lr=1, outer_momentum=0`` is plain periodic averaging (from the second
+    synchronization on, or with ``first_sync="average"``). ``compression``: ``None``, ``"fp16"``,
+    ``"bf16"`` (cast Δ for the allreduce), or a :class:`gradpress.Config` to send Δ through PowerSGD (with
+    its own error feedback).
 
     A non-finite averaged Δ (a rank's parameters overflowed to inf/NaN since the last synchronization;
     the mean carries it to every rank) is never applied: the outer step is skipped, ``x`` and the outer

@@ -15,8 +15,8 @@ from torch import Tensor
 from .errors import CollectiveError, collective_error, describe_collective
 
 __all__ = ["Work", "all_gather_async", "all_gather_objects", "all_reduce", "all_reduce_async", "barrier", "broadcast",
-           "broadcast_async", "gather_objects", "is_distributed", "is_member", "reduce_scatter_async", "scatter_objects",
-           "start_described"]
+           "broadcast_async", "gather_objects", "is_distributed", "is_member", "reduce_scatter_async",
+           "scatter_objects", "start_described"]
 
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 

@@ -1,10 +1,10 @@
 """Which parameter is which, across DDP's bucket rebuilds, and the rank each is compressed at.
 
-DDP's communication hooks see buckets, not parameters by name, and DDP rebuilds its buckets after the
-first iteration. :class:`ParameterKeys` gives every parameter a stable key (the order in which the hook
-first saw it: DDP's first layout, the same in a resumed process), refuses two models trained with one
-state (a state moved to a new model once its model is done starts afresh), and resolves each key's rank: by name under a ``rank_policy`` and, with an ``adaptive_rank``, the rank in
-force. :class:`gradpress.PowerSGDState` holds one.
+DDP's communication hooks see buckets, not parameters by name, and DDP rebuilds its buckets after the first
+iteration. :class:`ParameterKeys` gives every parameter a stable key (the order in which the hook first saw
+it: DDP's first layout, the same in a resumed process), refuses two models trained with one state (a state
+moved to a new model once its model is done starts afresh), and resolves each key's rank: by name under a
+``rank_policy`` and, with an ``adaptive_rank``, the rank in force. :class:`gradpress.PowerSGDState` holds one.
 
 >>> import torch
 >>> keys = ParameterKeys(rank=4, min_compression_rate=2)
@@ -70,11 +70,11 @@ class ParameterKeys:
     # --- keys -----------------------------------------------------------------------------------------
     def note_bucket(self, bucket: Any) -> None:
         """Refuse a second DDP model: DDP hands every parameter over in its first iteration, once per
-        bucket index, so a bucket index seen twice in one iteration (two models in one backward pass)
-        or a parameter first seen after that iteration (two models in turn) means that the state was
-        registered on two models. Their iterations would be counted twice and their buckets share
-        memory slots. (A state moved to a new model once its model is done is not a second model:
-        :meth:`starts_another_model` sees it first.) Only DDP's own buckets are checked: FSDP units leave out parameters that have no
+        bucket index, so a bucket index seen twice in one iteration (two models in one backward pass) or a
+        parameter first seen after that iteration (two models in turn) means that the state was registered
+        on two models. Their iterations would be counted twice and their buckets share memory slots. (A
+        state moved to a new model once its model is done is not a second model: :meth:`starts_another_model`
+        sees it first.) Only DDP's own buckets are checked: FSDP units leave out parameters that have no
         gradient, so a parameter may first appear there later."""
         if not isinstance(bucket, dist.GradBucket):
             return
