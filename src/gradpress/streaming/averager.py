@@ -105,10 +105,11 @@ class StreamingDiLoCoAverager(ModelAverager):
 
     **Anchors.** As in the paper and torchft, every fragment's first anchor ``x_f`` is the parameters
     where local training starts, identical on every rank, and every sync, the first included, is an
-    outer step. :meth:`anchor_parameters` takes it (broadcasting rank 0's values: one collective);
-    :class:`gradpress.PostLocalSGDOptimizer` calls it when built, and :meth:`average_parameters` again
-    at the last warm-up step (warm-up steps are taken to be synchronous). ``first_sync="average"``: a
-    fragment's first sync is instead a plain (uncompressed, blocking) average that sets its anchor.
+    outer step. It is taken once, broadcasting rank 0's values (one collective): without warm-up by
+    :meth:`anchor_parameters`, which :class:`gradpress.PostLocalSGDOptimizer` calls when built; with one
+    by :meth:`average_parameters` at its last step (warm-up steps are taken to be synchronous).
+    ``first_sync="average"``: a fragment's first sync is instead a plain (uncompressed, blocking) average
+    that sets its anchor.
 
     **Outer step** (each sync of fragment ``f``):
 
