@@ -20,7 +20,7 @@ from .config import EngineConfig
 from .plan import GroupPlan, Plan, make_plan
 
 __all__ = ["ALIGNMENT_BYTES", "RESIZE_DRAW", "SKETCH_COLUMNS", "Finiteness", "ParamMemory", "Segment", "SegmentStore",
-           "StagedFactors", "Workspace", "seeded_normal", "seeded_sketch", "work_dtype_for"]
+           "StagedFactors", "WireSpans", "Workspace", "seeded_normal", "seeded_sketch", "work_dtype_for"]
 
 #: Every matrix's error memory starts at a multiple of this many bytes (PyTorch's CPU allocations are
 #: aligned the same way). BLAS rounds differently when an operand starts at another alignment (MKL's
@@ -194,6 +194,37 @@ class Workspace:
         return sum(flat.numel() * flat.element_size() for flat in self._buffers.values())
 
 
+class WireSpans:
+    """Where a segment's wire holds each tensor: its non-empty spans, in wire order, the P factor of each
+    compressed matrix (group order), each uncompressed tensor (plan order), the Q factor of each
+    compressed matrix (group order). They tile the wire (it has no padding: only the error memory's
+    matrices are aligned), so every element has one span.
+
+    ``lengths``: ``(S,)`` int64, each span's length; ``index``: ``(wire numel,)`` int32, each element's
+    span number; both on the segment's device, built once (:meth:`Segment.wire_spans`). ``first``: wire
+    offset -> number of the first span at or after it, for the offsets where phases begin or end (0, end
+    of P, start of Q, the end).
+    """
+
+    __slots__ = ("lengths", "index", "first")
+
+    def __init__(self, segment: Segment) -> None:
+        plan = segment.plan
+        p_spans = [group.n * group.rank for group in plan.groups for _ in range(group.batch)]
+        unsent = [plan.tensors[i].numel for i in plan.uncompressed]
+        q_spans = [group.m * group.rank for group in plan.groups for _ in range(group.batch)]
+        spans = [length for length in p_spans + unsent + q_spans if length]
+        assert sum(spans) == segment.wire.numel()
+        p_count = len([length for length in p_spans if length])
+        unsent_count = len([length for length in unsent if length])
+        self.first = {0: 0, plan.p_numel: p_count, plan.p_numel + plan.uncompressed_numel: p_count + unsent_count,
+                      segment.wire.numel(): len(spans)}
+        lengths = torch.tensor(spans, dtype=torch.int64)
+        index = torch.repeat_interleave(torch.arange(len(spans), dtype=torch.int32), lengths)
+        self.lengths = lengths.to(segment.device)
+        self.index = index.to(segment.device)
+
+
 class Segment:
     """Flat working buffers of one segment (bucket), built from a plan.
 
@@ -225,7 +256,7 @@ class Segment:
 
     __slots__ = ("plan", "keys", "dtype", "device", "error_memory", "wire", "phase1", "q", "group_views",
                  "error_views", "p_views", "q_views", "factors_to_draw", "saved_factors", "staged", "workspace",
-                 "norms", "global_norms", "signals")
+                 "norms", "global_norms", "signals", "_wire_spans")
 
     def __init__(self, plan: Plan, keys: Sequence[int], device: torch.device, dtype: torch.dtype,
                  workspace: Workspace | None = None) -> None:
@@ -270,6 +301,14 @@ class Segment:
         self.global_norms: Tensor | None = None
         # Sum of ||P Q^T|| per compressed matrix over the finite steps that tracked it (adaptive rank).
         self.signals: Tensor | None = None
+        self._wire_spans: WireSpans | None = None  # built at the first fp16 send (see wire_spans)
+
+    def wire_spans(self) -> WireSpans:
+        """Where the wire holds each tensor (:class:`WireSpans`), built at the first call (the fp16
+        wire's first send) and kept: the wire is laid out once, here."""
+        if self._wire_spans is None:
+            self._wire_spans = WireSpans(self)
+        return self._wire_spans
 
     def _factor_group_views(self, wire: Tensor, group: GroupPlan) -> tuple[Tensor, Tensor]:
         """``group``'s ``(B, n, r)`` P and ``(B, r, m)`` Q^T in ``wire`` (or a buffer laid out as it)."""

@@ -6,7 +6,6 @@ Optimization", NeurIPS 2019, Algorithm 1 (one power iteration, warm start) with 
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Generator, Sequence
 
 import torch
@@ -465,7 +464,7 @@ def _send(segment: Segment, start: int, end: int, comm: Communicator, wire_dtype
 
     The buffer is divided by the world size first, so a sum of W terms is bounded by W times the largest
     term. For an fp16 wire each tensor span of the buffer (each P factor, each uncompressed tensor, each
-    Q factor: see :func:`_wire_spans`) is scaled by its own power of two, the one that puts W times its
+    Q factor: see :class:`~gradpress.powersgd.memory.WireSpans`) is scaled by its own power of two, the one that puts W times its
     largest |value| over the workers at 2^14 (well inside fp16's 65504, and using its precision): no
     overflow whatever the gradients' magnitude, and a value's scale depends on its own tensor only, never
     on which tensors share its bucket (docs/design.md, "numbers that do not depend on the bucket layout").
@@ -483,7 +482,7 @@ def _send(segment: Segment, start: int, end: int, comm: Communicator, wire_dtype
         yield comm.allreduce_sum(wire)
         buffer.copy_(wire)
         return
-    spans = _wire_spans(segment)
+    spans = segment.wire_spans()
     first, last = spans.first[start], spans.first[end]
     if last > first:  # one reduction for all spans; lengths are on the device: nothing is read on the host
         peaks = torch.segment_reduce(buffer.abs(), "max", lengths=spans.lengths[first:last], unsafe=True,
@@ -501,58 +500,6 @@ def _send(segment: Segment, start: int, end: int, comm: Communicator, wire_dtype
     wire = buffer.to(wire_dtype)
     yield comm.allreduce_sum(wire)
     torch.mul(wire, scale, out=buffer)
-
-
-class _WireSpans:
-    """Where a segment's wire holds each tensor: its non-empty spans, in wire order, the P factor of each
-    compressed matrix (group order), each uncompressed tensor (plan order), the Q factor of each
-    compressed matrix (group order). They tile the wire (it has no padding: only the error memory's
-    matrices are aligned), so every element has one span.
-
-    ``lengths``: ``(S,)`` int64, each span's length; ``index``: ``(wire numel,)`` int32, each element's
-    span number; both on the segment's device, built once. ``first``: wire offset -> number of the first
-    span at or after it, for the offsets where phases begin or end (0, end of P, start of Q, the end).
-    """
-
-    __slots__ = ("lengths", "index", "first")
-
-    def __init__(self, segment: Segment) -> None:
-        plan = segment.plan
-        p_spans = [group.n * group.rank for group in plan.groups for _ in range(group.batch)]
-        unsent = [plan.tensors[i].numel for i in plan.uncompressed]
-        q_spans = [group.m * group.rank for group in plan.groups for _ in range(group.batch)]
-        spans = [length for length in p_spans + unsent + q_spans if length]
-        assert sum(spans) == segment.wire.numel()
-        p_count = len([length for length in p_spans if length])
-        unsent_count = len([length for length in unsent if length])
-        self.first = {0: 0, plan.p_numel: p_count, plan.p_numel + plan.uncompressed_numel: p_count + unsent_count,
-                      segment.wire.numel(): len(spans)}
-        lengths = torch.tensor(spans, dtype=torch.int64)
-        index = torch.repeat_interleave(torch.arange(len(spans), dtype=torch.int32), lengths)
-        self.lengths = lengths.to(segment.device)
-        self.index = index.to(segment.device)
-
-
-#: The spans of each segment's wire, by ``id(segment.wire)`` (with a weak reference to it, whose callback
-#: drops the entry when the segment's wire is freed).
-_SPANS: dict[int, tuple[weakref.ref[Tensor], _WireSpans]] = {}
-
-
-def _wire_spans(segment: Segment) -> _WireSpans:
-    """The :class:`_WireSpans` of ``segment``, built at its first fp16 send and kept while it lives."""
-    wire = segment.wire
-    entry = _SPANS.get(id(wire))
-    if entry is not None and entry[0]() is wire:
-        return entry[1]
-    key = id(wire)
-
-    def forget(ref: weakref.ref[Tensor]) -> None:
-        if _SPANS.get(key, (None,))[0] is ref:
-            del _SPANS[key]
-
-    spans = _WireSpans(segment)
-    _SPANS[key] = (weakref.ref(wire, forget), spans)
-    return spans
 
 
 def _views(segment: Segment, grads: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
