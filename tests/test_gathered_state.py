@@ -43,24 +43,21 @@ def _gather_on_rank_0_only(rank: int, world_size: int, timeout: float) -> dict:
 
     store = distributed_c10d._get_default_store()
     state = gradpress.PowerSGD([nn.Parameter(torch.zeros(8, 6))], gradpress.Config(rank=1), init_sync=False)
-    started = time.monotonic()
-    if rank == 0:  # the natural spot in nanoGPT: inside the block that only rank 0 runs
+    def gather() -> tuple[str | None, float]:
+        """The error gather_state raised (None: none) and the seconds it took."""
+        started = time.monotonic()
         try:
             gradpress.gather_state(state, arrival_timeout=timeout)
-            message = None
+            return None, time.monotonic() - started
         except RuntimeError as error:
-            message = str(error)
-        elapsed = time.monotonic() - started
+            return str(error), time.monotonic() - started
+
+    if rank == 0:  # the natural spot in nanoGPT: inside the block that only rank 0 runs
+        message, elapsed = gather()
         store.set("test/rank 0 is done", b"1")
     else:  # elsewhere meanwhile (in a script: the next iteration), then reaching the call late
         store.wait(["test/rank 0 is done"])
-        late = time.monotonic()
-        try:
-            gradpress.gather_state(state, arrival_timeout=timeout)
-            message = None
-        except RuntimeError as error:
-            message = str(error)
-        elapsed = time.monotonic() - late
+        message, elapsed = gather()
     dist.barrier()
     return {"message": message, "seconds": elapsed}
 
