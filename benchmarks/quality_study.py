@@ -252,6 +252,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> Non
               "bytes_per_step": per_step, "bytes_allreduce_per_step": result["bytes_allreduce_per_step"],
               "bytes_per_step_predicted": result["bytes_per_step"], "counted": counted,
               "time_per_step_s": result["time_per_step_s"], "approximation_error": result["approximation_error"],
+              "global_residual": result.get("global_residual"), "global_residuals": result.get("global_residuals"),
               "checksum": result["checksum"], "digest": result["digest"], "curve": curve}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
