@@ -9,7 +9,7 @@ alternating scheme sends P and Q on alternate iterations. The same figures are w
 
     python benchmarks/floats.py                     # markdown table on stdout
     python benchmarks/floats.py --models resnet18 --ranks 1,2,4 --iters 1,2,4
-    python benchmarks/floats.py --models gpt2,lstm-wikitext2   # any gradpress.zoo model
+    python benchmarks/floats.py --models gpt2,lstm-wikitext2   # any gradpress.tools.zoo model
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 
 import gradpress
-from gradpress.bench.overhead import model_names, model_parameters  # gradpress.zoo models, + resnet18
+from gradpress.tools.bench.overhead import model_names, model_parameters  # gradpress.tools.zoo models, + resnet18
 
 
 def rows(models: Sequence[str], ranks: Sequence[int], iters: Sequence[int], min_rate: float) -> list[str]:

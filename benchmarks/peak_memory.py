@@ -6,7 +6,7 @@
 counter needs ``cc`` and glibc, else ``--no-malloc-counter`` gives the profiler's numbers only.)
 
 Two local processes (``torch.multiprocessing.spawn``, gloo on 127.0.0.1, one intra-op thread each) train
-ResNet-18 for CIFAR (``gradpress.zoo.build_model("resnet18-cifar")``) with DDP (default buckets) and
+ResNet-18 for CIFAR (``gradpress.tools.zoo.build_model("resnet18-cifar")``) with DDP (default buckets) and
 SGD (no momentum: the optimizer holds no state) on ``--batch-size`` random 32x32 images per rank.
 
 * ``allreduce``: DDP with no hook (its built-in allreduce), the baseline;
@@ -22,7 +22,7 @@ state exists and DDP has rebuilt its buckets, then measures ``--repeats`` steps 
 forward, backward (it returns once DDP's reduction has finished and written the gradients),
 ``optimizer.step()``. Then the **reduction alone**: a fresh state of the same hook called on copies of
 DDP's rebuilt buckets (``reducer._get_zeros_like_grad_buckets()``, refilled with random values), one
-call per bucket then every future waited on (as ``gradpress.bench.overhead``), ``--repeats-alone``
+call per bucket then every future waited on (as ``gradpress.tools.bench.overhead``), ``--repeats-alone``
 times after its own warm-up. Numbers are rank 0's.
 
 Columns:
@@ -67,7 +67,7 @@ each expected peak and ``end`` 0; the profiler shows (a) only (b: 0, c: never fr
 
 PyTorch's hooks over gloo with more than one bucket issue collectives from callbacks on gloo threads
 and from the autograd thread at once, so the two ranks can issue them in different orders (observed:
-"Received data size doesn't match expected size"; ``gradpress.bench.overhead`` reports deadlocks with
+"Received data size doesn't match expected size"; ``gradpress.tools.bench.overhead`` reports deadlocks with
 gloo's 2 default threads). Here PyTorch's hook runs unchanged but with one ``PowerSGDState`` and one gloo group per
 bucket index (iteration counters kept equal), which keeps each group's order deterministic without
 serializing the buckets; its state is the sum over those states. gradpress's hook orders its
@@ -99,7 +99,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from gradpress.launch import free_port
+from gradpress.tools.processes import free_port
 
 MiB = 1 << 20
 START_POWERSGD_ITER = 2
@@ -335,7 +335,7 @@ def build(variant: str, rank: int | None, model_name: str,
     their addresses reused: only the current ones may be excluded from the state's count)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from gradpress import zoo
+    from gradpress.tools import zoo
 
     torch.manual_seed(0)
     ddp = DDP(zoo.build_model(model_name, device="cpu"))
@@ -352,7 +352,7 @@ def build(variant: str, rank: int | None, model_name: str,
 def replay(variant: str, rank: int | None, ddp: nn.Module, args: argparse.Namespace, groups: list[Any],
            counter: MallocCounter | None, world_rank: int) -> dict[str, Any]:
     """The reduction alone: a fresh state of the variant's hook called on DDP's (rebuilt) buckets, one
-    call per bucket in bucket order, then every future waited on (as ``gradpress.bench.overhead``), no
+    call per bucket in bucket order, then every future waited on (as ``gradpress.tools.bench.overhead``), no
     forward or backward. Buckets are refilled with random values (unmeasured) before every step."""
     state, hook = make_hook(variant, rank, groups, ddp_builtin=False)
     buckets = ddp.reducer._get_zeros_like_grad_buckets()
@@ -595,7 +595,7 @@ def markdown(report: dict[str, Any]) -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="peak_memory", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet18-cifar", choices=("resnet18-cifar", "resnet50"),
-                        help="gradpress.zoo model fed 32x32 images (default: %(default)s)")
+                        help="gradpress.tools.zoo model fed 32x32 images (default: %(default)s)")
     parser.add_argument("--ranks", default="1,2", help="comma-separated PowerSGD ranks (default: %(default)s)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="from %(default)s")
     parser.add_argument("--batch-size", type=int, default=16, help="images per process (default: %(default)s)")

@@ -1,6 +1,6 @@
 """Quality per step of PowerSGD configurations against a tuned allreduce, on the demo's tasks.
 
-Every run goes through ``gradpress.workloads.training.train`` (the demo's code path) with the same
+Every run goes through ``gradpress.tools.workloads.training.train`` (the demo's code path) with the same
 ``DemoConfig`` fields but the method, lr, momentum and PowerSGD options, so every run sees the same data
 in the same order from the same initial weights. One run per call, ``--workers`` gloo processes on this
 machine (OMP_NUM_THREADS=1, one torch thread each), one JSON per run in ``--out``::
@@ -224,7 +224,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> Non
     import torch
     import torch.distributed as dist
 
-    from gradpress.workloads.training import DemoConfig, parse_methods, train
+    from gradpress.tools.workloads.training import DemoConfig, parse_methods, train
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.workers)

@@ -24,8 +24,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gradpress.cli.demo import run_workers
-from gradpress.workloads import DemoConfig, parse_methods
+from gradpress.tools.cli.demo import run_workers
+from gradpress.tools.workloads import DemoConfig, parse_methods
 
 
 def _betas(text: str) -> list[float | None]:

@@ -44,7 +44,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradpress.launch import free_port
+from gradpress.tools.processes import free_port
 
 VARIANTS = ("ddp+adam", "zero", "zero-overlap", "zero-overlap-interleaved", "powersgd+zero", "powersgd+zero-overlap")
 

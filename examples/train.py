@@ -1,6 +1,6 @@
 """Train one of ``gradpress demo``'s tasks with any gradpress method, under ``torchrun``.
 
-The same code path as the demo (:func:`gradpress.workloads.train`), launched the way real jobs are::
+The same code path as the demo (:func:`gradpress.tools.workloads.train`), launched the way real jobs are::
 
     torchrun --standalone --nproc-per-node 4 examples/train.py --method powersgd:2 --steps 300
     torchrun --standalone --nproc-per-node 2 examples/train.py --task charlm --method multi:2,allreduce
@@ -32,8 +32,8 @@ import sys
 import torch.distributed as dist
 
 from gradpress.launch import init_distributed
-from gradpress.workloads import METHOD_KINDS, DemoConfig, default_start_iter, parse_methods, task_names, train
-from gradpress.workloads.training import FAIL_KINDS
+from gradpress.tools.workloads import METHOD_KINDS, DemoConfig, default_start_iter, parse_methods, task_names, train
+from gradpress.tools.workloads.training import FAIL_KINDS
 
 
 def main() -> int:

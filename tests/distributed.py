@@ -15,7 +15,7 @@ import queue
 import traceback
 from typing import Any, Callable
 
-from gradpress.launch import free_port
+from gradpress.tools.processes import free_port
 
 _CTX = mp.get_context("spawn")
 DEFAULT_TIMEOUT = 180.0

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 import gradpress
-from gradpress.bench import overhead
-from gradpress.cli import bench
-from gradpress.cli.main import main
-from gradpress.zoo import build_model
+from gradpress.tools.bench import overhead
+from gradpress.tools.cli import bench
+from gradpress.tools.cli.main import main
+from gradpress.tools.zoo import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

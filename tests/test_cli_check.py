@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 from distributed import run
-import gradpress.check
-import gradpress.check.advice
-import gradpress.check.loader
-import gradpress.check.wire
-from gradpress.check import Link, candidate_methods, predict, recommend, run_correctness
-from gradpress.check.advice import BUCKET_BYTES, model_width, recipe_rule, recommended_powersgd
-from gradpress.cli.main import main
+import gradpress.tools.check
+import gradpress.tools.check.advice
+import gradpress.tools.check.loader
+import gradpress.tools.check.wire
+from gradpress.tools.check import Link, candidate_methods, predict, recommend, run_correctness
+from gradpress.tools.check.advice import BUCKET_BYTES, model_width, recipe_rule, recommended_powersgd
+from gradpress.tools.cli.main import main
 
 
 # --- correctness, on gloo ranks ------------------------------------------------------------------------------
@@ -102,7 +102,7 @@ def test_one_process_report_with_a_user_batch(capsys, tmp_path):
 # --- the recommended rank follows the model's width ---------------------------------------------------------
 
 def _task_shapes(name):
-    from gradpress.workloads.tasks import TASKS
+    from gradpress.tools.workloads.tasks import TASKS
 
     with torch.device("meta"):
         return [p.shape for p in TASKS[name].build().parameters() if p.requires_grad]
@@ -110,7 +110,7 @@ def _task_shapes(name):
 
 @pytest.mark.parametrize("name, width", [("charlm", 256), ("charlm-wide", 512), ("gpt", 128), ("gpt-wide", 256)])
 def test_the_rank_rule_gives_every_measured_recipe_its_rank(name, width):
-    from gradpress.workloads.tasks import TASKS
+    from gradpress.tools.workloads.tasks import TASKS
 
     recipe = TASKS[name].recipe
     assert model_width(_task_shapes(name)) == width  # d_model of the transformers, hidden size of the LSTMs
@@ -186,8 +186,8 @@ def test_bad_link_and_step_values_are_rejected():
         predict(candidate_methods(SHAPES), Link(2, 1e-4, 1e9), -1.0)
 
 
-@pytest.mark.parametrize("module", [gradpress.check, gradpress.check.advice, gradpress.check.loader,
-                                    gradpress.check.wire])
+@pytest.mark.parametrize("module", [gradpress.tools.check, gradpress.tools.check.advice, gradpress.tools.check.loader,
+                                    gradpress.tools.check.wire])
 def test_the_documented_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted and not result.failed

@@ -20,13 +20,13 @@ import pytest
 
 import gradpress
 import models
-from gradpress.cli import demo
-from gradpress.cli.demo import WorkerFailure, run_workers
-from gradpress.cli.demo.supervisor import Ledger, StepReporter, WorkerError, failure_report, is_peer_loss, supervise
+from gradpress.tools.cli import demo
+from gradpress.tools.cli.demo import WorkerFailure, run_workers
+from gradpress.tools.cli.demo.supervisor import Ledger, StepReporter, WorkerError, failure_report, is_peer_loss, supervise
 from gradpress.comm import CollectiveError
-from gradpress.cli.main import build_parser, main
-from gradpress.workloads import DemoConfig, default_start_iter, get_task, parse_methods
-from gradpress.workloads.training import SPARSELOCO
+from gradpress.tools.cli.main import build_parser, main
+from gradpress.tools.workloads import DemoConfig, default_start_iter, get_task, parse_methods
+from gradpress.tools.workloads.training import SPARSELOCO
 
 
 def _demo_children() -> list:
@@ -288,7 +288,7 @@ def test_tasks_without_a_measured_recipe_keep_their_defaults(task: str, monkeypa
 
 
 def test_the_header_says_which_recipe_was_applied() -> None:
-    from gradpress.cli.demo.report import _header
+    from gradpress.tools.cli.demo.report import _header
     summary = {"task": "charlm", "task_description": "character-level LSTM", "parameters": 1000, "workers": 2,
                "backend": "gloo", "config": {"steps": 300, "momentum": 0.9, "seed": 0}, "batch_size": 16, "lr": 2.0}
     plain = ("charlm: character-level LSTM; 1,000 parameters; 2 workers (gloo), 300 steps x batch 16 per worker, "
@@ -448,7 +448,7 @@ def test_ctrl_c_reports_and_writes_the_methods_that_finished(tmp_path: Path, mon
 
 
 def test_version_does_not_import_torch() -> None:
-    code = ("import sys; from gradpress.cli.main import main; status = main(['--version']); "
+    code = ("import sys; from gradpress.tools.cli.main import main; status = main(['--version']); "
             "print('torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(status)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

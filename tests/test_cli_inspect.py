@@ -14,10 +14,10 @@ from torch import nn
 
 import gradpress
 from distributed import run as run_ranks
-from gradpress.check.loader import load_model
-from gradpress.cli.main import main
+from gradpress.tools.check.loader import load_model
+from gradpress.tools.cli.main import main
 from gradpress.hooks.hierarchical import assign_shares
-from gradpress.zoo import build_model
+from gradpress.tools.zoo import build_model
 
 PAPER = ["--workers", "16", "--batch-size", "128", "--dataset-size", "50000"]
 
@@ -333,7 +333,7 @@ def gpt_parameters(vocab: int, context: int, layers: int, d: int) -> int:
 
 @pytest.mark.parametrize("name, layers, d", [("gpt", 4, 128), ("gpt-wide", 4, 256)])
 def test_demo_task_models(capsys, name: str, layers: int, d: int) -> None:
-    from gradpress.workloads.tasks import CHARSET, SEQUENCE, get_task
+    from gradpress.tools.workloads.tasks import CHARSET, SEQUENCE, get_task
 
     report = inspect_json(capsys, "--model", name, "--rank", "4")
     named = list(get_task(name).model(seed=0).named_parameters())
@@ -352,7 +352,7 @@ def test_demo_task_models(capsys, name: str, layers: int, d: int) -> None:
 
 @pytest.mark.parametrize("name", ["digits", "charlm", "charlm-wide"])
 def test_every_demo_task_is_a_model(capsys, name: str) -> None:
-    from gradpress.workloads.tasks import get_task
+    from gradpress.tools.workloads.tasks import get_task
 
     report = inspect_json(capsys, "--model", name, "--rank", "1", "--dataset-size", "1000")
     assert report["totals"]["parameters"] == sum(p.numel() for p in get_task(name).model(seed=0).parameters())
@@ -362,7 +362,7 @@ def test_every_demo_task_is_a_model(capsys, name: str) -> None:
 def test_demo_task_with_dataset_size_does_not_load_the_data(capsys, monkeypatch) -> None:
     import dataclasses
 
-    from gradpress.workloads import tasks
+    from gradpress.tools.workloads import tasks
 
     def missing(seed: int) -> None:
         raise RuntimeError("the data's package is missing")

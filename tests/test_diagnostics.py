@@ -241,13 +241,13 @@ def test_the_ddp_hook_measures_each_rank_against_its_own_gradient_by_name():
 
 
 def _demo_run(rank, world_size, spec):
-    from gradpress.workloads.training import DemoConfig, parse_methods, train
+    from gradpress.tools.workloads.training import DemoConfig, parse_methods, train
 
     return train(rank, world_size, parse_methods(spec, [2])[0], DemoConfig(steps=8, start_iter=2, evals=4))
 
 
 def test_the_demo_training_records_the_error_along_its_curve():
-    from gradpress.workloads.tasks import get_task
+    from gradpress.tools.workloads.tasks import get_task
 
     model = get_task("digits").model(0)
     plan = make_plan([p.shape for p in model.parameters()], 2, 2.0)
@@ -414,7 +414,7 @@ def test_the_global_residual_decreases_strictly_with_the_rank_once_converged(num
 
 
 def _collectives(rank, world, num_iters):
-    from gradpress.bench.overhead import FakeBucket
+    from gradpress.tools.bench.overhead import FakeBucket
     from gradpress.hooks import powersgd as hook_module
 
     class Recording:

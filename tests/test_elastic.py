@@ -25,7 +25,7 @@ METHODS = ["allreduce", "powersgd:2", "multi:2", "localsgd:4", "diloco:4"]
 
 
 def _train(rank: int, world: int, spec: str, directory: str, steps: int, every: int, seed: int = 0) -> dict:
-    from gradpress.workloads import DemoConfig, parse_methods, train
+    from gradpress.tools.workloads import DemoConfig, parse_methods, train
 
     method = parse_methods(spec, [2])[0]
     config = DemoConfig(steps=steps, start_iter=3, seed=seed, evals=4)
@@ -34,7 +34,7 @@ def _train(rank: int, world: int, spec: str, directory: str, steps: int, every: 
 
 def _train_keeping_every_checkpoint(rank: int, world: int, spec: str, directory: str, steps: int,
                                     every: int) -> dict:
-    from gradpress.workloads import checkpoints
+    from gradpress.tools.workloads import checkpoints
 
     prune = checkpoints.prune
     checkpoints.prune = lambda *args, **kwargs: None  # keep the history, to resume from the middle
@@ -45,13 +45,13 @@ def _train_keeping_every_checkpoint(rank: int, world: int, spec: str, directory:
 
 
 def _steps_on_disk(directory: str, spec: str, rank: int) -> list[int]:
-    from gradpress.workloads import checkpoints
+    from gradpress.tools.workloads import checkpoints
 
     return checkpoints.steps_saved(checkpoints.run_directory(directory, spec), rank)
 
 
 def _drop_after(directory: str, spec: str, step: int, ranks: list[int]) -> None:
-    from gradpress.workloads import checkpoints
+    from gradpress.tools.workloads import checkpoints
 
     run_dir = checkpoints.run_directory(directory, spec)
     for rank in ranks:
@@ -98,7 +98,7 @@ def test_a_checkpoint_of_another_run_is_refused_naming_what_differs(tmp_path: Pa
 def test_a_corrupt_checkpoint_is_named_not_silently_skipped(tmp_path: Path) -> None:
     directory, spec = str(tmp_path), "allreduce"
     run(_train, 2, spec, directory, 8, 4)
-    from gradpress.workloads import checkpoints
+    from gradpress.tools.workloads import checkpoints
 
     path = checkpoints.checkpoint_path(checkpoints.run_directory(directory, spec), 8, 1)
     with open(path, "r+b") as f:
@@ -110,7 +110,7 @@ def test_a_corrupt_checkpoint_is_named_not_silently_skipped(tmp_path: Path) -> N
 
 
 def test_checkpoint_arguments_are_checked() -> None:
-    from gradpress.workloads import DemoConfig, parse_methods, train
+    from gradpress.tools.workloads import DemoConfig, parse_methods, train
 
     method = parse_methods("allreduce", [1])[0]
     with pytest.raises(ValueError, match="checkpoint_every must be an integer >= 1, got 0"):

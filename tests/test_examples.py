@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import gradpress
-import gradpress.zoo
-from gradpress.workloads import get_task
+import gradpress.tools.zoo
+from gradpress.tools.workloads import get_task
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train.py"
 
@@ -165,4 +165,4 @@ def test_own_script_page_matches_the_example_and_the_formula() -> None:
     example_kib = float(re.search(r"for the example's model about (\d+) KiB per rank", prose).group(1))
     assert example_kib == pytest.approx(_state_bytes(_own_gpt(), rank=4) / 2**10, abs=5)
     gpt2_mib = float(re.search(r"GPT-2 small \(124M parameters, rank 4\) (\d+) MiB", prose).group(1))
-    assert gpt2_mib == pytest.approx(_state_bytes(gradpress.zoo.build_model("gpt2"), rank=4) / 2**20, abs=1)
+    assert gpt2_mib == pytest.approx(_state_bytes(gradpress.tools.zoo.build_model("gpt2"), rank=4) / 2**20, abs=1)

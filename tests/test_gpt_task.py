@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from distributed import run
-from gradpress.cli.main import main
-from gradpress.workloads.tasks import CHARSET, SEQUENCE, get_task, task_names
+from gradpress.tools.cli.main import main
+from gradpress.tools.workloads.tasks import CHARSET, SEQUENCE, get_task, task_names
 
 VOCAB = len(CHARSET)
 

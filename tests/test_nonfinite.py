@@ -342,7 +342,7 @@ def _engine_grads(step, bad, dtype):
 def _engine_step(segments, grads, config, compressed_step):
     """One step of both segments, committed together; the step's all-finite flag."""
     from gradpress.comm import LocalCommunicator
-    from gradpress.pipeline import OrderedPipeline
+    from gradpress.powersgd.pipeline import OrderedPipeline
     from gradpress.powersgd import step as step_module
 
     # Without the commit, each segment settled its own memory (the test then fails

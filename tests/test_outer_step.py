@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gradpress.averaging import OuterStep
-from gradpress.checks import check_int, check_number
+from gradpress.validation import check_int, check_number
 
 
 def _outer(momentum: float = 0.9) -> OuterStep:

@@ -27,13 +27,13 @@ def _state_arguments(code: str) -> dict[str, str]:
 def test_the_first_snippet_is_the_recommended_configuration_and_links_it():
     import sys
 
-    import gradpress.zoo
-    from gradpress.check.advice import recommended_powersgd
+    import gradpress.tools.zoo
+    from gradpress.tools.check.advice import recommended_powersgd
 
     recipe = _state_arguments(TUNING[TUNING.index("## What to use, as measured so far"):])
     shown = _state_arguments(re.findall(r"```python\n(.*?)```", PAGE, flags=re.S)[0])
     # nanoGPT trains GPT-2: the snippet shows what the rule of the tuning guide gives for it.
-    gpt2 = recommended_powersgd([p.shape for p in gradpress.zoo.build_model("gpt2").parameters()])
+    gpt2 = recommended_powersgd([p.shape for p in gradpress.tools.zoo.build_model("gpt2").parameters()])
     assert (int(shown["matrix_approximation_rank"]), int(shown["bytes_per_weight"])) == gpt2 == (22, 2)
     assert shown["bytes_per_weight"] == recipe["bytes_per_weight"]
     # Compression from a tenth of the run, whatever the loop calls its length.

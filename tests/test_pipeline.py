@@ -1,10 +1,10 @@
-"""gradpress.pipeline.OrderedPipeline: the order in which collectives are issued."""
+"""gradpress.powersgd.pipeline.OrderedPipeline: the order in which collectives are issued."""
 
 from __future__ import annotations
 
 
 def test_pipeline_without_advance_on_submit_issues_all_first_phases_then_the_rest() -> None:
-    from gradpress.pipeline import OrderedPipeline
+    from gradpress.powersgd.pipeline import OrderedPipeline
 
     issued: list[str] = []
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
 
-from gradpress.linalg import as_matrix_shape, orthogonalize_
+from gradpress.powersgd.linalg import as_matrix_shape, orthogonalize_
 from gradpress.powersgd import make_plan, should_compress
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gradpress.cli import demo
-from gradpress.cli.main import build_parser, main
-from gradpress.workloads import parse_methods
+from gradpress.tools.cli import demo
+from gradpress.tools.cli.main import build_parser, main
+from gradpress.tools.workloads import parse_methods
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 NUMBERS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8, "nine": 9,

@@ -2,7 +2,9 @@
 
 (a) the module import graph has no cycle;
 (b) no module uses another module's private names;
-(c) only ``gradpress.comm`` (the package) issues ``torch.distributed`` collectives.
+(c) only ``gradpress.comm`` (the package) issues ``torch.distributed`` collectives;
+(d) imports point down the layers (``LAYERS``), and the engine (``gradpress.powersgd``) imports neither
+    ``torch.distributed`` nor ``gradpress.comm``: it defines the protocols it consumes.
 
 Every ``import`` counts, module level or inside a function (a lazy import hides a cycle from the
 interpreter, not from the design), ``if TYPE_CHECKING:`` blocks included.
@@ -91,6 +93,7 @@ class ModuleInfo:
         self.imports: set[str] = set()                  # gradpress modules (edges)
         self.private: list[str] = []                    # rule (b) breaches, described
         self.collectives: list[str] = []                # rule (c) breaches, described
+        self.imports_dist = False                       # imports torch.distributed (or a submodule)
         package = _package_of(name, modules)
         root = name.split(".")[0]
         module_aliases: dict[str, str] = {}             # local name -> gradpress module it is bound to
@@ -115,6 +118,8 @@ class ModuleInfo:
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
+                    if alias.name.startswith("torch.distributed"):
+                        self.imports_dist = True
                     if alias.name == "torch.distributed":
                         (dist_aliases if alias.asname else torch_aliases).add(alias.asname or "torch")
                     elif alias.name == "torch":
@@ -125,6 +130,9 @@ class ModuleInfo:
                         module_aliases[alias.asname or root] = alias.name if alias.asname else root
             elif isinstance(node, ast.ImportFrom):
                 source = _resolve(name, node, modules)
+                if source.startswith("torch.distributed") or (
+                        source == "torch" and any(a.name == "distributed" for a in node.names)):
+                    self.imports_dist = True
                 if source == "torch":
                     dist_aliases.update(a.asname or a.name for a in node.names if a.name == "distributed")
                     continue
@@ -282,6 +290,57 @@ def test_averaging_and_aggregator_depend_one_way(package):
         assert all(_in_comm(m) for m in package[module].imports), (module, package[module].imports)
 
 
+#: The layers, lowest first: a module may import its own layer and those below, never one above. The
+#: package root (the public API's lazy export table) and ``__main__`` share the tools' layer: the tools
+#: are the public API's users. Module names are prefixes
+#: (``gradpress.hooks`` covers ``gradpress.hooks.zero``).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("gradpress.comm",),                                          # every torch.distributed collective
+    ("gradpress.powersgd",),                                      # the engine and the protocols it consumes
+    ("gradpress.validation", "gradpress.diagnostics", "gradpress.policy", "gradpress.adaptive",
+     "gradpress.checkpoint", "gradpress.launch"),                 # features the front ends share
+    ("gradpress.hooks", "gradpress.aggregator"),                  # the front ends over the engine
+    ("gradpress.averaging",),                                     # local SGD, DiLoCo's outer step
+    ("gradpress.streaming",),                                     # streaming DiLoCo
+    ("gradpress.integrations",),                                  # Lightning, Accelerate, Trainer
+    ("gradpress.tools",),                                         # cli, check, bench, workloads, zoo
+)
+TOP = frozenset({"gradpress", "gradpress.__main__"})
+
+
+def layer_of(module: str) -> int:
+    """The index of ``module``'s layer in :data:`LAYERS` (the root and ``__main__``: the tools')."""
+    if module in TOP:
+        return len(LAYERS) - 1
+    for index, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return index
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/test_structure.py")
+
+
+def upward_imports(infos: dict[str, ModuleInfo]) -> list[str]:
+    return sorted(f"{m} (layer {layer_of(m)}) imports {target} (layer {layer_of(target)})"
+                  for m, info in infos.items() for target in info.imports
+                  if target in infos and layer_of(target) > layer_of(m))
+
+
+def test_imports_point_down_the_layers(package):
+    assert not upward_imports(package), "imports up the layers:\n  " + _describe(upward_imports(package))
+    hooks, aggregator = ("gradpress.hooks", "gradpress.aggregator")
+    for module, info in package.items():  # the two front ends are peers: neither imports the other
+        if module == aggregator:
+            assert not {m for m in info.imports if m == hooks or m.startswith(hooks + ".")}, info.imports
+        if module.startswith(hooks + "."):
+            assert aggregator not in info.imports, (module, info.imports)
+
+
+def test_the_engine_never_imports_torch_distributed_or_comm(package):
+    engine = {m: info for m, info in package.items() if m == "gradpress.powersgd" or m.startswith("gradpress.powersgd.")}
+    assert len(engine) >= 8
+    assert not [m for m, info in engine.items() if info.imports_dist], "the engine imports torch.distributed"
+    assert not [(m, info.imports) for m, info in engine.items() if any(_in_comm(t) for t in info.imports)]
+
+
 # -- the checker itself --------------------------------------------------------------------------------
 
 def test_checker_finds_a_cycle_hidden_in_a_function():
@@ -294,6 +353,21 @@ def test_checker_finds_a_cycle_hidden_in_a_function():
     assert cycles(infos) == [frozenset({"pkg.a", "pkg.b"})]
     assert infos["pkg"].imports == set()          # re-exporting a child is not an edge
     assert infos["pkg.c"].imports == {"pkg.a"}    # `from . import a` is an edge to the module
+
+
+def test_checker_finds_an_upward_import_and_torch_distributed():
+    infos = read_package({
+        "gradpress.__init__": "",
+        "gradpress.comm.__init__": "",
+        "gradpress.comm.x": "from ..hooks import h\n",
+        "gradpress.hooks.__init__": "",
+        "gradpress.hooks.h": "from torch import distributed\nh = 1\n",
+        "gradpress.powersgd.__init__": "",
+        "gradpress.powersgd.s": "import torch.distributed.distributed_c10d\n",
+    })
+    assert upward_imports(infos) == ["gradpress.comm.x (layer 0) imports gradpress.hooks.h (layer 3)"]
+    assert infos["gradpress.hooks.h"].imports_dist and infos["gradpress.powersgd.s"].imports_dist
+    assert not infos["gradpress.comm.x"].imports_dist
 
 
 def test_checker_finds_private_uses_and_collectives():

@@ -13,8 +13,8 @@ from torch import nn
 
 from distributed import run
 from gradpress.hooks import allreduce_hook
-from gradpress.workloads import training
-from gradpress.workloads.config import DemoConfig
+from gradpress.tools.workloads import training
+from gradpress.tools.workloads.config import DemoConfig
 
 MAX_NORM = 4.0
 

@@ -1,4 +1,4 @@
-"""The demo's method registry (``gradpress.workloads.methods``): each kind declared once, and everything
+"""The demo's method registry (``gradpress.tools.workloads.methods``): each kind declared once, and everything
 else (``METHOD_KINDS``, ``parse_methods``, the byte schedules, the hooks and averagers) read from it."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 import gradpress
-from gradpress.workloads import METHOD_KINDS, METHOD_REGISTRY, DemoConfig, MethodKind, get_task, parse_methods, training
-from gradpress.workloads.methods import bytes_schedule, method_kind, wire_bytes
+from gradpress.tools.workloads import METHOD_KINDS, METHOD_REGISTRY, DemoConfig, MethodKind, get_task, parse_methods, training
+from gradpress.tools.workloads.methods import bytes_schedule, method_kind, wire_bytes
 
 ALL = ["allreduce", "fp16", "bf16", "powersgd", "multi", "localsgd", "diloco", "streaming", "diloco-int8",
        "diloco-int4", "sparseloco"]

@@ -1,11 +1,11 @@
-"""``gradpress.zoo``: parameter counts (published and by formula), tied weights, meta device, forward passes."""
+"""``gradpress.tools.zoo``: parameter counts (published and by formula), tied weights, meta device, forward passes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gradpress import zoo
+from gradpress.tools import zoo
 
 
 def count(model: torch.nn.Module) -> int:

@@ -1,9 +1,9 @@
 """Does ``gradpress check``'s advice hold? Its predicted step times against measured ones, per link rate.
 
 For each ``--rates``, builds 2 ranks in network namespaces (``netns.py``: veth + ``tc tbf`` both ways),
-runs the check's own code (:func:`gradpress.check.report.collect`: correctness, link, hook compute, the
+runs the check's own code (:func:`gradpress.tools.check.report.collect`: correctness, link, hook compute, the
 predictions) on ``--task``, then trains the task for ``--steps`` steps with each of ``--methods``
-(``gradpress.workloads.training.train``, the demo's loop) and records the measured time per step. Needs
+(``gradpress.tools.workloads.training.train``, the demo's loop) and records the measured time per step. Needs
 root and iproute2. Not part of CI.
 
     sudo python3 benchmarks/network/check_bench.py --rates 100mbit,10gbit --task charlm-wide \\
@@ -38,9 +38,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from gradpress.check.compute import load_model, step_ms
-    from gradpress.check.report import collect
-    from gradpress.workloads.training import DemoConfig, parse_methods, train
+    from gradpress.tools.check.compute import load_model, step_ms
+    from gradpress.tools.check.report import collect
+    from gradpress.tools.workloads.training import DemoConfig, parse_methods, train
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{args.port}",

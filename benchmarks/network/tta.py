@@ -2,7 +2,7 @@
 
 Builds ``--world-size`` ranks in network namespaces on a bridge (``netns.py``: veth + ``tc tbf`` both
 ways), and for each ``--rates`` trains the demo's ``--task`` with every ``--methods`` through
-``gradpress.workloads.training.train`` (the code path of ``gradpress demo`` and ``examples/train.py``:
+``gradpress.tools.workloads.training.train`` (the code path of ``gradpress demo`` and ``examples/train.py``:
 same data order, same initial weights, same hooks), then tears everything down. Needs root and
 iproute2. Not part of CI.
 
@@ -46,7 +46,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from gradpress.workloads.training import DemoConfig, parse_methods, train
+    from gradpress.tools.workloads.training import DemoConfig, parse_methods, train
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{args.port}",
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Time-to-accuracy over rate-limited links (needs root).")
     parser.add_argument("--rates", default="100mbit,1gbit", help="comma-separated tc rates (default: %(default)s)")
     parser.add_argument("--world-size", type=int, default=2)
-    from gradpress.workloads.tasks import task_names
+    from gradpress.tools.workloads.tasks import task_names
 
     parser.add_argument("--task", default="charlm", choices=task_names(),
                         help="a demo task (default: %(default)s)")
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.start_iter is None:
-        from gradpress.workloads.training import default_start_iter
+        from gradpress.tools.workloads.training import default_start_iter
 
         args.start_iter = default_start_iter(args.steps)
     if args.rank is not None:

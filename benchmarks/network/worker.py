@@ -22,7 +22,7 @@ Workloads:
   * ``shapes``: ResNet-18-CIFAR's parameter shapes (11.2M floats, 62 tensors) with a trivial backward:
     ``loss = sum((p * g_p).sum())`` with fixed per-rank ``g_p``, so every step's gradients are ``g_p``
     and communication dominates;
-  * ``resnet18``: ResNet-18-CIFAR (``gradpress.zoo``) on synthetic 32x32 images, batch 8 per rank;
+  * ``resnet18``: ResNet-18-CIFAR (``gradpress.tools.zoo``) on synthetic 32x32 images, batch 8 per rank;
   * ``transformer``: a 4-layer GPT-2-style LM (d=256, 4 heads, vocab 256, context 128; 3.3M parameters)
     on random tokens, batch 8 x 128 per rank.
 """
@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
 from gradpress import comm as gp_comm
-from gradpress import zoo
+from gradpress.tools import zoo
 
 METHODS = ("noop", "allreduce", "fp16", "torch_powersgd:2", "powersgd:1", "powersgd:2", "powersgd:4", "multi:2",
            "localsgd:8")

@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None:  # a submodule (gradpress.hooks, gradpress.zoo, ...), as after an eager import
+    if module is None:  # a submodule (gradpress.hooks, gradpress.tools.zoo, ...), as after an eager import
         try:
             return importlib.import_module(f".{name}", __name__)
         except ModuleNotFoundError as exc:

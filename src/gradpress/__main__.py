@@ -2,7 +2,7 @@
 
 import sys
 
-from .cli.main import main
+from .tools.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -34,11 +34,12 @@ from torch import Tensor
 
 from .comm import broadcast_parameters
 from .checkpoint import check_placement, placement, reject_gathered
-from .comm import Communicator, check_process_group, make_communicator
+from .comm import check_process_group, make_communicator
+from .powersgd.transport import Communicator
 from .diagnostics import (ApproximationSummary, captured_energies, check_measure_every, parameter_names,
                           relative_errors, should_measure, summarize)
 from .policy import RankPolicy, RankRules
-from .pipeline import OrderedPipeline, Task
+from .powersgd.pipeline import OrderedPipeline, Task
 from .powersgd.config import EngineConfig
 from .powersgd.memory import work_dtype_for
 from .powersgd.plan import Plan, make_plan

@@ -21,29 +21,13 @@ warning recommends when restarts are enabled and the store is shared.
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["free_port", "init_distributed", "restart_store_prefix", "usable_cores"]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a local group's ``MASTER_PORT`` or
-    ``tcp://`` init method; another process may take it before it is bound again)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def usable_cores() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one, else ``os.cpu_count()``)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+__all__ = ["init_distributed", "restart_store_prefix"]
 
 
 def restart_store_prefix(environ: "os._Environ[str] | dict[str, str] | None" = None) -> str | None:

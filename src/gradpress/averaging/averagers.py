@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..checkpoint import reject_gathered
-from ..checks import check_int
+from ..validation import check_int
 from ..comm import average_tensors_, is_member
 from .tensors import Params, tensors_to_average
 

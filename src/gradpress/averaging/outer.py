@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from ..aggregator import Config, PowerSGD
 from ..checkpoint import check_placement, placement
-from ..checks import check_number
+from ..validation import check_number
 from ..comm import average_tensors_, broadcast_parameters, is_distributed, is_member
 from .averagers import PeriodicModelAverager
 from .tensors import Params, tensors_to_average

@@ -1,6 +1,6 @@
 """The one place that talks to a process group: every ``torch.distributed`` collective gradpress issues.
 
-The engine only sees the :class:`Communicator` protocol, so it can run under DDP hooks, under the
+The engine only sees its :class:`~gradpress.powersgd.transport.Communicator` protocol, so it can run under DDP hooks, under the
 standalone aggregator, or with no ``torch.distributed`` at all (:class:`LocalCommunicator`). The rest of
 the package calls the functions here: blocking collectives (:func:`all_reduce`, :func:`broadcast`,
 :func:`barrier`, the object collectives), asynchronous ones returning a :class:`Work` (whose ``wait()``
@@ -8,18 +8,18 @@ describes a failure as a :class:`CollectiveError`), and the parameter-level help
 (:func:`broadcast_parameters`, :func:`average_tensors_`).
 
 Modules: ``errors`` (:class:`CollectiveError` and how a collective is described), ``communicator`` (the
-engine's :class:`Communicator`), ``collectives`` (every ``torch.distributed`` collective, and
+engine's communicators), ``collectives`` (every ``torch.distributed`` collective, and
 :class:`Work`), ``parameters`` (tensor lists: :func:`average_tensors_`, :func:`broadcast_parameters`).
 """
 
 from .collectives import (Work, all_gather_async, all_gather_objects, all_reduce, all_reduce_async, barrier, broadcast,
                           broadcast_async, gather_objects, is_distributed, is_member, reduce_scatter_async,
                           scatter_objects)
-from .communicator import Communicator, Handle, LocalCommunicator, ProcessGroupCommunicator, make_communicator
+from .communicator import LocalCommunicator, ProcessGroupCommunicator, make_communicator
 from .errors import CollectiveError, check_process_group, collective_error, describe_collective
 from .parameters import average_tensors_, broadcast_parameters, flat_groups
 
-__all__ = ["CollectiveError", "Communicator", "Handle", "LocalCommunicator", "ProcessGroupCommunicator", "Work",
+__all__ = ["CollectiveError", "LocalCommunicator", "ProcessGroupCommunicator", "Work",
            "all_gather_async", "all_gather_objects", "all_reduce", "all_reduce_async", "average_tensors_", "barrier",
            "broadcast", "broadcast_async", "broadcast_parameters", "check_process_group", "collective_error",
            "describe_collective", "flat_groups", "gather_objects", "is_distributed", "is_member", "make_communicator",

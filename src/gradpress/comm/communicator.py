@@ -1,10 +1,11 @@
-"""What the engine sees: the :class:`Communicator` protocol (sum or max of a flat buffer, asynchronously),
-over a process group (:class:`ProcessGroupCommunicator`) or a single worker (:class:`LocalCommunicator`)."""
+"""The communicators the engine is given: sum or max of a flat buffer, asynchronously, over a process group
+(:class:`ProcessGroupCommunicator`) or a single worker (:class:`LocalCommunicator`). They satisfy the
+engine's :class:`gradpress.powersgd.transport.Communicator` protocol structurally: the engine defines what it
+consumes, this layer below it never imports it."""
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -13,28 +14,7 @@ from torch import Tensor
 from .collectives import Work, is_member, start_described
 from .errors import describe_collective
 
-__all__ = ["Communicator", "Handle", "LocalCommunicator", "ProcessGroupCommunicator", "make_communicator"]
-
-
-class Handle(Protocol):
-    """An in-flight collective. ``wait()`` blocks until the buffer holds the result and returns it."""
-
-    def wait(self) -> Tensor: ...
-
-
-class Communicator(Protocol):
-    """Sums flat buffers across the workers of a group."""
-
-    @property
-    def world_size(self) -> int: ...
-
-    def allreduce_sum(self, buffer: Tensor) -> Handle:
-        """Start summing ``buffer`` (1-d, contiguous) over all workers, in place."""
-        ...
-
-    def allreduce_max(self, buffer: Tensor) -> Handle:
-        """Start taking the elementwise maximum of ``buffer`` over all workers, in place."""
-        ...
+__all__ = ["LocalCommunicator", "ProcessGroupCommunicator", "make_communicator"]
 
 
 class _Done:
@@ -52,10 +32,10 @@ class LocalCommunicator:
 
     world_size = 1
 
-    def allreduce_sum(self, buffer: Tensor) -> Handle:
+    def allreduce_sum(self, buffer: Tensor) -> _Done:
         return _Done(buffer)
 
-    def allreduce_max(self, buffer: Tensor) -> Handle:
+    def allreduce_max(self, buffer: Tensor) -> _Done:
         return _Done(buffer)
 
 
@@ -89,13 +69,13 @@ class ProcessGroupCommunicator:
     def world_size(self) -> int:
         return self._world_size
 
-    def allreduce_sum(self, buffer: Tensor) -> Handle:
+    def allreduce_sum(self, buffer: Tensor) -> Work:
         return self._allreduce(buffer, dist.ReduceOp.SUM)
 
-    def allreduce_max(self, buffer: Tensor) -> Handle:
+    def allreduce_max(self, buffer: Tensor) -> Work:
         return self._allreduce(buffer, dist.ReduceOp.MAX)
 
-    def _allreduce(self, buffer: Tensor, op: dist.ReduceOp) -> Handle:
+    def _allreduce(self, buffer: Tensor, op: dist.ReduceOp) -> Work:
         staging = None
         if self.comm_device is not None and buffer.device != self.comm_device:
             staging = buffer.to(self.comm_device)
@@ -110,7 +90,7 @@ class ProcessGroupCommunicator:
 
 
 def make_communicator(process_group: dist.ProcessGroup | None = None,
-                      comm_device: torch.device | str | None = None, issuer: str = "gradpress") -> Communicator:
+                      comm_device: torch.device | str | None = None, issuer: str = "gradpress") -> ProcessGroupCommunicator | LocalCommunicator:
     """A :class:`ProcessGroupCommunicator` when ``torch.distributed`` is initialized, else local."""
     if dist.is_available() and dist.is_initialized():
         return ProcessGroupCommunicator(process_group, comm_device, issuer)

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from ..adaptive import AdaptiveRank
 from ..diagnostics import named_pairs
-from ..linalg import as_matrix_shape
+from ..powersgd.linalg import as_matrix_shape
 from ..policy import RankPolicy, RankRules
 from ..powersgd.plan import should_compress
 

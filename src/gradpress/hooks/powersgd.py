@@ -6,7 +6,7 @@
 >>> ddp_model.register_comm_hook(state, gradpress.powerSGD_hook)                 # doctest: +SKIP
 
 Differences from PyTorch that users can rely on (each has a test):
-  * collectives are issued in the same order on every rank (:mod:`gradpress.pipeline`), with no
+  * collectives are issued in the same order on every rank (:mod:`gradpress.powersgd.pipeline`), with no
     blocking wait inside a future callback, so gloo cannot hang or mismatch;
   * no ``torch.cuda.synchronize``: CPU tensors work on machines that also have CUDA;
   * ``batched_powerSGD_hook`` works (PyTorch's resizes the bucket buffer and fails);
@@ -28,12 +28,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..checkpoint import check_placement, placement, reject_gathered
-from ..comm import Communicator, check_process_group, make_communicator
+from ..comm import check_process_group, make_communicator
+from ..powersgd.transport import Communicator
 from ..adaptive import AdaptiveRank
 from ..policy import RankRules
 from ..diagnostics import (ApproximationSummary, captured_energies, check_measure_every, relative_errors,
                            should_measure, summarize)
-from ..pipeline import Task
+from ..powersgd.pipeline import Task
 from ..powersgd.config import EngineConfig
 from ..powersgd.memory import RESIZE_DRAW, Segment, work_dtype_for
 from ..powersgd.session import EngineSession, MemoryReport

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..linalg import as_matrix_shape
+from .linalg import as_matrix_shape
 
 __all__ = ["GroupPlan", "Plan", "TensorPlan", "make_plan", "should_compress"]
 

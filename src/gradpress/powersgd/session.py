@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..pipeline import OrderedPipeline, Task
+from .pipeline import OrderedPipeline, Task
 from .config import EngineConfig
 from .memory import ParamMemory, Segment, SegmentStore, work_dtype_for
 from .plan import make_plan
@@ -77,7 +77,7 @@ class EngineSession:
 
     Args:
         config: how each step compresses.
-        advance_on_submit: the pipeline's policy (see :class:`gradpress.pipeline.OrderedPipeline`): the
+        advance_on_submit: the pipeline's policy (see :class:`gradpress.powersgd.pipeline.OrderedPipeline`): the
             DDP hooks start only the first phase of each bucket's step and run the rest when the last
             bucket arrives (``False``); the aggregator, which has all tensors at once, advances on
             every submit (``True``).

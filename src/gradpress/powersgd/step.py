@@ -11,9 +11,9 @@ from collections.abc import Callable, Generator, Sequence
 import torch
 from torch import Tensor
 
-from ..comm import Communicator, Handle
-from ..linalg import orthogonalize_
-from ..pipeline import Task
+from .transport import Communicator, Handle
+from .linalg import orthogonalize_
+from .pipeline import Task
 from .config import EngineConfig
 from .memory import Finiteness, Segment, StagedFactors, seeded_sketch
 
@@ -84,7 +84,7 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
                damping: float | None = None, measure: bool = False, track: bool = False) -> Task:
     """Replace ``grads`` (the segment's tensors, in plan order) by their PowerSGD-compressed mean.
 
-    A generator task (see :mod:`gradpress.pipeline`): it yields after starting each collective and must
+    A generator task (see :mod:`gradpress.powersgd.pipeline`): it yields after starting each collective and must
     be resumed only once that collective is complete. Every rank must run it with the same plan.
 
     Steps, for the compressed matrices M_i (grouped by shape, one ``bmm`` per group):

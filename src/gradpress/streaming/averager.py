@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from ..averaging import ModelAverager, OuterStep, Params, tensors_to_average
 from ..averaging.outer import check_first_sync, no_anchor_message, take_anchor, takes_anchor
 from ..checkpoint import check_placement, placement
-from ..checks import check_int, check_number
+from ..validation import check_int, check_number
 from ..comm import Work, all_gather_async, all_reduce_async, average_tensors_, is_member
 from .compress import Compressor
 from .fragments import fragment_offsets, split_by_size

@@ -32,7 +32,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ..checks import check_int
+from ..validation import check_int
 
 __all__ = ["Compressor", "QuantizeInt4", "QuantizeInt8", "TopK"]
 

@@ -22,10 +22,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import comm
-from ..averaging import ModelAverager, PostLocalSGDOptimizer, average_tensors_, tensors_to_average
-from ..hooks import PowerSGDState
-from ..powersgd import make_plan
+from ... import comm
+from ...averaging import ModelAverager, PostLocalSGDOptimizer, average_tensors_, tensors_to_average
+from ...hooks import PowerSGDState
+from ...powersgd import make_plan
 from . import checkpoints
 from .config import ADAMW_BETAS, FAIL_KINDS, DemoConfig, default_start_iter
 from .methods import (DEFAULT_PERIOD, METHOD_KINDS, METHOD_REGISTRY, SPARSELOCO, STREAMING_ALPHA, STREAMING_DELAY,
@@ -34,7 +34,7 @@ from .methods import (DEFAULT_PERIOD, METHOD_KINDS, METHOD_REGISTRY, SPARSELOCO,
 from .tasks import get_task
 
 # The configuration and the methods live in .config and .methods; this module re-exports them, so
-# ``from gradpress.workloads.training import DemoConfig, parse_methods, SPARSELOCO`` keeps working.
+# ``from gradpress.tools.workloads.training import DemoConfig, parse_methods, SPARSELOCO`` keeps working.
 __all__ = ["DEFAULT_PERIOD", "DemoConfig", "FAIL_KINDS", "METHOD_KINDS", "METHOD_REGISTRY", "Method", "MethodKind",
            "ProgressFn", "SPARSELOCO", "STREAMING_ALPHA", "STREAMING_DELAY", "STREAMING_FRAGMENTS", "bytes_schedule",
            "default_start_iter", "make_optimizer", "param_checksum", "parse_methods", "train"]
@@ -186,7 +186,7 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
 
     ``checkpoint_dir``: every ``checkpoint_every`` steps and at the end, each rank saves atomically the
     model, the optimizer (with the averager), the hook's state, its data position, the RNG and the
-    progress so far to ``checkpoint_dir/<method>/`` (:mod:`gradpress.workloads.checkpoints`); a run that
+    progress so far to ``checkpoint_dir/<method>/`` (:mod:`gradpress.tools.workloads.checkpoints`); a run that
     finds checkpoints there resumes from the newest step every rank completed and ends with the same
     parameters as a run that never stopped. A checkpoint of another configuration raises ``ValueError``.
     """

@@ -1,7 +1,7 @@
 """``gradpress demo``: train one model on real data with several gradient-communication methods.
 
 The parent process spawns ``--workers`` local processes (gloo on CPU with one thread each; NCCL when
-there is one GPU per worker). Every worker runs :func:`gradpress.workloads.training.train` once per
+there is one GPU per worker). Every worker runs :func:`gradpress.tools.workloads.training.train` once per
 method, with the same seed, weights and data order, and sends progress, results or its traceback back
 through a pipe of its own. The parent shows progress bars, then prints a table (test metric, loss, bytes per
 step, compression, time) and writes ``demo.json``, ``demo.md`` and ``demo.png`` to ``--out``. It checks
@@ -14,7 +14,7 @@ it still reports and writes the methods that every worker had finished, with the
 and why.
 
 On a task with a measured PowerSGD recipe (``charlm``, ``charlm-wide``, ``gpt``, ``gpt-wide``:
-:class:`~gradpress.workloads.Recipe`) the demo takes its learning rate (for every method), its rank and
+:class:`~gradpress.tools.workloads.Recipe`) the demo takes its learning rate (for every method), its rank and
 its PowerSGD options (an fp16 wire) for whatever ``--lr``, ``--rank`` and ``--powersgd-options`` leave
 out (:func:`resolve`); the report says so. Other tasks keep their own defaults.
 
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...hooks import PowerSGDState
-from ...launch import free_port, usable_cores
+from ....hooks import PowerSGDState
+from ...processes import free_port, usable_cores
 from ...workloads.config import ADAMW_LR, OPTIMIZERS, DemoConfig, default_start_iter
 from ...workloads.methods import METHOD_KINDS, METHOD_REGISTRY, Method, parse_methods
 from ...workloads.tasks import TASKS, get_task
@@ -265,7 +265,7 @@ def _describe_options(options: Mapping[str, Any]) -> str:
 
 def resolve(args: argparse.Namespace) -> Resolved:
     """The methods and settings of a ``gradpress demo`` command line. On a task with a measured recipe
-    (:class:`~gradpress.workloads.Recipe`), what ``--lr``, ``--rank`` and ``--powersgd-options`` leave out
+    (:class:`~gradpress.tools.workloads.Recipe`), what ``--lr``, ``--rank`` and ``--powersgd-options`` leave out
     comes from it: its lr for every method (the allreduce baseline is the tuned one too), its rank for the
     PowerSGD methods given without ``:R``, its options for the PowerSGD methods; elsewhere the task's lr
     and :data:`DEFAULT_RANKS`. ``ValueError`` for an unknown task or a bad ``--methods``.

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from ... import comm
 
 __all__ = ["DEFAULT_SIZES", "Link", "measure_link", "node_groups"]
 

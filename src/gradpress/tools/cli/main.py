@@ -14,7 +14,7 @@ from typing import NoReturn
 
 __all__ = ["COMMANDS", "ArgumentParser", "build_parser", "main"]
 
-#: Subcommand modules (of :mod:`gradpress.cli`), in the order ``gradpress --help`` lists them. Imported
+#: Subcommand modules (of :mod:`gradpress.tools.cli`), in the order ``gradpress --help`` lists them. Imported
 #: when the parser is built, not before: ``gradpress --version`` must not wait for torch.
 COMMANDS = ("demo", "inspect", "bench", "check")
 
@@ -28,7 +28,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def build_parser() -> ArgumentParser:
     """The top-level parser with every subcommand registered."""
-    from .. import __version__
+    from ... import __version__
 
     parser = ArgumentParser(
         prog="gradpress",
@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv == ["--version"]:  # answered before the subcommands (and torch) are imported
-        from .. import __version__
+        from ... import __version__
 
         print(f"gradpress {__version__}")
         return 0

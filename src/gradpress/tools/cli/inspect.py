@@ -1,7 +1,7 @@
 """``gradpress inspect``: what PowerSGD compresses in a model, and how many bytes it sends.
 
 ``--model`` takes what ``gradpress check --model`` takes, through the same loader
-(:func:`gradpress.check.loader.load_model`): a built-in model of :mod:`gradpress.zoo`, a model of
+(:func:`gradpress.tools.check.loader.load_model`): a built-in model of :mod:`gradpress.tools.zoo`, a model of
 ``gradpress demo``'s tasks (``--model gpt`` is the demo's ``--task gpt`` model) or ``module.path:function``
 returning an ``nn.Module`` or ``(module, example_batch)`` (the batch is not used here).
 The model is built on the meta device, so nothing is allocated, and
@@ -13,7 +13,7 @@ gives the same floats as summing the plans of the buckets.
 Traffic per epoch uses the PowerSGD paper's convention (Vogels et al. 2019, Table on ResNet-18/CIFAR-10):
 what ONE worker puts into the allreduce per step, times ``steps = floor(dataset / (workers x batch))``
 (``drop_last``), in MiB (2^20 bytes). Bytes are counted as ``PowerSGDState.bytes_stats()`` counts them
-(:func:`gradpress.check.wire.step_bytes`): allreduce sends the gradients in their dtype, PowerSGD its
+(:func:`gradpress.tools.check.wire.step_bytes`): allreduce sends the gradients in their dtype, PowerSGD its
 floats at the wire's precision, ``--bytes-per-weight`` (2: fp16, or bf16 for bf16 gradients), so the
 compression ratio is the state's.
 
@@ -39,8 +39,8 @@ from torch import nn
 
 from ..check.loader import load_model, valid_models
 from ..check.wire import step_bytes
-from ..hooks.hierarchical import assign_shares
-from ..powersgd import make_plan
+from ...hooks.hierarchical import assign_shares
+from ...powersgd import make_plan
 from ..workloads.tasks import TASKS
 from .args import float_at_least, int_at_least
 from .table import format_table
@@ -77,7 +77,7 @@ DEMO_WORKERS = 4
 
 def build_named_model(name: str) -> nn.Module:
     """The model ``--model name`` means, on the meta device, by ``gradpress check``'s loader
-    (:func:`gradpress.check.loader.load_model`): ``ValueError`` naming ``--model`` and the valid values."""
+    (:func:`gradpress.tools.check.loader.load_model`): ``ValueError`` naming ``--model`` and the valid values."""
     return load_model(name, torch.device("meta"), data=False)[0]
 
 
@@ -109,7 +109,7 @@ def hierarchical_traffic(shapes: list[tuple[int, ...]], rank: int, min_compressi
     ``j`` of each node puts in the plan of its share ``assign_shares(numels, L)[j]`` (the tensors are
     planned as one bucket; DDP's hook assigns shares per bucket, which moves tensors between local ranks
     but leaves each node's total unchanged: the sum of the shares' plans is the whole plan). Bytes as
-    :func:`~gradpress.check.wire.step_bytes` counts them for gradients of ``dtypes`` (default fp32). Raises
+    :func:`~gradpress.tools.check.wire.step_bytes` counts them for gradients of ``dtypes`` (default fp32). Raises
     ``ValueError`` unless ``workers_per_node`` divides ``workers`` into at least 2 nodes.
 
     >>> t = hierarchical_traffic([(512, 512), (512,)], rank=1, min_compression_rate=2, workers=4, workers_per_node=2)

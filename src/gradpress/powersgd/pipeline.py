@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Generator
 from typing import Any
 
-from .comm import Handle
+from .transport import Handle
 
 __all__ = ["OrderedPipeline", "Task"]
 

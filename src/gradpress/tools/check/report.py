@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from ... import comm
 from ..cli.table import format_table
 from .advice import candidate_methods, model_width, predict, recipe_rule, recommend, recommended_powersgd
 from .compute import hook_compute_ms, step_ms
@@ -37,7 +37,7 @@ def collect(model: str, device: torch.device, given_step_ms: float | None = None
 
     ``model``: as ``--model`` (``ValueError`` naming it if invalid, raised before any collective).
     ``given_step_ms``: the compute step when the model has no example batch (``--step-ms``); a measured
-    step wins over it. ``hooks`` / ``local_world_size``: see :func:`~gradpress.check.correctness.run_correctness`.
+    step wins over it. ``hooks`` / ``local_world_size``: see :func:`~gradpress.tools.check.correctness.run_correctness`.
     """
     module, batch, loss = load_model(model, device)
     world = dist.get_world_size()

@@ -24,7 +24,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
 
-from ...launch import free_port
+from ...processes import free_port
 from ...workloads.training import DemoConfig, Method, ProgressFn
 
 #: Seconds without a report from any worker (a step, an evaluation, a result) after which the run is stopped.
@@ -95,7 +95,7 @@ def is_peer_loss(exc: BaseException) -> bool:
     backend error saying that a peer's connection is gone."""
     kinds: list[type] = []
     try:
-        from ...comm.errors import CollectiveError
+        from ....comm.errors import CollectiveError
         kinds.append(CollectiveError)
     except Exception:  # noqa: BLE001 - a worker that failed to import torch has no collective to blame
         pass

@@ -7,7 +7,7 @@ pass is assumed, so a step costs
 
 with a ring allreduce ``latency * 2 (n - 1)`` per collective plus ``bytes * 2 (n - 1) / n / busbw``.
 Bytes per step: allreduce sends every gradient in fp32, the cast hooks in 2 bytes, PowerSGD what
-``PowerSGDState.bytes_stats()`` counts (:func:`gradpress.check.wire.step_bytes`: the plan's ``numel_sent``
+``PowerSGDState.bytes_stats()`` counts (:func:`gradpress.tools.check.wire.step_bytes`: the plan's ``numel_sent``
 at the wire's bytes per value; two collectives per bucket, and on an fp16 wire one more tiny one per
 phase for the scale), local SGD and DiLoCo all parameters once every ``H`` steps (averaged over the H
 steps). Local SGD and DiLoCo change the optimization (fewer synchronizations), so the fastest step is not
@@ -19,7 +19,7 @@ transformer, 22 on the wider models). PowerSGD below that rank is predicted too,
 never recommended: in the quality study it needed more steps to the same loss (rank 4: never reached
 allreduce's mid-run perplexity on charlm), which a faster step does not buy back.
 
->>> from gradpress.check.link import Link
+>>> from gradpress.tools.check.link import Link
 >>> link = Link(world_size=2, latency_s=1e-4, busbw=12.5e6)          # 100 Mbit/s
 >>> rows = predict(candidate_methods([(512, 512), (512,)]), link, step_ms=20.0)
 >>> rows[0].name != "allreduce"
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ..powersgd import make_plan
+from ...powersgd import make_plan
 from .link import Link
 from .wire import StepBytes, step_bytes
 
@@ -83,7 +83,7 @@ class RankRule:
 
 @functools.cache
 def recipe_rule() -> RankRule:
-    """The rule the measured recipes follow (:attr:`gradpress.workloads.tasks.Task.recipe`, docs/tuning.md).
+    """The rule the measured recipes follow (:attr:`gradpress.tools.workloads.tasks.Task.recipe`, docs/tuning.md).
 
     ``cap``: the largest recipe rank (more was not measured); ``ratio``: the largest recipe rank per unit
     of its model's width (:func:`model_width`), i.e. that of a model whose width held its rank below the

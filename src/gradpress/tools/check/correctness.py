@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import comm
-from ..hooks import (PowerSGDState, allreduce_hook, bf16_compress_hook, bf16_compress_wrapper, fp16_compress_hook,
+from ... import comm
+from ...hooks import (PowerSGDState, allreduce_hook, bf16_compress_hook, bf16_compress_wrapper, fp16_compress_hook,
                      fp16_compress_wrapper, powerSGD_hook)
-from ..hooks.hierarchical import hierarchical_wrapper
+from ...hooks.hierarchical import hierarchical_wrapper
 from .link import node_groups
 
 __all__ = ["DEFAULT_HOOKS", "Item", "TOLERANCES", "run_correctness"]

@@ -1,4 +1,4 @@
-"""Per-rank training checkpoints for :func:`gradpress.workloads.train` (``examples/train.py``,
+"""Per-rank training checkpoints for :func:`gradpress.tools.workloads.train` (``examples/train.py``,
 ``--checkpoint-dir``): atomic files, resume from the newest step that *every* rank completed.
 
 Layout: ``DIR/<method>/step-<00000040>.rank-<R>.pt``, one file per rank and step, written with
@@ -18,8 +18,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from .. import checkpoint
-from ..comm import all_gather_objects
+from ... import checkpoint
+from ...comm import all_gather_objects
 
 __all__ = ["checkpoint_path", "load", "load_everywhere", "newest_common_step", "prune", "run_directory", "save", "steps_saved"]
 

@@ -6,7 +6,7 @@ Run it under torchrun with the layout you train with (gloo or NCCL, CPU or CUDA)
     torchrun --nnodes 2 --nproc-per-node 8 ... -m gradpress check --model mypkg.models:build --json check.json
 
 Without torchrun it runs as one process (the correctness checks run; the link has nothing to measure).
-Rank 0 prints the report (see :func:`gradpress.check.report.format_report`); the exit status is 0 when
+Rank 0 prints the report (see :func:`gradpress.tools.check.report.format_report`); the exit status is 0 when
 every correctness check passed, 1 when one failed, 2 for bad arguments.
 """
 
@@ -33,7 +33,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                     "hook compute on your model's gradient shapes; and ranks the methods by predicted step time "
                     "(compute step + hook compute + the bytes on the measured link).")
     parser.add_argument("--model", default="charlm", metavar="NAME",
-                        help="a demo task (charlm, gpt-wide, ...), a gradpress.zoo model, or module.path:function "
+                        help="a demo task (charlm, gpt-wide, ...), a gradpress.tools.zoo model, or module.path:function "
                              "returning your nn.Module or (module, example_batch) (default: charlm)")
     parser.add_argument("--step-ms", type=positive_float, default=None, metavar="MS",
                         help="your forward + backward time per step, when the model gives no example batch")
@@ -75,7 +75,7 @@ def _init(device: Any, backend: str) -> bool:
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(chosen)
     else:
-        from ..launch import free_port
+        from ..processes import free_port
 
         # a group of this process alone
         dist.init_process_group(chosen, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

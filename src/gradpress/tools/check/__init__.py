@@ -4,7 +4,7 @@ Modules: ``correctness`` (PASS/FAIL checks of the hooks against a plain allreduc
 bus bandwidth and latency), ``compute`` (the model, its step time, each hook's compute), ``advice``
 (predicted step time per method, the recommendation), ``report`` (all of it as a dict and as text).
 
->>> from gradpress.check import Link, candidate_methods, predict
+>>> from gradpress.tools.check import Link, candidate_methods, predict
 >>> rows = predict(candidate_methods([(1024, 1024)]), Link(2, 1e-4, 12.5e6), step_ms=10.0)
 >>> rows[-1].name
 'allreduce'

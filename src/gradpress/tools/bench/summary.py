@@ -3,7 +3,7 @@ rank) medians, overheads and ratios (:func:`summarize`), the reasons a run canno
 (:func:`trust_warnings`), and the markdown tables (:func:`markdown_rows`, :func:`memory_rows`).
 
 Functions of the measurements alone (no torch, no clock; the load average is read by the one
-function that says so); :mod:`gradpress.bench.overhead` measures.
+function that says so); :mod:`gradpress.tools.bench.overhead` measures.
 """
 
 from __future__ import annotations

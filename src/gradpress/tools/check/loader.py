@@ -4,7 +4,7 @@ One loader, so both commands accept the same values and refuse the bad ones with
 
 * a demo task (``charlm``, ``gpt``, ...): the task's model (seed 0) and, when asked for and its data
   loads, a batch of its training data, with the task's loss;
-* a :mod:`gradpress.zoo` model (``resnet18-cifar``, ``gpt2``, ...): no batch;
+* a :mod:`gradpress.tools.zoo` model (``resnet18-cifar``, ``gpt2``, ...): no batch;
 * ``module.path:function`` (the current folder importable): ``function()`` called with no arguments,
   returning an ``nn.Module`` or ``(module, example_batch)``; the loss is the mean of the output, or of
   ``output.loss``.

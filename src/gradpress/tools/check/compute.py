@@ -1,5 +1,5 @@
 """The model side of the advice: its step time, and each hook's compute time (the model named by ``--model``
-comes from :func:`gradpress.check.loader.load_model`, re-exported here).
+comes from :func:`gradpress.tools.check.loader.load_model`, re-exported here).
 
 Hook compute is timed with no network: every rank runs the real engine (the :class:`gradpress.PowerSGD`
 aggregator, which shares the hooks' engine) on random gradients of the model's shapes over a process
@@ -62,9 +62,9 @@ def _own_group() -> Any:
 
 def hook_compute_ms(shapes: Sequence[Sequence[int]], device: torch.device, powersgd_ranks: Sequence[int] = (4,),
                     iters: int = 3) -> dict[str, float]:
-    """Per method name (as :func:`~gradpress.check.advice.candidate_methods` names them), the hook's own
+    """Per method name (as :func:`~gradpress.tools.check.advice.candidate_methods` names them), the hook's own
     compute in milliseconds on ``device`` for fp32 gradients of ``shapes``. A collective (group creation)."""
-    from ..aggregator import Config, PowerSGD
+    from ...aggregator import Config, PowerSGD
 
     group = _own_group()
     generator = torch.Generator().manual_seed(0)

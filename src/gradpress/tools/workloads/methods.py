@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..averaging import ModelAverager, OuterOptimizerAverager, PeriodicModelAverager
-from ..hooks import (PostLocalSGDState, PowerSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook,
+from ...averaging import ModelAverager, OuterOptimizerAverager, PeriodicModelAverager
+from ...hooks import (PostLocalSGDState, PowerSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook,
                      post_localSGD_hook, powerSGD_hook)
-from ..powersgd import Plan
-from ..streaming import QuantizeInt4, QuantizeInt8, StreamingDiLoCoAverager, TopK, split_by_size
+from ...powersgd import Plan
+from ...streaming import QuantizeInt4, QuantizeInt8, StreamingDiLoCoAverager, TopK, split_by_size
 from .config import DemoConfig
 
 __all__ = ["DEFAULT_PERIOD", "METHOD_KINDS", "METHOD_REGISTRY", "SPARSELOCO", "STREAMING_ALPHA", "STREAMING_DELAY",

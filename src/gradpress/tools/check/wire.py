@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..powersgd import EngineConfig, EngineSession, make_plan
+from ...powersgd import EngineConfig, EngineSession, make_plan
 
 __all__ = ["StepBytes", "dtype_name", "step_bytes"]
 

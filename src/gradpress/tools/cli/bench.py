@@ -1,6 +1,6 @@
 """``gradpress bench``: per-step overhead of gradpress's PowerSGD hook vs PyTorch's, over plain allreduce.
 
-Runs :func:`gradpress.bench.overhead.run_benchmark` (world size 1, gloo, DDP's bucket layout) and prints,
+Runs :func:`gradpress.tools.bench.overhead.run_benchmark` (world size 1, gloo, DDP's bucket layout) and prints,
 per model and rank, the allreduce step, each hook's overhead (its step minus allreduce's, in ms) and the
 ratio of our overhead to PyTorch's, each as the median over rounds with its interquartile range, then a
 warning line when the result cannot be trusted (machine busier than its cores, more intra-op threads
@@ -74,7 +74,7 @@ def _ratio(stats: dict[str, Any]) -> str:
 
 
 def format_results(results: list[dict[str, Any]]) -> list[str]:
-    """Table lines for :func:`gradpress.bench.overhead.summarize` results: allreduce step, overheads and
+    """Table lines for :func:`gradpress.tools.bench.overhead.summarize` results: allreduce step, overheads and
     ratios over rounds, each as ``median [first quartile, third quartile]`` (its ``by_round``)."""
     mib = 1 << 20
     rows = []
@@ -122,7 +122,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     preset.add_argument("--full", dest="preset", action="store_const", const="full",
                         help="both models, ranks 1, 2, 4")
     parser.add_argument("--models", type=_models, default=None, metavar="LIST",
-                        help="comma-separated models: gradpress.zoo built-ins (resnet18 = resnet18-cifar) or "
+                        help="comma-separated models: gradpress.tools.zoo built-ins (resnet18 = resnet18-cifar) or "
                              "module.path:factory, a function taking no arguments that returns your nn.Module "
                              "(as for gradpress inspect --model)")
     parser.add_argument("--ranks", type=int_list(1), default=None, metavar="R[,R...]",

@@ -46,7 +46,7 @@ Memory: bytes of the tensors each state holds after the run (gradpress: its ``me
 ``error_dict``,
 ``p_memory_dict``, ``q_memory_dict``), against the target "gradients + P + Q + one bucket".
 
-    python -m gradpress.bench.overhead --models resnet18,resnet50 --ranks 1,2,4 --json out.json
+    python -m gradpress.tools.bench.overhead --models resnet18,resnet50 --ranks 1,2,4 --json out.json
     python benchmarks/overhead.py ...          # the same, from a source checkout
     gradpress bench --full                     # the same models and ranks, one intra-op thread,
                                                # all hooks in one worker, summarized as a table
@@ -72,8 +72,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import zoo
-from ..hooks.bucket import DenseBucket
-from ..launch import free_port, usable_cores
+from ...hooks.bucket import DenseBucket
+from ..processes import free_port, usable_cores
 from .summary import (COMPARED, MB, MEMORY_HEADER, MIN_ROUNDS_FOR_SPREAD, TABLE_HEADER, iqr, load_average,
                       markdown_rows, memory_rows, summarize, trust_warnings)
 
@@ -86,14 +86,14 @@ MIN_COMPRESSION_RATE = 2
 
 
 # --------------------------------------------------------------------------------------------------
-# Models (from gradpress.zoo, built on the meta device: only the parameter shapes are used)
+# Models (from gradpress.tools.zoo, built on the meta device: only the parameter shapes are used)
 # --------------------------------------------------------------------------------------------------
-#: Short names used in BENCHMARKS.md -> :mod:`gradpress.zoo` names. Every zoo built-in is accepted too.
+#: Short names used in BENCHMARKS.md -> :mod:`gradpress.tools.zoo` names. Every zoo built-in is accepted too.
 MODELS: dict[str, str] = {"resnet18": "resnet18-cifar", "resnet50": "resnet50"}
 
 
 def model_names() -> list[str]:
-    """Names :func:`model_parameters` accepts: the short names, then :func:`gradpress.zoo.model_names`."""
+    """Names :func:`model_parameters` accepts: the short names, then :func:`gradpress.tools.zoo.model_names`."""
     return list(MODELS) + [name for name in zoo.model_names() if name not in MODELS]
 
 
@@ -328,11 +328,11 @@ def _measure_all(configs: Sequence[tuple[str, int]], names: Sequence[str], round
 
 def _run_worker(names: Sequence[str], models: Sequence[str], ranks: Sequence[int], rounds: int, block: int,
                 warmup: int, threads: int | None, gloo_threads: int, out: str) -> list[dict[str, Any]]:
-    """One worker process (``python -m gradpress.bench.overhead --worker HOOK[,HOOK...]``): it times the
+    """One worker process (``python -m gradpress.tools.bench.overhead --worker HOOK[,HOOK...]``): it times the
     ``names`` hooks and allreduce, interleaved, and writes its :func:`measure` parts to ``out``."""
     import subprocess
 
-    command = [sys.executable, "-m", "gradpress.bench.overhead", "--worker", ",".join(names),
+    command = [sys.executable, "-m", "gradpress.tools.bench.overhead", "--worker", ",".join(names),
                "--models", ",".join(models), "--ranks", ",".join(map(str, ranks)),
                "--rounds", str(rounds), "--block", str(block),
                "--warmup", str(warmup), "--gloo-threads", str(gloo_threads), "--json", out]
@@ -367,7 +367,7 @@ def _measure_interleaved(models: Sequence[str], ranks: Sequence[int], rounds: in
 
 def _measure_isolated(models: Sequence[str], ranks: Sequence[int], rounds: int, block: int, warmup: int,
                       threads: int | None, gloo_threads: int) -> list[dict[str, Any]]:
-    """One worker process (``python -m gradpress.bench.overhead --worker HOOK``) per (round, compared
+    """One worker process (``python -m gradpress.tools.bench.overhead --worker HOOK``) per (round, compared
     hook), each timing that hook against allreduce.
 
     With more than one intra-op thread, running PyTorch's hook in a process changes the conditions of
@@ -481,7 +481,7 @@ def run_benchmark(models: Sequence[str], ranks: Sequence[int], rounds: int = 3, 
     }
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m gradpress.bench.overhead") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m gradpress.tools.bench.overhead") -> int:
     """The benchmark script: JSON report to ``--json`` (or stdout), command + markdown tables to stderr.
 
     ``prog`` is how the command is recorded in the report (``benchmarks/overhead.py`` passes its own).

@@ -81,7 +81,7 @@ class CharLSTM(nn.Module):
 
 def char_gpt(n_layers: int = 4, d_model: int = 128, n_heads: int = 4) -> GPT2:
     """A character-level GPT over :data:`CHARSET` with a context of :data:`SEQUENCE` characters: the zoo's
-    :class:`~gradpress.zoo.GPT2` (token and learned position embeddings, pre-norm blocks with a fused qkv
+    :class:`~gradpress.tools.zoo.GPT2` (token and learned position embeddings, pre-norm blocks with a fused qkv
     linear layer, causal ``scaled_dot_product_attention`` and a 4x GELU MLP, final layer norm, output head
     tied to the token embedding), at this size."""
     return GPT2(vocab_size=len(CHARSET), context=SEQUENCE, n_layers=n_layers, d_model=d_model, n_heads=n_heads)

@@ -1,5 +1,0 @@
-"""Benchmarks that ship with the package, so that ``gradpress bench`` works from an installed wheel.
-
-``gradpress.bench.overhead``: per-step overhead of gradpress's vs PyTorch's PowerSGD hook over plain
-allreduce (``python -m gradpress.bench.overhead --help``; ``benchmarks/overhead.py`` is a thin wrapper).
-"""

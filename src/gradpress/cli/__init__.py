@@ -1,5 +1,0 @@
-"""The ``gradpress`` command line (``gradpress --help``); entry point :func:`gradpress.cli.main.main`."""
-
-from .main import main
-
-__all__ = ["main"]
