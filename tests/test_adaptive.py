@@ -115,6 +115,7 @@ def _adaptive_run(rank, world, steps):
     return history, shapes, [p.detach().clone() for p in net.parameters()], state.ranks()
 
 
+@pytest.mark.slow
 def test_ranks_with_different_gradients_take_identical_decisions_and_bytes_follow_the_ranks():
     results = run(_adaptive_run, WORLD, 18)
     (history, shapes, params, final), (other_history, _, other_params, other_final) = results
@@ -166,6 +167,7 @@ def _second_part(rank, world, first, steps, path):
     return [p.detach().clone() for p in net.parameters()], state.ranks()
 
 
+@pytest.mark.slow
 def test_resume_just_before_a_switch_equals_not_stopping(tmp_path):
     total = 18
     expected = run(_adaptive_run, WORLD, total)

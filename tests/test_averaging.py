@@ -121,6 +121,7 @@ def hierarchical(rank, world, warmup, steps, count_from_warmup):
     return events
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("count_from_warmup", [False, True])
 def test_hierarchical_averager_on_four_ranks_averages_the_right_groups_at_the_right_steps(count_from_warmup):
     warmup, steps = 3, 13

@@ -83,6 +83,7 @@ def test_bad_model_values_are_clear_errors(capsys, model, message):
     assert err.startswith("gradpress check: error: ") and message in err, err
 
 
+@pytest.mark.slow
 def test_one_process_report_with_a_user_batch(capsys, tmp_path):
     path = tmp_path / "check.json"
     assert main(["check", "--model", "test_cli_check:with_batch", "--iters", "1", "--json", str(path)]) == 0

@@ -247,6 +247,7 @@ def test_bad_arguments(capsys, argv: list[str], message: str) -> None:
     assert code == 2 and out == "" and message in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_command_line_smoke(capsys) -> None:
     proc = subprocess.run([sys.executable, "-m", "gradpress", "inspect", "--model", "lstm-wikitext2", "--rank", "4"],
                           capture_output=True, text=True, timeout=120)

@@ -3,6 +3,7 @@ given within the group), and failures named as CollectiveError."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from distributed import run
@@ -42,6 +43,7 @@ def collectives(rank: int, world: int) -> dict[str, object]:
     return out
 
 
+@pytest.mark.slow
 def test_collectives_give_the_same_results_as_their_definitions():
     world = 3
     results = run(collectives, world)

@@ -246,6 +246,7 @@ def _demo_run(rank, world_size, spec):
     return train(rank, world_size, parse_methods(spec, [2])[0], DemoConfig(steps=8, start_iter=2, evals=4))
 
 
+@pytest.mark.slow
 def test_the_demo_training_records_the_error_along_its_curve():
     from gradpress.tools.workloads.tasks import get_task
 

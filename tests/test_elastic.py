@@ -20,6 +20,8 @@ import pytest
 from gradpress.launch import restart_store_prefix
 from distributed import run
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ["allreduce", "powersgd:2", "multi:2", "localsgd:4", "diloco:4"]
 

@@ -14,6 +14,8 @@ import gradpress
 import gradpress.tools.zoo
 from gradpress.tools.workloads import get_task
 
+pytestmark = pytest.mark.slow
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train.py"
 
 

@@ -355,6 +355,7 @@ EXACT_TOLERANCE = {torch.float16: 4 * torch.finfo(torch.float16).eps, torch.bflo
                    torch.float32: 1e-4, torch.float64: 1e-9}
 
 
+@pytest.mark.slow
 @fuzz(250)
 @given(shape_lists(8, 5), st.sampled_from(DTYPES), st.integers(2, 4), st.sampled_from([None, 2, 3, 4]),
        st.sampled_from([None, 4, 8]), st.booleans(), st.sampled_from([1.0, 1e3]), st.integers(0, 2**31 - 1))

@@ -157,6 +157,7 @@ def test_full_rank_powersgd_matches_allreduce() -> None:
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_demo_trains_gpt_on_two_workers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["demo", "--task", "gpt", "--workers", "2", "--steps", "6", "--start-iter", "2",
                  "--methods", "allreduce,powersgd:2", "--out", str(tmp_path)])

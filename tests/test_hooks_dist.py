@@ -251,6 +251,7 @@ def ckpt_second_half(rank, world, hook_name, k, total, path, use_pickle, num_ite
     return [p.detach().clone() for p in net.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_pickle, num_iters", [(False, None), (True, None), (False, 1)])
 def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path, use_pickle, num_iters):
     # num_iters=1: the resumed run must continue on the right side (P or Q) with the saved P memory.
@@ -531,6 +532,7 @@ def ckpt_second_half_loaded_before_registering(rank, world, hook_name, k, total,
     return [p.detach().clone() for p in net.parameters()]
 
 
+@pytest.mark.slow
 def test_load_state_dict_before_or_after_register_comm_hook_resumes_the_same(tmp_path):
     total, k = 12, 6
     path = str(tmp_path / "ckpt")

@@ -25,6 +25,8 @@ from accelerate_launch import launched, reset_accelerate  # noqa: E402
 from distributed import run  # noqa: E402
 from gradpress.integrations.accelerate import register_comm_hook, state_file  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 MICRO_BATCHES = 8  # per rank and epoch: 64 samples, 2 ranks, batch 4
 ACCUMULATION = 2
 START_ITER = 2

@@ -27,6 +27,8 @@ import gradpress  # noqa: E402
 from distributed import run  # noqa: E402
 from gradpress.integrations.lightning import GradpressDDPStrategy, rank_file  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 STEPS_PER_EPOCH = 8  # 64 samples, 2 ranks, batch 4
 START_ITER = 2  # PowerSGD compresses from the 3rd step
 WARMUP, PERIOD = 3, 6  # averaging on steps 3, 9, 15: the last step averages, the end of epoch 1 does not

@@ -23,6 +23,8 @@ from accelerate_launch import launched  # noqa: E402
 from distributed import run  # noqa: E402
 from gradpress.integrations.transformers import GradpressCallback, register_comm_hook, state_file  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 STEPS = 8  # optimizer steps: 2 epochs of 4 (64 samples, 2 ranks, batch 4, accumulation 2)
 START_ITER = 2
 

@@ -41,6 +41,7 @@ def documented_call_trains(rank, world):
     return _digest(model), state.compression_stats()
 
 
+@pytest.mark.slow
 def test_the_documented_constructor_call_constructs_and_trains():
     (d0, (_, _, after0)), (d1, _) = run(documented_call_trains, WORLD)
     assert after0 > 0, "compression never became active"

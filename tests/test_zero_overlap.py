@@ -139,6 +139,7 @@ def convergence(rank: int, world: int, interleaved: bool):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_powersgd_rank_1_converges_and_ranks_agree(interleaved):
     for result in run(convergence, 3, interleaved):
