@@ -23,7 +23,7 @@ from ...powersgd import Plan
 from ...streaming import QuantizeInt4, QuantizeInt8, StreamingDiLoCoAverager, TopK, split_by_size
 from .config import DemoConfig
 
-__all__ = ["DEFAULT_PERIOD", "METHOD_KINDS", "METHOD_REGISTRY", "SPARSELOCO", "STREAMING_ALPHA", "STREAMING_DELAY",
+__all__ = ["DEFAULT_PERIOD", "METHOD_KINDS", "METHOD_REGISTRY", "RECOMMENDED", "SPARSELOCO", "STREAMING_ALPHA", "STREAMING_DELAY",
            "STREAMING_FRAGMENTS", "Method", "MethodKind", "bytes_schedule", "method_kind", "parse_methods",
            "wire_bytes"]
 
@@ -33,6 +33,9 @@ STREAMING_FRAGMENTS, STREAMING_DELAY, STREAMING_ALPHA = 4, 1, 0.5
 #: no outer momentum. The best of a sweep on charlm (4 workers, 300 steps, H=8; BENCHMARKS.md): density
 #: 1% -> 3% and beta 0.9/0.95 -> 1 each lowered the perplexity.
 SPARSELOCO = {"density": 0.03, "error_decay": 1.0, "outer_lr": 1.0}
+#: The demo's name for the quality map's advice (:mod:`gradpress.tools.quality_map`), resolved to one of
+#: the methods here before they are parsed.
+RECOMMENDED = "recommended"
 #: Averaging period of ``localsgd`` and ``diloco`` when none is given.
 DEFAULT_PERIOD = 8
 
@@ -331,7 +334,7 @@ def parse_methods(text: str | Sequence[str], ranks: Sequence[int]) -> list[Metho
     """
     names = [t.strip() for t in (text.split(",") if isinstance(text, str) else text) if t.strip()]
     if not names:
-        raise ValueError(f"--methods is empty; valid methods: {', '.join(METHOD_REGISTRY)}")
+        raise ValueError(f"--methods is empty; valid methods: {', '.join([*METHOD_REGISTRY, RECOMMENDED])}")
     ranked = [k.name for k in METHOD_REGISTRY.values() if k.argument == "rank"]
     periodic = [k.name for k in METHOD_REGISTRY.values() if k.argument == "period"]
     out: list[Method] = []
@@ -339,7 +342,7 @@ def parse_methods(text: str | Sequence[str], ranks: Sequence[int]) -> list[Metho
         kind_name, _, number = name.partition(":")
         kind = METHOD_REGISTRY.get(kind_name)
         if kind is None:
-            raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(METHOD_REGISTRY)} "
+            raise ValueError(f"unknown method {name!r}; valid methods: {', '.join([*METHOD_REGISTRY, RECOMMENDED])} "
                              f"({_and(ranked)} also as {ranked[0]}:R; {', '.join(periodic)} as {periodic[0]}:H)")
         if kind.argument == "period":
             if number and (not number.isdigit() or int(number) < 1):

@@ -16,7 +16,15 @@ and why.
 On a task with a measured PowerSGD recipe (``charlm``, ``charlm-wide``, ``gpt``, ``gpt-wide``:
 :class:`~gradpress.tools.workloads.Recipe`) the demo takes its learning rate (for every method), its rank and
 its PowerSGD options (an fp16 wire) for whatever ``--lr``, ``--rank`` and ``--powersgd-options`` leave
-out (:func:`resolve`); the report says so. Other tasks keep their own defaults.
+out (:func:`resolve`); the report says so. Other tasks keep their own defaults. With ``--optimizer adamw``
+the learning rate comes from the quality map (:mod:`gradpress.tools.quality_map`) where the task was
+measured with AdamW.
+
+The method ``recommended`` is the configuration the quality map advises for this task, optimizer and
+global batch (``--workers`` x ``--batch-size`` sequences): PowerSGD at the task's rank with an fp16 wire
+where it was measured within 1.5% of allreduce (or beyond the largest measured batch, with no failure
+measured), the fp16 hook where PowerSGD was measured to fall behind. ``demo.json`` says what it resolved
+to and why, under ``"recommended"``.
 
 This module holds the arguments, the progress bars and the command; :mod:`.supervisor` the worker
 processes, :mod:`.report` the summary and tables, :mod:`.plot` the figure.
@@ -36,10 +44,12 @@ from pathlib import Path
 from typing import Any
 
 from ....hooks import PowerSGDState
+from ...check.advice import model_width
 from ...processes import free_port, usable_cores
+from ...quality_map import advise
 from ...workloads.config import ADAMW_LR, OPTIMIZERS, DemoConfig, default_start_iter
-from ...workloads.methods import METHOD_KINDS, METHOD_REGISTRY, Method, parse_methods
-from ...workloads.tasks import TASKS, get_task
+from ...workloads.methods import METHOD_KINDS, METHOD_REGISTRY, RECOMMENDED, Method, parse_methods
+from ...workloads.tasks import SEQUENCE, TASKS, Task, get_task
 from ..args import int_at_least, int_list, positive_float
 from .plot import make_figure, plot
 from .report import format_markdown, format_rate, format_report, plural, settled, summarize
@@ -141,8 +151,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--task", default=_DEFAULTS.task, metavar="NAME",
                         help=f"what to train ({tasks_help}; default: %(default)s)")
     parser.add_argument("--methods", default=DEFAULT_METHODS, metavar="LIST",
-                        help=f"comma-separated methods to compare ({methods_help}). powersgd and multi run "
-                             "once per --rank, or at one rank as powersgd:R (default: %(default)s)")
+                        help=f"comma-separated methods to compare ({methods_help}; {RECOMMENDED}: what the "
+                             "quality map advises for this task, optimizer and global batch, docs/tuning.md). "
+                             "powersgd and multi run once per --rank, or at one rank as powersgd:R "
+                             "(default: %(default)s)")
     parser.add_argument("--rank", type=int_list(1), default=None, metavar="R[,R...]",
                         help=f"PowerSGD approximation rank(s) for the methods given without one (powersgd, "
                              f"multi) (integers >= 1; default: the task's measured recipe, "
@@ -154,8 +166,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default=_DEFAULTS.optimizer,
                         help="the inner optimizer: sgd (momentum 0.9, constant lr) or adamw as nanoGPT trains "
                              "(betas 0.9/0.95, weight decay 0.1 on matrices, linear warm-up over a tenth of the "
-                             f"run, then cosine decay to 10%%; lr default {ADAMW_LR:g}, the recipe's lr is for "
-                             "sgd) (default: %(default)s)")
+                             f"run, then cosine decay to 10%%; lr default: the quality map's where the task was "
+                             f"measured with adamw, else {ADAMW_LR:g}) (default: %(default)s)")
     parser.add_argument("--batch-size", type=int_at_least(1), default=None, metavar="N",
                         help="samples (sequences on the language tasks) per worker per step (integer >= 1; "
                              "default: the task's)")
@@ -247,13 +259,35 @@ def _warn(message: str) -> None:
 @dataclass(frozen=True)
 class Resolved:
     """What ``gradpress demo``'s arguments come to: the methods, the learning rate (``None``: the task's),
-    the PowerSGD options, and ``recipe``: what of the task's measured recipe filled in what the user left
-    out, in words for the report (``None``: nothing)."""
+    the PowerSGD options, ``recipe``: what of the task's measured recipe filled in what the user left
+    out, in words for the report (``None``: nothing), and ``recommended``: what the ``recommended``
+    method resolved to and why (``None``: not asked for)."""
 
     methods: list[Method]
     lr: float | None
     powersgd_options: dict[str, Any] | None
     recipe: str | None
+    recommended: dict[str, Any] | None = None
+    names: tuple[str, ...] = ()  # --methods, with recommended replaced by what it resolved to
+
+
+def _task_width(task: Task) -> int:
+    """The task's model width as ``gradpress check`` reads it (the median ``min(n, m)`` of its matrices)."""
+    return model_width([tuple(p.shape) for p in task.build().parameters()])
+
+
+def recommendation(args: argparse.Namespace) -> dict[str, Any]:
+    """The quality map's advice (:func:`gradpress.tools.quality_map.advise`) for the demo's task, optimizer
+    and global batch, with the setting it was read for."""
+    task = get_task(args.task)
+    per_worker = args.batch_size or task.batch_size
+    width = _task_width(task)
+    text = task.metric == "perplexity"  # sequences of SEQUENCE characters; elsewhere a sample is the unit
+    tokens = args.workers * per_worker * (SEQUENCE if text else 1)
+    optimizer = getattr(args, "optimizer", "sgd")
+    advice = advise(width, optimizer, tokens, task=task.name)
+    return {**advice.to_dict(), "task": task.name, "optimizer": optimizer, "width": width,
+            "global_batch": args.workers * per_worker, "tokens_per_step": tokens}
 
 
 def _describe_options(options: Mapping[str, Any]) -> str:
@@ -273,23 +307,32 @@ def resolve(args: argparse.Namespace) -> Resolved:
     recipe = get_task(args.task).recipe
     rank = args.rank
     ranks = rank if rank is not None else [recipe.rank] if recipe is not None else DEFAULT_RANKS
-    methods = parse_methods(args.methods, ranks)
+    names = [t.strip() for t in args.methods.split(",")] if isinstance(args.methods, str) else list(args.methods)
+    recommended = recommendation(args) if RECOMMENDED in names else None
+    if recommended is not None:
+        names = [recommended["method"] if n == RECOMMENDED else n for n in names]
+    methods = parse_methods(names, ranks)
     powersgd = any(METHOD_REGISTRY[m.kind].argument == "rank" for m in methods)
     lr, options = args.lr, args.powersgd_options
     applied: list[str] = []
-    if recipe is not None and lr is None and getattr(args, "optimizer", "sgd") == "sgd":  # measured with SGD
+    optimizer = getattr(args, "optimizer", "sgd")
+    if recipe is not None and lr is None and optimizer == "sgd":  # measured with SGD
         lr = recipe.lr
         applied.append(f"lr {lr:g} for every method")
+    if lr is None and optimizer != "sgd":
+        lr = (recommended or recommendation(args))["lr"]  # the tuned allreduce's, where the map has the task
+        if lr is not None:
+            applied.append(f"the quality map's {optimizer} lr {lr:g} for every method")
     details: list[str] = []
-    if recipe is not None and rank is None and parse_methods(args.methods, []) != methods:
+    if recipe is not None and rank is None and parse_methods(names, []) != methods:
         details.append(f"rank {recipe.rank}")  # some PowerSGD method took the default rank
-    if recipe is not None and options is None and powersgd:
-        options = dict(recipe.powersgd_options)
+    if options is None and powersgd and (recipe is not None or recommended is not None):
+        options = dict(recipe.powersgd_options if recipe is not None else recommended["powersgd_options"])
         details.append(f"with {_describe_options(options)}")
     if details:
         applied.append(" ".join(["PowerSGD", *details]))
     note = f"the measured recipe (docs/tuning.md): {', '.join(applied)}" if applied else None
-    return Resolved(methods, lr, options, note)
+    return Resolved(methods, lr, options, note, recommended, tuple(names))
 
 
 def _start_iter(args: argparse.Namespace, methods: Sequence[Method]) -> int | str:
@@ -328,13 +371,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     methods = resolved.methods
+    if resolved.recommended is not None:
+        rec = resolved.recommended
+        print(f"gradpress demo: recommended = {rec['method']} ({rec['status']}: {rec['reason']})", file=sys.stderr)
     start_iter = _start_iter(args, methods)
     if isinstance(start_iter, str):
         return _fail(start_iter)
     out: Path = args.out
     if out.exists() and not out.is_dir():
         return _fail(f"--out: {str(out)!r} exists and is not a folder")
-    if args.rank is not None and parse_methods(args.methods, []) == methods:
+    if args.rank is not None and parse_methods(list(resolved.names), []) == methods:
         _warn(f"--rank {','.join(map(str, args.rank))} is not used: no method in --methods takes it (only "
               "powersgd and multi without ':R' run once per --rank)")
     cores = usable_cores()
@@ -370,6 +416,8 @@ def run(args: argparse.Namespace) -> int:
     wall_time = time.perf_counter() - start
 
     summary = summarize(results, config, args.workers, wall_time, args.bandwidth, command, resolved.recipe)
+    if resolved.recommended is not None:
+        summary["recommended"] = resolved.recommended
     if stopped is not None:
         summary["stopped"] = {"kind": stopped.kind, "reason": stopped.reason, "method": stopped.stopped,
                               "methods": [m.label for m in methods]}

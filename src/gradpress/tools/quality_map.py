@@ -1,0 +1,193 @@
+"""Where PowerSGD trains as well as allreduce: the quality study's map, and the advice read from it.
+
+Every :data:`MEASURED` entry is one row of BENCHMARKS.md ("Does PowerSGD train as well as allreduce?"):
+a PowerSGD configuration trained for 800 steps beside allreduce at allreduce's own tuned learning rate,
+with the same data order and initial weights, and how its final perplexity compared. PowerSGD's averaged
+update depends on the workers only through the global batch (``tests/test_linearity.py``), so a row is
+keyed by the model's width, the optimizer and the *tokens per step over all workers*, not by the worker
+count: 2 workers x 64 sequences stands for 8 workers x 16.
+
+:func:`advise` reads the map for a setting (the demo's ``recommended`` method, ``gradpress check``):
+
+* PowerSGD at :func:`~gradpress.tools.check.advice.recipe_rule`'s rank for the width, with an fp16
+  wire, where the map has it within :data:`QUALITY_TARGET` of allreduce at this many tokens per step or
+  more (``"measured"``), or at fewer tokens with no failure measured (``"beyond the map"``: the
+  largest measured batch held; read the global residual, docs/tuning.md);
+* the fp16 allreduce hook (half the bytes, the same steps) where PowerSGD was measured to fall behind at
+  this many tokens per step or fewer (``"measured to fall behind"``);
+* PowerSGD with the rule's rank where nothing was measured for the optimizer or the task (``"not
+  measured"``).
+
+>>> advice = advise(width=128, optimizer="adamw", tokens_per_step=2 * 64 * 64)
+>>> advice.method, advice.rank, advice.status
+('powersgd', 16, 'measured')
+>>> advise(width=128, optimizer="sgd", tokens_per_step=4 * 16 * 64).method   # gpt, 4 workers, SGD: +4.3%
+'fp16'
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["FP16_WIRE", "MEASURED", "QUALITY_TARGET", "Advice", "Measured", "advise", "rank_for_width"]
+
+#: The quality target, in percent of allreduce's final perplexity.
+QUALITY_TARGET = 1.5
+#: The PowerSGD options every measured recipe uses: P, Q and the uncompressed tensors in fp16 on the wire.
+FP16_WIRE: dict[str, Any] = {"bytes_per_weight": 2}
+#: Characters per sequence in the demo's text tasks (``gradpress.tools.workloads.tasks.SEQUENCE``).
+_SEQUENCE = 64
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One measured PowerSGD configuration against the tuned allreduce (one BENCHMARKS.md row).
+
+    ``tokens_per_step``: over all workers. ``end_vs_allreduce``: final perplexity against allreduce's,
+    in percent (negative: PowerSGD ended lower), against the allreduce run that ended lowest of those tried
+    at this setting. ``bytes_ratio``: allreduce's bytes per step over PowerSGD's after the warm-up.
+    ``lr``: the learning rate PowerSGD ran at (allreduce's best of those tried at momentum 0.9 for SGD, at
+    this batch for AdamW). ``label``: the run's JSON in
+    ``benchmarks/results/``.
+    """
+
+    task: str
+    width: int
+    optimizer: Literal["sgd", "adamw"]
+    tokens_per_step: int
+    rank: int
+    end_vs_allreduce: float
+    bytes_ratio: float
+    lr: float
+    label: str
+
+    @property
+    def holds(self) -> bool:
+        return self.end_vs_allreduce <= QUALITY_TARGET
+
+    def describe(self) -> str:
+        """``"gpt, AdamW, 8,192 tokens/step: rank 16 ended +1.23% at 11.2x fewer bytes"``."""
+        return (f"{self.task}, {_OPTIMIZER_WORDS[self.optimizer]}, {self.tokens_per_step:,} tokens/step: rank "
+                f"{self.rank} ended {self.end_vs_allreduce:+.2f}% at {self.bytes_ratio:.1f}x fewer bytes")
+
+
+_OPTIMIZER_WORDS = {"sgd": "SGD", "adamw": "AdamW"}
+
+
+def _row(task: str, width: int, optimizer: Literal["sgd", "adamw"], sequences: int, rank: int, end: float,
+         bytes_ratio: float, lr: float, label: str) -> Measured:
+    return Measured(task, width, optimizer, sequences * _SEQUENCE, rank, end, bytes_ratio, lr, label)
+
+
+#: The measured rows, each with an fp16 wire and compression from step 80 of 800 (BENCHMARKS.md).
+#: SGD: momentum 0.9, 16 sequences per worker, 2 and 4 workers. AdamW: nanoGPT's (betas 0.9/0.95,
+#: weight decay 0.1, warm-up then cosine), 2 workers x 16, 64 or 128 sequences.
+MEASURED: tuple[Measured, ...] = (
+    _row("charlm", 256, "sgd", 32, 22, 0.97, 10.58, 2.0, "quality/study-charlm-w2-powersgd22-half-lr2.0"),
+    _row("charlm", 256, "sgd", 64, 22, 0.23, 10.58, 2.0, "quality/study-charlm-w4-powersgd22-half-lr2.0"),
+    _row("charlm-wide", 512, "sgd", 32, 22, 0.66, 19.59, 1.0, "quality/study-charlm-wide-w2-powersgd22-half-lr1.0"),
+    _row("charlm-wide", 512, "sgd", 64, 22, -0.33, 19.59, 2.0, "quality/study-charlm-wide-w4-powersgd22-half-lr2.0"),
+    _row("gpt", 128, "sgd", 32, 16, 0.68, 11.25, 0.1, "quality/study-gpt-w2-powersgd16-half-lr0.1"),
+    _row("gpt", 128, "sgd", 64, 16, 4.34, 11.25, 0.1, "quality/study-gpt-w4-powersgd16-half-lr0.1"),
+    _row("gpt-wide", 256, "sgd", 32, 22, 1.18, 16.45, 0.05, "quality/study-gpt-wide-w2-powersgd22-half-lr0.05"),
+    _row("gpt-wide", 256, "sgd", 64, 22, 6.16, 16.45, 0.05, "quality/study-gpt-wide-w4-powersgd22-half-lr0.05"),
+    _row("gpt", 128, "adamw", 32, 16, 1.23, 11.25, 3e-3, "quality-adamw/adamw-gpt-w2b16-powersgd16-fp16-lr3e-3"),
+    _row("gpt", 128, "adamw", 128, 16, -1.52, 11.25, 3e-3, "quality-adamw/adamw-gpt-w2b64-powersgd16-fp16-lr3e-3"),
+)
+
+
+def rank_for_width(width: int) -> int:
+    """PowerSGD's rank for a model of this width: the rule every measured recipe follows
+    (:func:`gradpress.tools.check.advice.recipe_rule`: width / 8, at most 22, at least 1)."""
+    return max(1, min(22, width // 8))
+
+
+@dataclass(frozen=True)
+class Advice:
+    """What the map says for a setting.
+
+    ``method``: ``"powersgd"`` (at ``rank`` with ``powersgd_options``) or ``"fp16"`` (the fp16 allreduce
+    hook). ``status``: ``"measured"``, ``"beyond the map"``, ``"measured to fall behind"`` or ``"not
+    measured"``. ``lr``: the tuned allreduce learning rate measured on the same task and optimizer
+    (``None``: none measured; the caller's default applies). ``evidence``: the rows the advice rests on.
+    ``reason``: one sentence with the figures.
+    """
+
+    method: Literal["powersgd", "fp16"]
+    rank: int | None
+    powersgd_options: dict[str, Any]
+    status: str
+    reason: str
+    lr: float | None = None
+    evidence: tuple[Measured, ...] = field(default=())
+
+    @property
+    def spec(self) -> str:
+        """The demo's ``--methods`` spelling: ``"powersgd:16"`` or ``"fp16"``."""
+        return "fp16" if self.method == "fp16" else f"powersgd:{self.rank}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.spec, "powersgd_options": dict(self.powersgd_options), "status": self.status,
+                "reason": self.reason, "lr": self.lr, "evidence": [m.label for m in self.evidence]}
+
+
+def _nearest_width(rows: list[Measured], width: int) -> int:
+    return min({m.width for m in rows}, key=lambda w: (abs(math.log(w / width)), -w))
+
+
+def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = None) -> Advice:
+    """The map's advice for a model of ``width`` (:func:`gradpress.tools.check.advice.model_width`)
+    trained with ``optimizer`` (``"sgd"`` or ``"adamw"``) at ``tokens_per_step`` over all workers. With
+    ``task`` (a demo task) the task's own rows (``"not measured"`` for a task the map does not have, such
+    as the digits CNN); without it (a user's model), the rows of the nearest measured width.
+    The rank is :func:`rank_for_width`'s; the learning rate, where the same task was measured with this
+    optimizer, the tuned allreduce's at the nearest measured batch.
+    """
+    if optimizer not in _OPTIMIZER_WORDS:
+        raise ValueError(f"optimizer must be one of {', '.join(_OPTIMIZER_WORDS)}, got {optimizer!r}")
+    if not (isinstance(width, int) and width >= 1):
+        raise ValueError(f"width must be an integer >= 1, got {width!r}")
+    if not (isinstance(tokens_per_step, int) and tokens_per_step >= 1):
+        raise ValueError(f"tokens_per_step must be an integer >= 1, got {tokens_per_step!r}")
+    rank = rank_for_width(width)
+    rows = [m for m in MEASURED if m.optimizer == optimizer]
+    words = _OPTIMIZER_WORDS[optimizer]
+    if task is not None and not any(m.task == task for m in MEASURED):
+        return Advice("powersgd", rank, dict(FP16_WIRE), "not measured",
+                      f"PowerSGD was not measured on {task}: rank {rank} (width {width} / 8) with an fp16 wire is the "
+                      "rule of the measured recipes; watch the global residual (docs/tuning.md)")
+    if not rows:
+        return Advice("powersgd", rank, dict(FP16_WIRE), "not measured",
+                      f"PowerSGD was not measured with {words}: rank {rank} (width {width} / 8) with an fp16 wire is "
+                      "the rule of the measured recipes; watch the global residual (docs/tuning.md)")
+    same_task = [m for m in rows if m.task == task]
+    if same_task:
+        rows, where = same_task, f"on {task}"
+    else:
+        near = _nearest_width(rows, width)
+        rows = [m for m in rows if m.width == near]
+        where = f"at width {near}" + ("" if near == width else f" (the nearest measured to {width})")
+    lr = None
+    if same_task:
+        lr = min(rows, key=lambda m: (abs(math.log(m.tokens_per_step / tokens_per_step)), m.tokens_per_step)).lr
+    failed = sorted((m for m in rows if not m.holds and m.tokens_per_step <= tokens_per_step),
+                    key=lambda m: m.tokens_per_step)
+    if failed:
+        worst = failed[0]
+        return Advice("fp16", None, {}, "measured to fall behind",
+                      f"{words} {where}: PowerSGD was measured behind allreduce at {worst.tokens_per_step:,} tokens/step "
+                      f"(rank {worst.rank}: {worst.end_vs_allreduce:+.1f}%, over the {QUALITY_TARGET}% target) and "
+                      f"yours is {tokens_per_step:,}: the fp16 hook halves the bytes and keeps allreduce's steps",
+                      lr, tuple(failed))
+    held = sorted((m for m in rows if m.holds), key=lambda m: m.tokens_per_step)
+    covering = [m for m in held if m.tokens_per_step >= tokens_per_step]
+    if covering:
+        row = covering[0]
+        return Advice("powersgd", rank, dict(FP16_WIRE), "measured",
+                      f"{words} {where}: {row.describe()} (target {QUALITY_TARGET}%)", lr, (row,))
+    row = held[-1]
+    return Advice("powersgd", rank, dict(FP16_WIRE), "beyond the map",
+                  f"{words} {where}: the largest measured batch, {row.describe()}; yours, {tokens_per_step:,} "
+                  "tokens/step, is beyond it: read the global residual (docs/tuning.md)", lr, (row,))

@@ -1,0 +1,139 @@
+"""The quality map: its rows are the study's JSONs, and its advice follows the rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gradpress.tools.check.advice import model_width, recipe_rule
+from gradpress.tools.quality_map import MEASURED, QUALITY_TARGET, advise, rank_for_width
+from gradpress.tools.workloads.tasks import SEQUENCE, get_task
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+def _runs() -> list[dict]:
+    return [json.loads(p.read_text()) | {"path": p} for p in sorted(RESULTS.glob("quality*/*.json"))]
+
+
+def _setting(run: dict) -> tuple:
+    config = run.get("config") or {}
+    return (config.get("task"), run["workers"], config.get("batch_size"), config.get("optimizer", "sgd"),
+            config.get("seed"), config.get("steps"))
+
+
+@pytest.mark.parametrize("row", MEASURED, ids=lambda m: m.label)
+def test_each_row_is_its_runs_json_against_the_best_allreduce_of_its_setting(row) -> None:
+    runs = _runs()
+    run = json.loads((RESULTS / f"{row.label}.json").read_text())
+    config = run["config"]
+    task = get_task(row.task)
+    assert config["task"] == row.task and run["method"] == f"powersgd:{row.rank}"
+    assert config["powersgd_options"] == {"bytes_per_weight": 2} and config["lr"] == pytest.approx(row.lr)
+    assert config.get("optimizer", "sgd") == row.optimizer
+    assert run["workers"] * (config["batch_size"] or task.batch_size) * SEQUENCE == row.tokens_per_step
+    baseline = min((r for r in runs if _setting(r) == _setting(run) and r["method"] == "allreduce"),
+                   key=lambda r: r["ppl_end"])
+    assert 100 * (run["ppl_end"] / baseline["ppl_end"] - 1) == pytest.approx(row.end_vs_allreduce, abs=0.005)
+    assert run["bytes_allreduce_per_step"] / run["bytes_per_step"] == pytest.approx(row.bytes_ratio, abs=0.005)
+    assert row.holds == (row.end_vs_allreduce <= QUALITY_TARGET)
+
+
+@pytest.mark.parametrize("task", sorted({m.task for m in MEASURED}))
+def test_rows_carry_the_tasks_width_and_the_rank_rule(task: str) -> None:
+    width = model_width([tuple(p.shape) for p in get_task(task).build().parameters()])
+    rows = [m for m in MEASURED if m.task == task]
+    assert {m.width for m in rows} == {width}
+    assert {m.rank for m in rows} == {rank_for_width(width)} == {recipe_rule().rank(width)}
+    recipe = get_task(task).recipe
+    assert recipe is not None and recipe.rank == rank_for_width(width)
+
+
+def _tokens(sequences: int) -> int:
+    return sequences * SEQUENCE
+
+
+def test_advice_follows_the_rows() -> None:
+    # Measured within the target at this batch or a larger one: PowerSGD at the rule's rank, fp16 wire.
+    advice = advise(128, "adamw", _tokens(32), task="gpt")
+    assert (advice.method, advice.rank, advice.status, advice.powersgd_options) == (
+        "powersgd", 16, "measured", {"bytes_per_weight": 2})
+    assert advice.lr == 3e-3 and "+1.23%" in advice.reason
+    assert advise(128, "adamw", _tokens(100), task="gpt").evidence[0].tokens_per_step == _tokens(128)
+    # A failure at this batch or a smaller one: the fp16 hook, with the failure's figure.
+    advice = advise(128, "sgd", _tokens(64), task="gpt")
+    assert (advice.method, advice.rank, advice.status, advice.spec) == ("fp16", None, "measured to fall behind", "fp16")
+    assert "+4.3%" in advice.reason and advice.lr == 0.1
+    assert advise(256, "sgd", _tokens(1024), task="gpt-wide").method == "fp16"
+    # Larger than every measured batch, nothing failed: PowerSGD, said to be beyond the map.
+    advice = advise(128, "adamw", _tokens(1024), task="gpt")
+    assert (advice.method, advice.status) == ("powersgd", "beyond the map")
+    # Another model: the nearest measured width's rows, the rank from its own width, no lr.
+    advice = advise(768, "adamw", _tokens(64))
+    assert advice.rank == 22 and advice.lr is None and "width 128" in advice.reason
+    advice = advise(200, "sgd", _tokens(64))
+    assert advice.method == "fp16" and "width 256" in advice.reason
+
+
+def test_a_failure_below_the_batch_wins_whatever_held_above_it() -> None:
+    for optimizer in ("sgd", "adamw"):
+        for width in (128, 256, 512):
+            methods = [advise(width, optimizer, _tokens(s)).method for s in (8, 16, 32, 64, 128, 256, 512, 4096)]
+            # once the advice leaves PowerSGD as the batch grows, it does not come back
+            first = methods.index("fp16") if "fp16" in methods else len(methods)
+            assert methods[first:] == ["fp16"] * (len(methods) - first), (optimizer, width, methods)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"width": 128, "optimizer": "adam", "tokens_per_step": 64}, "optimizer must be one of sgd, adamw, got 'adam'"),
+    ({"width": 0, "optimizer": "sgd", "tokens_per_step": 64}, "width must be an integer >= 1, got 0"),
+    ({"width": 128, "optimizer": "sgd", "tokens_per_step": 0}, "tokens_per_step must be an integer >= 1, got 0"),
+])
+def test_bad_settings_are_named(kwargs, words) -> None:
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        advise(**kwargs)
+
+
+def _resolve(*argv: str):
+    from gradpress.tools.cli import demo
+    from gradpress.tools.cli.main import build_parser
+    return demo.resolve(build_parser().parse_args(["demo", *argv]))
+
+
+def test_the_demos_recommended_method_resolves_from_the_map_and_says_so() -> None:
+    resolved = _resolve("--task", "gpt", "--optimizer", "adamw", "--workers", "2", "--batch-size", "64",
+                        "--methods", "allreduce,recommended")
+    assert [m.label for m in resolved.methods] == ["allreduce", "powersgd r=16"]
+    assert resolved.lr == 3e-3 and resolved.powersgd_options == {"bytes_per_weight": 2}
+    rec = resolved.recommended
+    assert rec["method"] == "powersgd:16" and rec["status"] == "measured" and rec["global_batch"] == 128
+    assert rec["tokens_per_step"] == 128 * SEQUENCE and rec["width"] == 128 and rec["optimizer"] == "adamw"
+    assert rec["evidence"] == ["quality-adamw/adamw-gpt-w2b64-powersgd16-fp16-lr3e-3"]
+    # SGD on 4 workers of 16 sequences: PowerSGD was measured +4.3% behind there; the fp16 hook instead.
+    resolved = _resolve("--task", "gpt", "--workers", "4", "--methods", "recommended")
+    assert [m.label for m in resolved.methods] == ["fp16"] and resolved.recommended["status"] == "measured to fall behind"
+    assert resolved.lr == 0.1  # the SGD recipe's, as without recommended
+    # The user's own lr and options win; a duplicate of a listed method runs once.
+    resolved = _resolve("--task", "gpt", "--optimizer", "adamw", "--workers", "2", "--lr", "1e-3",
+                        "--powersgd-options", '{"bytes_per_weight": 4}', "--methods", "powersgd:16,recommended")
+    assert [m.label for m in resolved.methods] == ["powersgd r=16"]
+    assert resolved.lr == 1e-3 and resolved.powersgd_options == {"bytes_per_weight": 4}
+    # Without recommended nothing is resolved, and AdamW still takes the map's lr for a measured task.
+    resolved = _resolve("--task", "gpt", "--optimizer", "adamw", "--methods", "allreduce")
+    assert resolved.recommended is None and resolved.lr == 3e-3
+    assert _resolve("--task", "digits", "--optimizer", "adamw", "--methods", "allreduce").lr is None
+
+
+@pytest.mark.slow
+def test_demo_json_says_what_recommended_resolved_to(tmp_path: Path) -> None:
+    from gradpress.tools.cli.main import main
+    out = tmp_path / "out"
+    assert main(["demo", "--workers", "2", "--steps", "6", "--start-iter", "2", "--methods", "allreduce,recommended",
+                 "--out", str(out)]) == 0
+    report = json.loads((out / "demo.json").read_text())
+    rec = report["recommended"]
+    width = model_width([tuple(p.shape) for p in get_task("digits").build().parameters()])
+    assert rec["status"] == "not measured" and rec["method"] == f"powersgd:{rank_for_width(width)}"
+    assert list(report["methods"]) == ["allreduce", rec["method"]]
