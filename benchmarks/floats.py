@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 
 import gradpress
-from gradpress.tools.bench.overhead import model_names, model_parameters  # gradpress.tools.zoo models, + resnet18
+from gradpress.tools.bench.buckets import model_names, model_parameters  # gradpress.tools.zoo models, + resnet18
 
 
 def rows(models: Sequence[str], ranks: Sequence[int], iters: Sequence[int], min_rate: float) -> list[str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 
-from gradpress.tools.bench.overhead import *  # noqa: F403  (re-exported for scripts importing ``overhead``)
 from gradpress.tools.bench.overhead import main
 
 if __name__ == "__main__":

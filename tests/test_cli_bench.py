@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import gradpress
-from gradpress.tools.bench import overhead
+from gradpress.tools.bench import overhead, summary
 from gradpress.tools.cli import bench
 from gradpress.tools.cli.main import main
 from gradpress.tools.zoo import build_model
@@ -49,13 +49,13 @@ def test_table_formatting() -> None:
 
 
 def test_iqr() -> None:
-    assert overhead.iqr([]) is None and overhead.iqr([3.0]) == [3.0, 3.0]
-    assert overhead.iqr([1.0, 2.0, 3.0, 4.0, 5.0]) == [2.0, 4.0]
-    assert overhead.iqr([4.0, 1.0, 3.0, 2.0]) == [1.75, 3.25]
+    assert summary.iqr([]) is None and summary.iqr([3.0]) == [3.0, 3.0]
+    assert summary.iqr([1.0, 2.0, 3.0, 4.0, 5.0]) == [2.0, 4.0]
+    assert summary.iqr([4.0, 1.0, 3.0, 2.0]) == [1.75, 3.25]
 
 
 def fake_part(rounds_ms: dict[str, list[list[float]]], round_offset: int = 0) -> dict[str, Any]:
-    """A :func:`overhead.measure` result with the given timings (ms) and nothing measured."""
+    """A :func:`gradpress.tools.bench.harness.measure` result with the given timings (ms) and nothing measured."""
     return {"model": "m", "rank": 1, "params": 100, "buckets": [60, 40], "round_offset": round_offset,
             "rounds_ms": rounds_ms, "times_ms": {name: [t for block in blocks for t in block]
                                                  for name, blocks in rounds_ms.items()},
@@ -68,7 +68,7 @@ def test_summarize_spread_over_rounds_in_one_worker() -> None:
     part = fake_part({"allreduce": ar, "ours": [[11.0, 13.0], [12.0, 14.0], [31.0, 31.0]],
                       "torch_batched": [[41.0, 41.0], [42.0, 42.0], [41.0, 41.0]],
                       "torch": [[21.0, 21.0], [22.0, 22.0], [41.0, 41.0]]})
-    r = overhead.summarize([part])
+    r = summary.summarize([part])
     assert r["steps"] == {"allreduce": 6, "ours": 6, "torch_batched": 6, "torch": 6}
     assert r["overhead_ms"]["ours"] == pytest.approx(13.5 - 1.0)  # pooled medians, as before
     by_round = r["by_round"]
@@ -88,8 +88,8 @@ def test_summarize_pairs_isolated_workers_by_round() -> None:
     """--isolate: one worker per hook and round; a round's ratio pairs workers of the same round."""
     parts = [fake_part({"allreduce": [[1.0]], name: [[1.0 + ms]]}, round_offset=k)
              for k, overheads in enumerate([(10.0, 40.0, 20.0), (12.0, 30.0, -1.0)])
-             for name, ms in zip(overhead.COMPARED, overheads)]
-    by_round = overhead.summarize(parts)["by_round"]
+             for name, ms in zip(summary.COMPARED, overheads)]
+    by_round = summary.summarize(parts)["by_round"]
     assert by_round["count"] == 2
     assert {name: s["values"] for name, s in by_round["overhead_ms"].items()} == {
         "ours": [10.0, 12.0], "torch_batched": [40.0, 30.0], "torch": [20.0, -1.0]}
@@ -117,7 +117,7 @@ def test_summarize_pairs_isolated_workers_by_round() -> None:
 def test_trust_warnings(load: float | None, cores: int, threads: int, results: list[dict[str, Any]],
                         expected: list[str]) -> None:
     """Fabricated loads, threads and timings; no clock involved."""
-    warnings = overhead.trust_warnings(results, load, cores, threads)
+    warnings = summary.trust_warnings(results, load, cores, threads)
     assert len(warnings) == len(expected) and all(e in w for e, w in zip(expected, warnings))
 
 
@@ -129,7 +129,7 @@ def recorded(monkeypatch) -> list[dict[str, Any]]:
     def fake_run(**kwargs: Any) -> dict[str, Any]:
         calls.append(kwargs)
         results = [fake_result(m, r, kwargs["rounds"]) for m in kwargs["models"] for r in kwargs["ranks"]]
-        warnings = overhead.trust_warnings(results, 0.5, 2, kwargs["threads"])
+        warnings = summary.trust_warnings(results, 0.5, 2, kwargs["threads"])
         return {"results": results, "total_seconds": 1.0, "environment": {"num_threads": kwargs["threads"]},
                 "command": kwargs["command"],
                 "trust": {"trusted": not warnings, "warnings": warnings, "cores": 2, "threads": kwargs["threads"],
@@ -167,7 +167,7 @@ def test_presets_are_trustworthy_by_construction() -> None:
     spread."""
     for preset in bench.PRESETS.values():
         assert preset["threads"] == 1 and preset["isolate"] is False
-        assert preset["rounds"] >= overhead.MIN_ROUNDS_FOR_SPREAD and preset["rounds"] * preset["block"] >= 15
+        assert preset["rounds"] >= summary.MIN_ROUNDS_FOR_SPREAD and preset["rounds"] * preset["block"] >= 15
 
 
 def test_summary_and_untrusted_warning(capsys, recorded) -> None:
@@ -238,7 +238,7 @@ def test_scripts_still_work(capsys) -> None:
     out = capsys.readouterr().out
     assert "| resnet18 | 1 | 11,173,962 | 45,935 (243x) |" in out and "| gpt2 | 1 | 124,439,808 |" in out
     script = runpy.run_path(str(ROOT / "benchmarks" / "overhead.py"), run_name="overhead")
-    assert script["main"] is overhead.main and script["make_buckets"] is overhead.make_buckets
+    assert script["main"] is overhead.main
     with pytest.raises(SystemExit) as exc:
         script["main"](["--help"], prog="python benchmarks/overhead.py")
     assert exc.value.code == 0 and "--isolate" in capsys.readouterr().out

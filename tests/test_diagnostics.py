@@ -415,7 +415,7 @@ def test_the_global_residual_decreases_strictly_with_the_rank_once_converged(num
 
 
 def _collectives(rank, world, num_iters):
-    from gradpress.tools.bench.overhead import FakeBucket
+    from gradpress.tools.bench.buckets import FakeBucket
     from gradpress.hooks import powersgd as hook_module
 
     class Recording:

@@ -292,7 +292,7 @@ def test_a_non_finite_gradient_on_one_rank_leaves_every_rank_as_before(num_iters
 
 
 def _hook_steps(rank, world, hook_name, num_iters, measure_every=None):
-    from gradpress.tools.bench.overhead import FakeBucket
+    from gradpress.tools.bench.buckets import FakeBucket
 
     params = [torch.zeros(shape) for shape in SHAPES]
     buckets = [FakeBucket(0, params[2:], False, torch.float32), FakeBucket(1, params[:2], True, torch.float32)]

@@ -4,7 +4,8 @@ One process, world size 1, gloo. The hooks are called the way DDP calls them: on
 bucket order, then every future is waited on. Buckets mimic DDP's initial layout
 (``torch.distributed._compute_bucket_assignment_by_size`` with caps ``[1 MB, 25 MB]`` over the
 parameters in definition order, bucket list reversed, so bucket 0 holds the last layers and the 1 MB
-bucket with the stem is the last one). Each bucket has a flat buffer whose gradients are views into it.
+bucket with the stem is the last one). Each bucket has a flat buffer whose gradients are views into it
+(:mod:`.buckets`).
 
 Variants:
   * ``allreduce``: ``gradpress.allreduce_hook`` (the baseline);
@@ -30,243 +31,51 @@ unbatched 9), not its work.
 Overhead = median(hook step) - median(allreduce step), each median over all workers' timed steps. The
 spread is over rounds: per round, the hook's median step minus allreduce's median step in the same
 process and round, and ours' over torch's; ``by_round`` holds those, their medians and interquartile
-ranges (:func:`summarize`). :func:`trust_warnings` says when a result cannot be trusted (machine busier
+ranges (:func:`.summary.summarize`). :func:`.summary.trust_warnings` says when a result cannot be trusted (machine busier
 than its cores, more threads than cores, a spread wider than the difference between ours and torch's).
 Gradients are refilled from fixed random values before every step of every variant (hooks write in
 place); the refill is not timed. Each variant runs ``start_powerSGD_iter=2`` allreduce steps and
 ``--warmup`` compressed steps untimed first.
 
 All variants communicate over one extra world-size-1 gloo group with ``buckets + 2`` worker threads
-(:func:`make_group`), not over the default group: PyTorch's ``powerSGD_hook`` blocks inside future
+(:func:`.harness.make_group`), not over the default group: PyTorch's ``powerSGD_hook`` blocks inside future
 callbacks, which run on gloo's worker threads (2 by default), and deadlocks as soon as more buckets are
 in flight than there are free threads (ResNet-18 has 3 buckets, ResNet-50 5).
 
 Memory: bytes of the tensors each state holds after the run (gradpress: its ``memory_report()``,
 ``error_memory`` of the compressed matrices, ``p`` (P and the uncompressed tensors), ``q``, ...; PyTorch:
-``error_dict``,
-``p_memory_dict``, ``q_memory_dict``), against the target "gradients + P + Q + one bucket".
+``error_dict``, ``p_memory_dict``, ``q_memory_dict``), against the target "gradients + P + Q + one bucket".
 
     python -m gradpress.tools.bench.overhead --models resnet18,resnet50 --ranks 1,2,4 --json out.json
     python benchmarks/overhead.py ...          # the same, from a source checkout
     gradpress bench --full                     # the same models and ranks, one intra-op thread,
                                                # all hooks in one worker, summarized as a table
 
-:func:`run_benchmark` measures and returns the report; :func:`main` is the script (JSON + markdown).
+This module runs the worker processes and reports: :func:`run_benchmark` measures and returns the report;
+:func:`main` is the script (JSON + markdown). The parts: :mod:`.buckets` (models and DDP's bucket layout),
+:mod:`.harness` (what one worker times), :mod:`.summary` (medians, verdicts, tables).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
 import shlex
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import Tensor
 
-from .. import zoo
-from ...hooks.bucket import DenseBucket
-from ..processes import free_port, usable_cores
-from .summary import (COMPARED, MB, MEMORY_HEADER, MIN_ROUNDS_FOR_SPREAD, TABLE_HEADER, iqr, load_average,
-                      markdown_rows, memory_rows, summarize, trust_warnings)
+from ..processes import usable_cores
+from .buckets import DEFAULT_BUCKET_CAPS, make_buckets, model_names, model_parameters
+from .harness import MIN_COMPRESSION_RATE, START_POWERSGD_ITER, measure_all
+from .summary import COMPARED, load_average, markdown_rows, memory_rows, summarize, trust_warnings
 
-__all__ = ["COMPARED", "MIN_ROUNDS_FOR_SPREAD", "MODELS", "FakeBucket", "iqr", "main", "make_buckets",
-           "model_names", "model_parameters", "run_benchmark", "summarize", "trust_warnings", "usable_cores"]
-
-DEFAULT_BUCKET_CAPS = (1 * MB, 25 * MB)  # DDP: _DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_mb=25
-START_POWERSGD_ITER = 2
-MIN_COMPRESSION_RATE = 2
-
-
-# --------------------------------------------------------------------------------------------------
-# Models (from gradpress.tools.zoo, built on the meta device: only the parameter shapes are used)
-# --------------------------------------------------------------------------------------------------
-#: Short names used in BENCHMARKS.md -> :mod:`gradpress.tools.zoo` names. Every zoo built-in is accepted too.
-MODELS: dict[str, str] = {"resnet18": "resnet18-cifar", "resnet50": "resnet50"}
-
-
-def model_names() -> list[str]:
-    """Names :func:`model_parameters` accepts: the short names, then :func:`gradpress.tools.zoo.model_names`."""
-    return list(MODELS) + [name for name in zoo.model_names() if name not in MODELS]
-
-
-def model_parameters(name: str) -> list[Tensor]:
-    """The model's parameters (meta tensors), in definition order (tied weights once). ``name``: a built-in
-    (:func:`model_names`) or ``module.path:factory``, the user's own model as ``gradpress inspect`` takes it."""
-    if name not in MODELS and name not in zoo.MODELS and ":" not in name:
-        raise ValueError(f"unknown model {name!r}; choose from {', '.join(model_names())}, or module.path:factory")
-    return [p.detach() for p in zoo.build_model(MODELS.get(name, name)).parameters()]
-
-
-# --------------------------------------------------------------------------------------------------
-# Buckets
-# --------------------------------------------------------------------------------------------------
-class FakeBucket(DenseBucket):
-    """A ``dist.GradBucket`` stand-in: a new flat buffer of ``dtype`` and per-parameter gradient views into it."""
-
-    __slots__ = ()
-
-    def __init__(self, index: int, params: list[Tensor], is_last: bool, dtype: torch.dtype) -> None:
-        super().__init__(index, is_last, params, torch.empty(sum(p.numel() for p in params), dtype=dtype))
-
-
-def make_buckets(params: list[Tensor], caps: Sequence[int] = DEFAULT_BUCKET_CAPS,
-                 dtype: torch.dtype = torch.float32) -> list[FakeBucket]:
-    """DDP's initial bucket layout: assignment by size in definition order, bucket list reversed."""
-    indices, _ = dist._compute_bucket_assignment_by_size(params, list(caps))
-    indices = list(reversed(indices))
-    return [FakeBucket(i, [params[j] for j in idx], i == len(indices) - 1, dtype)
-            for i, idx in enumerate(indices)]
-
-
-# --------------------------------------------------------------------------------------------------
-# Variants
-# --------------------------------------------------------------------------------------------------
-def _torch_powersgd():
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as m
-    return m
-
-
-def make_variants(rank: int, group: Any) -> dict[str, tuple[Any, Callable[[Any, Any], torch.futures.Future]]]:
-    import gradpress
-
-    tp = _torch_powersgd()
-    common: dict[str, Any] = dict(matrix_approximation_rank=rank, start_powerSGD_iter=START_POWERSGD_ITER,
-                  min_compression_rate=MIN_COMPRESSION_RATE)
-    return {
-        "allreduce": (group, gradpress.allreduce_hook),
-        "ours": (gradpress.PowerSGDState(group, **common), gradpress.powerSGD_hook),
-        "torch_batched": (tp.PowerSGDState(group, batch_tensors_with_same_shape=True, **common),
-                          tp.powerSGD_hook),
-        "torch": (tp.PowerSGDState(group, batch_tensors_with_same_shape=False, **common), tp.powerSGD_hook),
-    }
-
-
-def run_step(state: Any, hook: Callable, buckets: list[FakeBucket]) -> float:
-    """One DDP-style communication step: a hook call per bucket, then wait on every future. Seconds."""
-    start = time.perf_counter()
-    futures = [hook(state, bucket) for bucket in buckets]
-    for fut in futures:
-        fut.wait()
-    return time.perf_counter() - start
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def ours_state_bytes(state: Any) -> dict[str, int]:
-    """From :meth:`gradpress.PowerSGDState.memory_report`: ``error_memory``, the factors ``p`` and ``q``,
-    ``saved_factors`` (the warm-start factors of the iteration in flight, put back if it is not finite:
-    "non-finite steps"), ``workspace`` (the one scratch buffer the segments share), ``total``."""
-    report = state.memory_report().as_dict()
-    return {key: report[key] for key in ("error_memory", "p", "q", "saved_factors", "workspace", "total")}
-
-
-def torch_state_bytes(state: Any) -> dict[str, int]:
-    out = {
-        "error": sum(_nbytes(t) for t in state.error_dict.values()),
-        "p": sum(_nbytes(t) for t in state.p_memory_dict.values()),
-        "q": sum(_nbytes(t) for t in state.q_memory_dict.values()),
-    }
-    out["total"] = out["error"] + out["p"] + out["q"]
-    return out
-
-
-def measure(model: str, rank: int, names: Sequence[str], rounds: int, block: int, warmup: int,
-            group: Any, seed: int = 0) -> dict[str, Any]:
-    """Time ``allreduce`` and the ``names`` variants side by side in this process (raw times, state bytes)."""
-    params = model_parameters(model)
-    buckets = make_buckets(params)
-    threads = group._get_backend(torch.device("cpu")).options._threads
-    if threads <= len(buckets):
-        raise ValueError(f"{model}: {len(buckets)} buckets need more than {threads} gloo threads, or "
-                         "PyTorch's powerSGD_hook deadlocks (see make_group)")
-    gen = torch.Generator().manual_seed(seed)
-    sources = [torch.randn(b.buffer().numel(), generator=gen) for b in buckets]
-
-    def refill() -> None:
-        for bucket, src in zip(buckets, sources):
-            bucket.buffer().copy_(src)
-
-    all_variants = make_variants(rank, group)
-    variants = {name: all_variants[name] for name in ("allreduce", *names)}
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    rounds_ms: dict[str, list[list[float]]] = {name: [] for name in variants}  # [round][step]
-    order = list(variants)
-    # Warm-up: the allreduce steps before compression starts, then ``warmup`` compressed steps.
-    for _ in range(START_POWERSGD_ITER + warmup):
-        for name in order:
-            refill()
-            run_step(*variants[name], buckets)
-    total_steps = START_POWERSGD_ITER + warmup + rounds * (block + 1)
-    gc_was_enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        # In each round every variant runs ``block + 1`` consecutive steps; the first is not timed (it
-        # pays for switching from another variant: caches, thread wake-ups). The starting variant
-        # rotates, so slow drifts of the machine hit all variants alike.
-        for round_index in range(rounds):
-            shift = round_index % len(order)
-            for name in order[shift:] + order[:shift]:
-                state, hook = variants[name]
-                block_ms = []
-                for position in range(block + 1):
-                    refill()
-                    elapsed = run_step(state, hook, buckets)
-                    if position > 0:
-                        block_ms.append(elapsed * 1e3)
-                times[name].extend(block_ms)
-                rounds_ms[name].append(block_ms)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-
-    out: dict[str, Any] = {"model": model, "rank": rank, "times_ms": times, "rounds_ms": rounds_ms,
-                           "round_offset": 0, "state_bytes": {}}
-    for name in names:
-        state = variants[name][0]
-        if state.iter != total_steps:
-            raise AssertionError(f"{name}: state.iter={state.iter}, expected {total_steps}")
-        out["state_bytes"][name] = ours_state_bytes(state) if name == "ours" else torch_state_bytes(state)
-        if name == "ours":
-            report = state.memory_report()
-            out["plan"] = {"sent": report.sent, "p": report.p_numel, "q": report.q_numel}
-    grad_numel = sum(p.numel() for p in params)
-    out["params"] = grad_numel
-    out["buckets"] = [b.buffer().numel() for b in buckets]
-    return out
-
-
-def make_group(threads: int) -> dist.ProcessGroup:
-    """A world-size-1 gloo group like the default one, but with ``threads`` gloo worker threads.
-
-    PyTorch's ``powerSGD_hook`` calls ``dist.all_reduce(...).wait()`` *inside* future callbacks, which
-    run on gloo's worker threads (2 by default, and ``init_process_group`` ignores ``pg_options`` for
-    gloo). With more buckets in flight than free worker threads, every worker blocks in a callback
-    waiting for an allreduce queued behind it: a deadlock (observed with 3 buckets and 2 threads). One
-    thread per bucket plus one avoids it. All variants use this group, so the comparison stays fair.
-    """
-    import datetime
-
-    store = dist.PrefixStore("gradpress_bench/", dist.distributed_c10d._get_default_store())
-    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    opts._threads = threads
-    opts._timeout = datetime.timedelta(seconds=600)
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    backend = dist.ProcessGroupGloo(store, dist.get_rank(), dist.get_world_size(), opts)
-    group = dist.ProcessGroup(store, dist.get_rank(), dist.get_world_size())
-    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    return group
+__all__ = ["main", "parse_args", "run_benchmark"]
 
 
 def parse_args(argv: Sequence[str] | None, prog: str = "overhead") -> argparse.Namespace:
@@ -311,19 +120,6 @@ def parse_args(argv: Sequence[str] | None, prog: str = "overhead") -> argparse.N
         parser.error("--rounds and --block must be >= 1 and --warmup >= 0")
     return args
 
-
-def _measure_all(configs: Sequence[tuple[str, int]], names: Sequence[str], rounds: int, block: int,
-                 warmup: int, gloo_threads: int) -> list[dict[str, Any]]:
-    """Run :func:`measure` for every config in this process, over a private world-size-1 gloo group."""
-    own_group = not dist.is_initialized()
-    if own_group:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        group = make_group(gloo_threads)
-        return [measure(model, rank, names, rounds, block, warmup, group) for model, rank in configs]
-    finally:
-        if own_group:
-            dist.destroy_process_group()
 
 
 def _run_worker(names: Sequence[str], models: Sequence[str], ranks: Sequence[int], rounds: int, block: int,
@@ -492,8 +288,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m gradpress.too
         if args.threads is not None:
             torch.set_num_threads(args.threads)
         configs = [(model, rank) for model in args.model_list for rank in args.rank_list]
-        parts = _measure_all(configs, args.worker.split(","), args.rounds, args.block, args.warmup,
-                             args.gloo_threads or _gloo_threads(args.model_list))
+        parts = measure_all(configs, args.worker.split(","), args.rounds, args.block, args.warmup,
+                            args.gloo_threads or _gloo_threads(args.model_list))
         with open(args.json, "w") as f:
             json.dump({"parts": parts}, f)
         # Leave without running destructors: gloo's worker threads of the extra group (which PyTorch

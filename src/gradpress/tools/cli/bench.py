@@ -40,7 +40,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 def _models(text: str) -> list[str]:
     """Built-in names or ``module.path:factory`` (the user's own model, as ``gradpress inspect --model``
     takes it: built here on the meta device, so a bad one fails before any measurement)."""
-    from ..bench.overhead import model_names
+    from ..bench.buckets import model_names
     from ..zoo import build_model, import_from_current_folder
 
     models = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
@@ -74,7 +74,7 @@ def _ratio(stats: dict[str, Any]) -> str:
 
 
 def format_results(results: list[dict[str, Any]]) -> list[str]:
-    """Table lines for :func:`gradpress.tools.bench.overhead.summarize` results: allreduce step, overheads and
+    """Table lines for :func:`gradpress.tools.bench.summary.summarize` results: allreduce step, overheads and
     ratios over rounds, each as ``median [first quartile, third quartile]`` (its ``by_round``)."""
     mib = 1 << 20
     rows = []
