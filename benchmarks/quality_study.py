@@ -224,7 +224,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> Non
     import torch
     import torch.distributed as dist
 
-    from gradpress.tools.workloads.training import DemoConfig, parse_methods, train
+    from gradpress.tools.workloads import DemoConfig, parse_methods, train
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.workers)

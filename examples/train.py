@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from gradpress.launch import init_distributed
 from gradpress.tools.workloads import METHOD_KINDS, DemoConfig, default_start_iter, parse_methods, task_names, train
-from gradpress.tools.workloads.training import FAIL_KINDS
+from gradpress.tools.workloads.config import FAIL_KINDS
 
 
 def main() -> int:

@@ -26,7 +26,7 @@ from gradpress.tools.cli.demo.supervisor import Ledger, StepReporter, WorkerErro
 from gradpress.comm import CollectiveError
 from gradpress.tools.cli.main import build_parser, main
 from gradpress.tools.workloads import DemoConfig, default_start_iter, get_task, parse_methods
-from gradpress.tools.workloads.training import SPARSELOCO
+from gradpress.tools.workloads.methods import SPARSELOCO
 
 
 def _demo_children() -> list:

@@ -241,7 +241,7 @@ def test_the_ddp_hook_measures_each_rank_against_its_own_gradient_by_name():
 
 
 def _demo_run(rank, world_size, spec):
-    from gradpress.tools.workloads.training import DemoConfig, parse_methods, train
+    from gradpress.tools.workloads import DemoConfig, parse_methods, train
 
     return train(rank, world_size, parse_methods(spec, [2])[0], DemoConfig(steps=8, start_iter=2, evals=4))
 

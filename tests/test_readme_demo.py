@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gradpress.tools.cli import demo
+from gradpress.tools.cli.demo import report
 from gradpress.tools.cli.main import build_parser, main
 from gradpress.tools.workloads import parse_methods
 
@@ -51,7 +52,7 @@ def _fake_summary() -> dict:
 
 def test_readme_table_has_the_columns_and_methods_the_demo_prints() -> None:
     header, rows = _readme_table()
-    assert header == _columns(demo._table(_fake_summary())[0])
+    assert header == _columns(report.table(_fake_summary())[0])
     assert list(rows) == _default_methods()
 
 
@@ -108,9 +109,9 @@ def test_a_run_whose_loss_still_swings_is_marked_not_quoted() -> None:
     summary["methods"] = {"allreduce": {**entry, "curve": _curve(2.3, 0.3, 0.2), "settled": True},
                           "multi:1": {**entry, "label": "multi r=1", "curve": _curve(2.3, 0.71, 1.33),
                                       "settled": False}}
-    table = demo._table(summary)
+    table = report.table(summary)
     assert "50.0% !" in table[3] and "!" not in table[2]
-    (note,) = [line for line in demo._notes(summary) if line.startswith("! unsettled")]
+    (note,) = [line for line in report.notes(summary) if line.startswith("! unsettled")]
     assert "multi r=1" in note and "0.71 at step 20, 1.33 at the end" in note
 
 
@@ -152,5 +153,5 @@ def test_the_note_says_how_an_unsettled_classifier_still_moves() -> None:
                "config": {"start_iter": 30}}
     summary["methods"] = {"multi:1": {**summary["methods"]["allreduce"], "label": "multi r=1", "curve": curve,
                                       "settled": False}}
-    (note,) = [line for line in demo._notes(summary) if line.startswith("! unsettled")]
+    (note,) = [line for line in report.notes(summary) if line.startswith("! unsettled")]
     assert "multi r=1: test accuracy 55.0-80.0% from step 240 on" in note

@@ -9,7 +9,7 @@ import pytest
 
 import gradpress
 from gradpress.tools.workloads import METHOD_KINDS, METHOD_REGISTRY, DemoConfig, MethodKind, get_task, parse_methods, training
-from gradpress.tools.workloads.methods import bytes_schedule, method_kind, wire_bytes
+from gradpress.tools.workloads.methods import Method, bytes_schedule, method_kind, wire_bytes
 
 ALL = ["allreduce", "fp16", "bf16", "powersgd", "multi", "localsgd", "diloco", "streaming", "diloco-int8",
        "diloco-int4", "sparseloco"]
@@ -38,7 +38,7 @@ def test_unknown_method_errors_name_every_kind_and_how_to_give_a_number() -> Non
     with pytest.raises(ValueError, match="^unknown method 'topk'; valid methods: allreduce, fp16, "):
         method_kind("topk")
     with pytest.raises(ValueError, match="unknown method 'topk'"):
-        training.train(0, 1, training.Method("topk"), DemoConfig())
+        training.train(0, 1, Method("topk"), DemoConfig())
 
 
 def test_one_entry_adds_a_method(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,8 @@ import torch
 
 from distributed import run
 from gradpress.tools.workloads.config import ADAMW_BETAS, ADAMW_LR, DemoConfig
-from gradpress.tools.workloads.training import make_optimizer, parse_methods, train
+from gradpress.tools.workloads import parse_methods, train
+from gradpress.tools.workloads.training import make_optimizer
 
 
 def test_adamw_schedule_warms_up_linearly_then_decays_by_a_cosine_to_a_tenth():

@@ -38,9 +38,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from gradpress.tools.check.compute import load_model, step_ms
+    from gradpress.tools.check.compute import step_ms
+    from gradpress.tools.check.loader import load_model
     from gradpress.tools.check.report import collect
-    from gradpress.tools.workloads.training import DemoConfig, parse_methods, train
+    from gradpress.tools.workloads import DemoConfig, parse_methods, train
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{args.port}",

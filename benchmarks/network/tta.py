@@ -46,7 +46,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from gradpress.tools.workloads.training import DemoConfig, parse_methods, train
+    from gradpress.tools.workloads import DemoConfig, parse_methods, train
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{args.port}",
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.start_iter is None:
-        from gradpress.tools.workloads.training import default_start_iter
+        from gradpress.tools.workloads import default_start_iter
 
         args.start_iter = default_start_iter(args.steps)
     if args.rank is not None:

@@ -21,7 +21,8 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["Aggregator", "AllReduce", "Config", "PowerSGD", "optimizer_step"], "aggregator"),
     **dict.fromkeys(["HierarchicalModelAverager", "ModelAverager", "OuterOptimizerAverager", "PeriodicModelAverager",
-                     "PostLocalSGDOptimizer", "average_parameters", "broadcast_parameters"], "averaging"),
+                     "PostLocalSGDOptimizer", "average_parameters"], "averaging"),
+    "broadcast_parameters": "comm",
     **dict.fromkeys(["PostLocalSGDState", "PowerSGDState", "ZeroStepHook", "allreduce_hook", "batched_powerSGD_hook",
                      "batched_powersgd_hook", "bf16_compress_hook", "bf16_compress_wrapper", "fp16_compress_hook",
                      "fp16_compress_wrapper", "hook_with_zero_step", "hook_with_zero_step_interleaved",
@@ -40,7 +41,8 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from .aggregator import Aggregator, AllReduce, Config, PowerSGD, optimizer_step
     from .averaging import (HierarchicalModelAverager, ModelAverager, OuterOptimizerAverager, PeriodicModelAverager,
-                            PostLocalSGDOptimizer, average_parameters, broadcast_parameters)
+                            PostLocalSGDOptimizer, average_parameters)
+    from .comm import broadcast_parameters
     from .hooks import (PostLocalSGDState, PowerSGDState, ZeroStepHook, allreduce_hook, batched_powerSGD_hook,
                         batched_powersgd_hook, bf16_compress_hook, bf16_compress_wrapper, fp16_compress_hook,
                         fp16_compress_wrapper, hook_with_zero_step, hook_with_zero_step_interleaved,
