@@ -354,7 +354,7 @@ def outer_bytes_and_silent_load(rank, world, first_sync):
     for step in range(6):  # syncs at 0, 2, 4
         _local_update(params, rank, step)
         averager.average_parameters(params)
-    counted = averager.bytes_sent == full + averager._powersgd.total_bytes_sent
+    counted = averager.bytes_sent == full + averager.powersgd.total_bytes_sent
     state = averager.state_dict()
     issued = []
     originals = {name: getattr(dist, name) for name in ("broadcast", "all_reduce", "all_gather", "barrier")}

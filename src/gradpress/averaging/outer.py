@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..aggregator import Config, PowerSGD
 from ..checkpoint import check_placement, placement
 from ..validation import check_number
-from ..comm import average_tensors_, broadcast_parameters, is_distributed, is_member
+from ..comm import broadcast_parameters, is_distributed, is_member
 from .averagers import PeriodicModelAverager
 from .tensors import Params, tensors_to_average
+from .transport import Exact, Link, OuterTransport, transport_for
 
 __all__ = ["OuterOptimizerAverager", "OuterStep"]
 
@@ -116,16 +116,18 @@ class OuterOptimizerAverager(PeriodicModelAverager):
     at ``warmup_steps``, one inner step after the anchor, and then every ``period`` steps.
     ``first_sync="average"`` restores the former rule: the first synchronization is a plain average
     that sets the anchor. ``outer_lr=1, outer_momentum=0`` is plain periodic averaging (from the second
-    synchronization on, or with ``first_sync="average"``). ``compression``: ``None``, ``"fp16"``,
-    ``"bf16"`` (cast Δ for the allreduce), or a :class:`gradpress.Config` to send Δ through PowerSGD (with
-    its own error feedback).
+    synchronization on, or with ``first_sync="average"``). ``compression``: how Δ is sent, any of the
+    transports :class:`gradpress.StreamingDiLoCoAverager` takes (:func:`~gradpress.averaging.transport.transport_for`):
+    ``None``, ``"fp16"``, ``"bf16"`` (cast Δ for the allreduce), a :class:`gradpress.Config` to send Δ
+    through PowerSGD (with its own error feedback), a ``QuantizeInt8``/``QuantizeInt4``/``TopK``
+    compressor (all-gathered payloads, a per-rank residual as error feedback) or an ``OuterTransport``.
 
     A non-finite averaged Δ (a rank's parameters overflowed to inf/NaN since the last synchronization;
     the mean carries it to every rank) is never applied: the outer step is skipped, ``x`` and the outer
     momentum stay as they were, the PowerSGD memory too (compressed variant), and every rank goes back
-    to ``x``, so all ranks stay identical and finite. ``num_skipped`` counts such synchronizations (a
-    warning is logged); they do not count in ``num_averages``. Deciding reads one flag on the host per
-    synchronization.
+    to ``x``, so all ranks stay identical and finite (a compressor's residual keeps its value too).
+    ``num_skipped`` counts such synchronizations (a warning is logged); they do not count in
+    ``num_averages``. Deciding reads one flag on the host per synchronization.
 
     >>> averager = OuterOptimizerAverager(period=50, outer_lr=0.7, outer_momentum=0.9)     # doctest: +SKIP
     >>> optimizer = PostLocalSGDOptimizer(torch.optim.AdamW(model.parameters()), averager)  # doctest: +SKIP
@@ -136,12 +138,12 @@ class OuterOptimizerAverager(PeriodicModelAverager):
                  compression: Any = None, average_buffers: bool = False, first_sync: str = "outer") -> None:
         super().__init__(period, warmup_steps, process_group, average_buffers=average_buffers)
         self.outer_lr, self.outer_momentum, self.nesterov = OuterStep.check_options(outer_lr, outer_momentum, nesterov)
-        if not (compression is None or compression in ("fp16", "bf16") or isinstance(compression, Config)):
-            raise ValueError(f"compression must be None, 'fp16', 'bf16' or a gradpress.Config, got {compression!r}")
+        self._transport = transport_for(compression)  # ValueError listing the accepted values
         self.first_sync = check_first_sync(first_sync)
         self.compression = compression
         self._outer: OuterStep | None = None
-        self._powersgd: PowerSGD | None = None
+        self._bound: OuterTransport | None = None  # the transport bound to the anchor (PowerSGD's memory)
+        self._residual: Tensor | None = None       # a compressor's error feedback, this rank's
         self.num_skipped = 0
 
     def anchor_parameters(self, params: Params) -> None:
@@ -166,6 +168,12 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         super().average_parameters(params)
 
     @property
+    def powersgd(self) -> Any:
+        """The :class:`gradpress.PowerSGD` aggregator that sends Δ when ``compression`` is a
+        :class:`gradpress.Config` (once the anchor is taken), else ``None``."""
+        return getattr(self._bound, "aggregator", None)
+
+    @property
     def synchronized(self) -> bool:
         """Whether a synchronization happened (applied or skipped)."""
         return self.num_averages + self.num_skipped > 0
@@ -181,20 +189,20 @@ class OuterOptimizerAverager(PeriodicModelAverager):
                 return
             if not self._outer.matches(tensors):
                 raise ValueError("OuterOptimizerAverager: the parameters changed since the last synchronization")
-            deltas = [a - t.detach() for a, t in zip(self._outer.anchor, tensors)]
-            if isinstance(self.compression, str):
-                wire = torch.float16 if self.compression == "fp16" else torch.bfloat16
-                self.bytes_sent += average_tensors_(deltas, self.process_group, wire_dtype=wire, issuer=self._issuer())
-            elif self._powersgd is not None:
-                before = self._powersgd.total_bytes_sent
-                self._powersgd.aggregate_(deltas)
-                self.bytes_sent += self._powersgd.total_bytes_sent - before
-            else:
-                self.bytes_sent += average_tensors_(deltas, self.process_group, issuer=self._issuer())
+            assert self._bound is not None
+            distributed = is_distributed()
+            world = dist.get_world_size(self.process_group) if distributed else 1
+            link = Link(self.process_group, dist.get_rank(self.process_group) if distributed else 0, world,
+                        sync=self.num_averages + self.num_skipped, issuer=self._issuer())
+            sent = self._bound.send(self._outer.anchor, tensors, self._residual, link)
+            deltas, flag = self._bound.mean(sent, self._outer.anchor)
+            # An exact average counts the bytes that cross the link (none alone, as average_tensors_);
+            # the other transports what they hand to their collectives, as the streaming averager does.
+            self.bytes_sent += 0 if world == 1 and isinstance(self._transport, Exact) else sent.bytes_sent
             # The averaged deltas are the same on every rank, so every rank takes the same branch.
-            finite = _all_finite(deltas)
-            if self._powersgd is not None and self._powersgd.finite is not None:
-                finite = finite and bool(self._powersgd.finite)  # then its memory is as before, too
+            finite = bool(flag)
+            if finite and sent.residual is not None:
+                self._residual = sent.residual
         if finite:
             self._outer.step(deltas)
         with torch.no_grad():
@@ -209,21 +217,23 @@ class OuterOptimizerAverager(PeriodicModelAverager):
                            self.step)
 
     def _start(self, outer: OuterStep) -> None:
-        """Take ``outer`` (and, compressed, a fresh PowerSGD aggregator over its anchor; the anchor is
-        identical on every rank, so building it issues no collective)."""
+        """Take ``outer`` and bind the transport to its anchor (for PowerSGD a fresh aggregator; the anchor
+        is identical on every rank, so this issues no collective); a compressor's residual starts empty."""
         self._outer = outer
-        self._powersgd = None
-        if self.compression is not None and not isinstance(self.compression, str):
-            self._powersgd = PowerSGD(outer.anchor, self.compression, process_group=self.process_group,
-                                      init_sync=False)
+        self._bound = self._transport.bind(outer.anchor, self.process_group)
+        self._residual = None
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["num_skipped"] = self.num_skipped
         if self._outer is not None:
             state.update(self._outer.state_dict())
-            if self._powersgd is not None:
-                state["powersgd"] = self._powersgd.state_dict()
+            memory = None if self._bound is None else self._bound.state_dict()
+            if memory is not None:
+                state["powersgd"] = memory
+            if self._residual is not None:
+                state["residual"] = self._residual.clone()
+                state["placement"] = placement(self.process_group)
         return state
 
     def load_state_dict(self, state: Mapping[str, Any], *, allow_other_rank: bool = False) -> None:
@@ -233,14 +243,20 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         if isinstance(state.get("powersgd"), Mapping):
             check_placement(state["powersgd"].get("placement"), placement(self.process_group),
                             "OuterOptimizerAverager", allow_other_rank)
+        if state.get("residual") is not None:
+            check_placement(state.get("placement"), placement(self.process_group), "OuterOptimizerAverager",
+                            allow_other_rank)
         super().load_state_dict(state)
         self.num_skipped = int(state.get("num_skipped", 0))
         if "anchor" not in state:
-            self._outer = self._powersgd = None
+            self._outer = self._bound = self._residual = None
             return
         self._start(OuterStep.restore(state, self.outer_lr, self.outer_momentum, self.nesterov))
-        if self._powersgd is not None and "powersgd" in state:
-            self._powersgd.load_state_dict(state["powersgd"], allow_other_rank=True)  # checked above
+        assert self._bound is not None
+        if "powersgd" in state and self._bound.state_dict() is not None:
+            self._bound.load_state_dict(state["powersgd"])  # placement checked above
+        if state.get("residual") is not None:
+            self._residual = state["residual"].clone()
 
 
 FIRST_SYNC = ("outer", "average")
@@ -281,11 +297,3 @@ def no_anchor_message(name: str, step: int) -> str:
             f"built), call averager.anchor_parameters(params) before the first inner step, set warmup_steps "
             f">= 1 (the anchor is then taken at the last warm-up step), or pass first_sync='average' (the "
             f"first synchronization is then a plain average that sets the anchor)")
-
-
-def _all_finite(tensors: list[Tensor]) -> bool:
-    """Whether every value of ``tensors`` is finite: one host read per device."""
-    flags: dict[torch.device, list[Tensor]] = {}
-    for t in tensors:
-        flags.setdefault(t.device, []).append(torch.isfinite(t).all())
-    return all(bool(torch.stack(group).all()) for group in flags.values())

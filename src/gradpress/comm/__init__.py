@@ -4,23 +4,28 @@ The engine only sees its :class:`~gradpress.powersgd.transport.Communicator` pro
 standalone aggregator, or with no ``torch.distributed`` at all (:class:`LocalCommunicator`). The rest of
 the package calls the functions here: blocking collectives (:func:`all_reduce`, :func:`broadcast`,
 :func:`barrier`, the object collectives), asynchronous ones returning a :class:`Work` (whose ``wait()``
-describes a failure as a :class:`CollectiveError`), and the parameter-level helpers built on them
-(:func:`broadcast_parameters`, :func:`average_tensors_`).
+describes a failure as a :class:`CollectiveError`), the one exact-average primitive (blocking
+:func:`average_tensors_`, asynchronous :func:`start_average`, the pipeline task :func:`average_task`) and
+:func:`broadcast_parameters`.
 
 Modules: ``errors`` (:class:`CollectiveError` and how a collective is described), ``communicator`` (the
 engine's communicators), ``collectives`` (every ``torch.distributed`` collective, and
-:class:`Work`), ``parameters`` (tensor lists: :func:`average_tensors_`, :func:`broadcast_parameters`).
+:class:`Work`), ``average`` (exact averages of tensor lists: :func:`average_tensors_`,
+:func:`start_average` and its :class:`PendingAverage`, :func:`average_task`), ``parameters``
+(:func:`broadcast_parameters`).
 """
 
 from .collectives import (Work, all_gather_async, all_gather_objects, all_reduce, all_reduce_async, barrier, broadcast,
                           broadcast_async, gather_objects, is_distributed, is_member, reduce_scatter_async,
                           scatter_objects)
 from .communicator import LocalCommunicator, ProcessGroupCommunicator, make_communicator
+from .average import PendingAverage, average_task, average_tensors_, device_groups, start_average
 from .errors import CollectiveError, check_process_group, collective_error, describe_collective
-from .parameters import average_tensors_, broadcast_parameters, flat_groups
+from .parameters import broadcast_parameters, flat_groups
 
-__all__ = ["CollectiveError", "LocalCommunicator", "ProcessGroupCommunicator", "Work",
-           "all_gather_async", "all_gather_objects", "all_reduce", "all_reduce_async", "average_tensors_", "barrier",
-           "broadcast", "broadcast_async", "broadcast_parameters", "check_process_group", "collective_error",
-           "describe_collective", "flat_groups", "gather_objects", "is_distributed", "is_member", "make_communicator",
-           "reduce_scatter_async", "scatter_objects"]
+__all__ = ["CollectiveError", "LocalCommunicator", "PendingAverage", "ProcessGroupCommunicator", "Work",
+           "all_gather_async", "all_gather_objects", "all_reduce", "all_reduce_async", "average_task",
+           "average_tensors_", "barrier", "broadcast", "broadcast_async", "broadcast_parameters",
+           "check_process_group", "collective_error", "describe_collective", "device_groups", "flat_groups",
+           "gather_objects", "is_distributed", "is_member", "make_communicator", "reduce_scatter_async",
+           "scatter_objects", "start_average"]

@@ -16,7 +16,7 @@ from .errors import CollectiveError, collective_error, describe_collective
 
 __all__ = ["Work", "all_gather_async", "all_gather_objects", "all_reduce", "all_reduce_async", "barrier", "broadcast",
            "broadcast_async", "gather_objects", "is_distributed", "is_member", "reduce_scatter_async",
-           "scatter_objects", "start_described"]
+           "require_member", "scatter_objects", "start_described"]
 
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
@@ -37,7 +37,9 @@ def is_member(process_group: dist.ProcessGroup | None = None) -> bool:
     return process_group is not dist.GroupMember.NON_GROUP_MEMBER
 
 
-def _require_member(process_group: dist.ProcessGroup | None, what: str | Callable[[], str]) -> None:
+def require_member(process_group: dist.ProcessGroup | None, what: str | Callable[[], str]) -> None:
+    """Raise a :class:`CollectiveError` saying ``what`` (a string, or a function making it) cannot run
+    when this rank is not a member of ``process_group``."""
     if not is_member(process_group):
         raise collective_error(what if isinstance(what, str) else what(),
                                RuntimeError(f"this rank (global rank {dist.get_rank()}) is not a member of the "
@@ -124,7 +126,7 @@ def all_reduce(tensor: Tensor, process_group: dist.ProcessGroup | None = None, i
                op: str = "sum") -> Tensor:
     """Reduce ``tensor`` in place over ``process_group`` and return it; a failure is a
     :class:`CollectiveError` naming the collective, its size, the world size and ``issuer``."""
-    _require_member(process_group, lambda: f"allreduce ({op}) in {issuer}")
+    require_member(process_group, lambda: f"allreduce ({op}) in {issuer}")
     try:
         dist.all_reduce(tensor, op=_op(op), group=process_group)
     except RuntimeError as error:
@@ -136,7 +138,7 @@ def all_reduce(tensor: Tensor, process_group: dist.ProcessGroup | None = None, i
 def broadcast(tensor: Tensor, src: int = 0, process_group: dist.ProcessGroup | None = None,
               issuer: str = "gradpress") -> Tensor:
     """Overwrite ``tensor`` in place with its value on ``src`` (a rank *within* ``process_group``)."""
-    _require_member(process_group, lambda: f"broadcast from rank {src} in {issuer}")
+    require_member(process_group, lambda: f"broadcast from rank {src} in {issuer}")
     try:
         dist.broadcast(tensor, src=_global_rank(process_group, src), group=process_group)
     except RuntimeError as error:
@@ -177,7 +179,7 @@ def reduce_scatter_async(out: Tensor, tensor: Tensor, process_group: dist.Proces
 
 def barrier(process_group: dist.ProcessGroup | None = None, issuer: str = "gradpress") -> None:
     """Wait until every rank of ``process_group`` reaches this call."""
-    _require_member(process_group, f"barrier in {issuer}")
+    require_member(process_group, f"barrier in {issuer}")
     try:
         dist.barrier(group=process_group)
     except RuntimeError as error:
@@ -188,7 +190,7 @@ def barrier(process_group: dist.ProcessGroup | None = None, issuer: str = "gradp
 def all_gather_objects(obj: object, process_group: dist.ProcessGroup | None = None,
                        issuer: str = "gradpress") -> list[Any]:
     """Every rank's ``obj`` (picklable), in rank order, on every rank of ``process_group``."""
-    _require_member(process_group, f"all-gather of one object per rank in {issuer}")
+    require_member(process_group, f"all-gather of one object per rank in {issuer}")
     world = dist.get_world_size(process_group)
     everyone: list[Any] = [None] * world
     try:
@@ -201,7 +203,7 @@ def all_gather_objects(obj: object, process_group: dist.ProcessGroup | None = No
 def gather_objects(obj: object, dst: int = 0, process_group: dist.ProcessGroup | None = None) -> list[object] | None:
     """Every rank's ``obj`` (picklable) on rank ``dst`` of ``process_group``, in rank order; ``None`` on the
     other ranks. A collective: every rank of the group calls it. Failures are :class:`CollectiveError`."""
-    _require_member(process_group, f"gather of one object per rank to rank {dst}")
+    require_member(process_group, f"gather of one object per rank to rank {dst}")
     world = dist.get_world_size(process_group)
     mine = dist.get_rank(process_group)
     gathered: list[object] | None = [None] * world if mine == dst else None
@@ -216,7 +218,7 @@ def gather_objects(obj: object, dst: int = 0, process_group: dist.ProcessGroup |
 def scatter_objects(objs: list[object] | None, src: int = 0, process_group: dist.ProcessGroup | None = None) -> object:
     """Rank ``src`` hands ``objs[r]`` to rank ``r`` of ``process_group`` (the others pass ``None``); returns
     this rank's object. A collective: every rank of the group calls it."""
-    _require_member(process_group, f"scatter of one object per rank from rank {src}")
+    require_member(process_group, f"scatter of one object per rank from rank {src}")
     world = dist.get_world_size(process_group)
     out: list[object] = [None]
     try:

@@ -1,4 +1,5 @@
-"""Parameters and other tensor lists over a group: one collective per (device, dtype), in place."""
+"""Parameters and other tensor lists over a group: one collective per (device, dtype), in place.
+(Averaging them is :mod:`gradpress.comm.average`'s.)"""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .collectives import all_reduce, broadcast, is_distributed, is_member
+from .collectives import broadcast, is_distributed, is_member
 
-__all__ = ["average_tensors_", "broadcast_parameters", "flat_groups"]
+__all__ = ["broadcast_parameters", "flat_groups"]
 
 
 def flat_groups(tensors: list[Tensor], wire_dtype: torch.dtype | None = None) -> Iterator[tuple[list[Tensor], Tensor]]:
@@ -27,27 +28,6 @@ def flat_groups(tensors: list[Tensor], wire_dtype: torch.dtype | None = None) ->
             for t in members:
                 t.detach().copy_(flat[offset: offset + t.numel()].view_as(t))
                 offset += t.numel()
-
-
-def average_tensors_(tensors: list[Tensor], process_group: dist.ProcessGroup | None = None,
-                     wire_dtype: torch.dtype | None = None, issuer: str = "average_tensors_") -> int:
-    """Replace each tensor by its mean over ``process_group``, in place; return the bytes sent.
-
-    One allreduce per (device, dtype) group, in that dtype (or ``wire_dtype``), of ``tensor / size``.
-    A failed collective raises :class:`CollectiveError` naming it and ``issuer``. On a rank that is not a
-    member of ``process_group`` nothing changes and 0 is returned (as PyTorch's ``average_parameters``).
-    """
-    if not is_member(process_group):
-        return 0
-    size = dist.get_world_size(process_group)
-    if size == 1 or not tensors:
-        return 0
-    sent = 0
-    for _, flat in flat_groups(tensors, wire_dtype):
-        flat.div_(size)
-        all_reduce(flat, process_group, issuer)
-        sent += flat.numel() * flat.element_size()
-    return sent
 
 
 def broadcast_parameters(params: nn.Module | Iterable[Tensor], process_group: dist.ProcessGroup | None = None,

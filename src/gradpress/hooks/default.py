@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm import all_reduce_async, check_process_group
+from ..comm import check_process_group, start_average
 from .bucket import CastBucket, check_hook, future_tensor
 
 __all__ = ["allreduce_hook", "allreduce_mean_future", "bf16_compress_hook", "bf16_compress_wrapper",
@@ -27,28 +27,13 @@ def allreduce_mean_future(buffer: Tensor, process_group: dist.ProcessGroup | Non
                           issuer: str = "allreduce_mean_future") -> torch.futures.Future:
     """Start averaging ``buffer`` over the group; the future's value is ``buffer`` holding the mean.
 
-    The buffer is divided by the world size *before* the sum (no fp16 overflow), optionally cast to
-    ``wire_dtype`` and moved to ``comm_device`` for the trip. The completion callback only copies.
-    If the collective fails, the future's error is a :class:`gradpress.comm.CollectiveError` naming
-    it and ``issuer`` (e.g. ``"allreduce_hook, bucket 3"``).
+    :func:`gradpress.comm.start_average` of the one buffer: divided by the world size *before* the sum (no
+    fp16 overflow), optionally cast to ``wire_dtype`` and moved to ``comm_device`` for the trip (else
+    averaged in place). The completion callback only copies. If the collective fails, the future's error
+    is a :class:`gradpress.comm.CollectiveError` naming it and ``issuer`` (e.g. ``"allreduce_hook, bucket 3"``).
     """
-    world_size = dist.get_world_size(process_group)
-    device = buffer.device if comm_device is None else torch.device(comm_device)
-    wire = buffer.to(device=device, dtype=wire_dtype or buffer.dtype, copy=False)
-    wire.div_(world_size)
-    work = all_reduce_async(wire, process_group, issuer)
-
-    def done(f: torch.futures.Future) -> Tensor:
-        try:
-            result = future_tensor(f.value())
-        except RuntimeError as error:  # described here, where the bucket and the hook are known
-            raise work.error(error) from error
-        if wire is buffer:
-            return result
-        buffer.copy_(result)
-        return buffer
-
-    return work.get_future().then(done)
+    return start_average([buffer], process_group, wire_dtype=wire_dtype, comm_device=comm_device,
+                         issuer=issuer).get_future()
 
 
 def _check_group(process_group: Any, hook: str, wrapper: str | None = None) -> None:

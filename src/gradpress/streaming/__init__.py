@@ -8,11 +8,14 @@ int8/int4/top-k compressed outer gradients and error feedback (:class:`Streaming
     for x, y in loader:   # every 16 steps a quarter of the model: sent, then applied 4 steps later
         optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step()
 
-Modules: ``fragments`` (split and schedule), ``compress`` (the payload codecs), ``averager`` (the rest).
+Modules: ``fragments`` (split and schedule), ``averager`` (the rest). The payload codecs
+(:mod:`gradpress.averaging.compress`) and the transports that send outer gradients
+(:mod:`gradpress.averaging.transport`) live in :mod:`gradpress.averaging`, one layer down, since
+:class:`gradpress.OuterOptimizerAverager` accepts them too; they are re-exported here.
 """
 
+from ..averaging.compress import Compressor, QuantizeInt4, QuantizeInt8, TopK
 from .averager import StreamingDiLoCoAverager
-from .compress import Compressor, QuantizeInt4, QuantizeInt8, TopK
 from .fragments import fragment_offsets, split_by_size
 
 __all__ = ["Compressor", "QuantizeInt4", "QuantizeInt8", "StreamingDiLoCoAverager", "TopK", "fragment_offsets",

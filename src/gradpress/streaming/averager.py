@@ -9,50 +9,35 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..aggregator import Config
 from ..averaging import ModelAverager, OuterStep, Params, tensors_to_average
+from ..averaging.compress import Compressor
 from ..averaging.outer import check_first_sync, no_anchor_message, take_anchor, takes_anchor
+from ..averaging.transport import Link, OuterTransport, Sent, transport_for
 from ..checkpoint import check_placement, placement
 from ..validation import check_int, check_number
-from ..comm import Work, all_gather_async, all_reduce_async, average_tensors_, is_member
-from .compress import Compressor
+from ..comm import average_tensors_, is_member
 from .fragments import fragment_offsets, split_by_size
 
 __all__ = ["StreamingDiLoCoAverager"]
 
-Compression = Union[None, str, Compressor]
+Compression = Union[None, str, Compressor, Config, OuterTransport]
 FragmentSpec = Union[nn.Module, Iterable[Tensor]]
-
-
-def _sync_seed(seed: int, rank: int, fragment: int, count: int) -> int:
-    """Seed of the stochastic rounding of one sync: a pure function of counters kept in the state, so
-    that a resumed run draws the same numbers; different on every rank (independent rounding noise
-    averages out across ranks instead of adding up)."""
-    mixed = seed
-    for part in (rank, fragment, count):
-        mixed = (mixed * 0x9E3779B1 + part + 1) % (2 ** 61 - 1)
-    return mixed
-
-
-def _device_groups(tensors: Sequence[Tensor]) -> list[list[int]]:
-    """Positions of ``tensors`` grouped by (device, dtype), groups in first-seen order (as
-    :func:`gradpress.averaging.average_tensors_` groups them)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    return list(groups.values())
 
 
 class _Fragment:
     """Per-fragment state: its outer step (the anchor: global parameters at its last sync, identical on
-    every rank; and the outer optimizer's momentum), this rank's error-feedback residual, and counters."""
+    every rank; and the outer optimizer's momentum), the transport bound to that anchor, this rank's
+    error-feedback residual, and counters."""
 
-    __slots__ = ("index", "offset", "positions", "outer", "residual", "syncs", "bytes_sent")
+    __slots__ = ("index", "offset", "positions", "outer", "transport", "residual", "syncs", "bytes_sent")
 
     def __init__(self, index: int, offset: int) -> None:
         self.index = index
         self.offset = offset
         self.positions: list[int] = []
         self.outer: OuterStep | None = None
+        self.transport: OuterTransport | None = None
         self.residual: Tensor | None = None
         self.syncs = 0          # outer syncs started: seeds the stochastic rounding
         self.bytes_sent = 0
@@ -63,23 +48,16 @@ class _Fragment:
 
 
 class _InFlight:
-    """An outer gradient sent and not yet applied: the collectives' handles (``works``, empty once
-    waited on), their output ``buffers``, and the residual this rank keeps if the result is finite."""
+    """An outer gradient sent and not yet applied: what its transport has in flight (``sent``: the
+    collectives' handles, their output buffers, and the residual this rank keeps if the result is
+    finite), and the step at which it is applied."""
 
-    __slots__ = ("fragment", "due", "works", "buffers", "residual")
+    __slots__ = ("fragment", "due", "sent")
 
-    def __init__(self, fragment: int, due: int, works: list[Work], buffers: list[Tensor],
-                 residual: Tensor | None) -> None:
+    def __init__(self, fragment: int, due: int, sent: Sent) -> None:
         self.fragment = fragment
         self.due = due
-        self.works = works  # each names the fragment's outer gradient in a CollectiveError
-        self.buffers = buffers
-        self.residual = residual
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.works = []
+        self.sent = sent
 
 
 class StreamingDiLoCoAverager(ModelAverager):
@@ -131,11 +109,13 @@ class StreamingDiLoCoAverager(ModelAverager):
     applied before it is sent again (``τ < sync_every``). Updates still in flight when training stops
     are not applied.
 
-    **Compression** (``compression``):
+    **Compression** (``compression``, the transports :class:`gradpress.OuterOptimizerAverager` takes too,
+    :mod:`gradpress.averaging.transport`):
 
     * ``None``: one all-reduce of ``δ / world`` per (device, dtype), in that dtype;
-    * ``"fp16"``/``"bf16"``: the same all-reduce in that dtype (no error feedback, as
-      :class:`gradpress.OuterOptimizerAverager`);
+    * ``"fp16"``/``"bf16"``: the same all-reduce in that dtype (no error feedback);
+    * a :class:`gradpress.Config`: PowerSGD per fragment (its error memory per rank), blocking at the send
+      step, the result applied ``τ`` steps later;
     * a :class:`QuantizeInt8`, :class:`QuantizeInt4` or :class:`TopK`: ``e = δ + residual`` (fp32, or
       fp64 for fp64 parameters) is encoded, the payloads are **all-gathered** (one ``uint8`` collective
       per sync), every rank decodes every payload with its sender's scales and sums in fp32/fp64, then
@@ -176,7 +156,8 @@ class StreamingDiLoCoAverager(ModelAverager):
         fragment_phase: ``"start"`` (default) or ``"end"`` (torchft's), see above.
         first_sync: ``"outer"`` (default, the paper's) or ``"average"``, see above.
         outer_lr, outer_momentum, nesterov: the outer SGD (as :class:`OuterOptimizerAverager`).
-        compression: ``None``, ``"fp16"``, ``"bf16"`` or a :class:`~gradpress.streaming.Compressor`.
+        compression: ``None``, ``"fp16"``, ``"bf16"``, a :class:`~gradpress.streaming.Compressor`, a
+            :class:`gradpress.Config` or an ``OuterTransport``.
         average_buffers: also synchronize floating-point buffers.
 
     Example::
@@ -226,9 +207,7 @@ class StreamingDiLoCoAverager(ModelAverager):
         self.fragment_update_alpha = check_number("fragment_update_alpha", fragment_update_alpha,
                                                    lambda v: 0 <= v <= 1, "in [0, 1]")
         self.outer_lr, self.outer_momentum, self.nesterov = OuterStep.check_options(outer_lr, outer_momentum, nesterov)
-        if not (compression is None or compression in ("fp16", "bf16") or isinstance(compression, Compressor)):
-            raise ValueError(f"compression must be None, 'fp16', 'bf16', QuantizeInt8(...), QuantizeInt4(...) or "
-                             f"TopK(...), got {compression!r}")
+        self._transport = transport_for(compression)  # ValueError listing the accepted values
         self.compression = compression
         self.first_sync = check_first_sync(first_sync)
         self.fragment_phase = fragment_phase
@@ -285,7 +264,7 @@ class StreamingDiLoCoAverager(ModelAverager):
         self._bind(tensors)
         anchor, sent = take_anchor(tensors, self.process_group)
         for fr in self._fragments:
-            fr.outer = self._outer_step([anchor[i] for i in fr.positions])
+            self._set_anchor(fr, [anchor[i] for i in fr.positions])
             if sent:
                 self._count(fr, sum(anchor[i].numel() * anchor[i].element_size() for i in fr.positions))
 
@@ -341,13 +320,6 @@ class StreamingDiLoCoAverager(ModelAverager):
                              f"its last synchronization")
         return members
 
-    def _world(self) -> tuple[int, int]:
-        return dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
-
-    def _work_dtype(self, fr: _Fragment) -> torch.dtype:
-        assert fr.anchor is not None
-        return torch.float64 if any(a.dtype == torch.float64 for a in fr.anchor) else torch.float32
-
     def _send(self, fr: _Fragment, tensors: list[Tensor]) -> None:
         members = self._members(fr, tensors)
         if fr.anchor is None:  # first sync, first_sync="average": plain average, sets the anchor
@@ -355,51 +327,18 @@ class StreamingDiLoCoAverager(ModelAverager):
                 raise ValueError(no_anchor_message(type(self).__name__, self.step))
             with torch.no_grad():
                 sent = average_tensors_(members, self.process_group, issuer=self._issuer())
-                fr.outer = self._outer_step([t.clone() for t in members])
+                self._set_anchor(fr, [t.clone() for t in members])
             self._count(fr, sent)
             self.num_averages += 1
             return
-        assert fr.anchor is not None
-        rank, world = self._world()
-        works: list[Work] = []
-        residual = None
-        with torch.no_grad():
-            if not isinstance(self.compression, Compressor):
-                wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.compression)  # type: ignore[arg-type]
-                deltas = [a - t for a, t in zip(fr.anchor, members)]
-                buffers = []
-                for group in _device_groups(deltas):
-                    flat = torch.cat([deltas[i].reshape(-1) for i in group]).to(wire or deltas[group[0]].dtype)
-                    if world > 1:
-                        flat.div_(world)
-                    buffers.append(flat)
-                sent = sum(b.numel() * b.element_size() for b in buffers)
-                if world > 1:
-                    what = self._describe_sync(fr, "allreduce (sum)", sent, world)
-                    works = [all_reduce_async(flat, self.process_group, what=what) for flat in buffers]
-            else:
-                dtype, device = self._work_dtype(fr), fr.anchor[0].device
-                outer_grad = torch.cat([(a.to(dtype) - t.to(dtype)).reshape(-1).to(device)
-                                        for a, t in zip(fr.anchor, members)])
-                if fr.residual is not None:  # e = δ + β·residual (β = 1 but for SparseLoCo's TopK(error_decay=))
-                    outer_grad.add_(fr.residual, alpha=getattr(self.compression, "error_decay", 1.0))
-                generator = None
-                if self.compression.rounding == "stochastic":
-                    generator = torch.Generator().manual_seed(
-                        _sync_seed(self.compression.seed, rank, fr.index, fr.syncs))
-                payload = self.compression.encode(outer_grad, generator)
-                residual = outer_grad - self.compression.decode(payload.unsqueeze(0), outer_grad.numel(), dtype)[0]
-                sent = payload.numel()
-                if world > 1:
-                    gathered = payload.new_empty(world * payload.numel())
-                    what = self._describe_sync(fr, "all-gather", sent, world)
-                    works = [all_gather_async(gathered, payload, self.process_group, what=what)]
-                else:
-                    gathered = payload
-                buffers = [gathered]
+        assert fr.anchor is not None and fr.transport is not None
+        rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
+        link = Link(self.process_group, rank, world, fr.index, fr.syncs, self._issuer(),
+                    lambda op, sent: self._describe_sync(fr, op, sent, world))
+        sent = fr.transport.send(fr.anchor, members, fr.residual, link)
         fr.syncs += 1
-        self._count(fr, sent)
-        self._in_flight.append(_InFlight(fr.index, self.step + self.fragment_sync_delay, works, buffers, residual))
+        self._count(fr, sent.bytes_sent)
+        self._in_flight.append(_InFlight(fr.index, self.step + self.fragment_sync_delay, sent))
 
     def _describe_sync(self, fr: _Fragment, op: str, sent: int, world: int) -> str:
         """The collective of one sync, as a :class:`gradpress.comm.CollectiveError` names it."""
@@ -410,43 +349,16 @@ class StreamingDiLoCoAverager(ModelAverager):
         fr.bytes_sent += sent
         self.bytes_sent += sent
 
-    def _outer_step(self, anchor: list[Tensor]) -> OuterStep:
-        return OuterStep(anchor, self.outer_lr, self.outer_momentum, self.nesterov)
-
-    def _mean_outer_grads(self, fr: _Fragment, pending: _InFlight) -> tuple[list[Tensor], Tensor]:
-        """Per anchor tensor, the averaged outer gradient ``Δ`` (in the anchor's dtype), and a 0-dim
-        ``finite`` flag on the first anchor's device."""
-        assert fr.anchor is not None
-        if not isinstance(self.compression, Compressor):
-            means: list[Tensor] = [torch.empty(0)] * len(fr.anchor)
-            flags = []
-            for group, flat in zip(_device_groups(fr.anchor), pending.buffers):
-                offset = 0
-                for i in group:
-                    a = fr.anchor[i]
-                    means[i] = flat[offset: offset + a.numel()].view_as(a).to(a.dtype)
-                    offset += a.numel()
-                flags.append(torch.isfinite(flat).all().to(fr.anchor[0].device))
-            finite = torch.stack(flags).all()
-        else:
-            dtype = self._work_dtype(fr)
-            numel = sum(a.numel() for a in fr.anchor)
-            payloads = pending.buffers[0].view(-1, self.compression.payload_bytes(numel))
-            mean = self.compression.decode(payloads, numel, dtype).sum(dim=0).div_(payloads.shape[0])
-            finite = torch.isfinite(mean).all()
-            means, offset = [], 0
-            for a in fr.anchor:
-                means.append(mean[offset: offset + a.numel()].view_as(a).to(a.device, a.dtype))
-                offset += a.numel()
-        return means, finite
+    def _set_anchor(self, fr: _Fragment, anchor: list[Tensor]) -> None:
+        """Start fragment ``fr``'s outer step from ``anchor`` and bind the transport to it."""
+        fr.outer = OuterStep(anchor, self.outer_lr, self.outer_momentum, self.nesterov)
+        fr.transport = self._transport.bind(anchor, self.process_group)
 
     def _apply(self, pending: _InFlight, tensors: list[Tensor]) -> None:
         fr = self._fragments[pending.fragment]
         members = self._members(fr, tensors)
-        assert fr.anchor is not None and fr.outer is not None
-        pending.wait()
-        with torch.no_grad():
-            means, finite = self._mean_outer_grads(fr, pending)
+        assert fr.anchor is not None and fr.outer is not None and fr.transport is not None
+        means, finite = fr.transport.mean(pending.sent, fr.anchor)
         # A non-finite Δ must not move the anchor nor the momentum: decided on the device.
         fr.outer.step(means, finite)
         with torch.no_grad():
@@ -456,9 +368,10 @@ class StreamingDiLoCoAverager(ModelAverager):
                     members[i].copy_(a)
                 else:  # α · local + (1 - α) · global; on a skipped step, the anchor
                     members[i].copy_(torch.where(ok, torch.lerp(a, members[i], self.fragment_update_alpha), a))
-            if pending.residual is not None:
-                old_residual = fr.residual if fr.residual is not None else torch.zeros_like(pending.residual)
-                fr.residual = torch.where(finite.to(old_residual.device), pending.residual, old_residual)
+            residual = pending.sent.residual
+            if residual is not None:
+                old_residual = fr.residual if fr.residual is not None else torch.zeros_like(residual)
+                fr.residual = torch.where(finite.to(old_residual.device), residual, old_residual)
         self._in_flight.remove(pending)
         self.num_averages += 1
 
@@ -473,13 +386,17 @@ class StreamingDiLoCoAverager(ModelAverager):
         state["fragments"] = [{
             **(fr.outer.state_dict() if fr.outer is not None else {"anchor": None, "outer": None}),
             "residual": None if fr.residual is None else fr.residual.clone(),
+            **({} if fr.transport is None or fr.transport.state_dict() is None
+               else {"powersgd": fr.transport.state_dict()}),
             "syncs": fr.syncs, "bytes_sent": fr.bytes_sent} for fr in self._fragments]
         in_flight = []
         for pending in self._in_flight:
-            pending.wait()
+            sent = pending.sent
+            sent.wait()
             in_flight.append({"fragment": pending.fragment, "due": pending.due,
-                              "buffers": [b.clone() for b in pending.buffers],
-                              "residual": None if pending.residual is None else pending.residual.clone()})
+                              "buffers": [b.clone() for b in sent.buffers],
+                              "residual": None if sent.residual is None else sent.residual.clone(),
+                              **({} if sent.finite is None else {"finite": sent.finite.clone()})})
         state["in_flight"] = in_flight
         return state
 
@@ -491,7 +408,8 @@ class StreamingDiLoCoAverager(ModelAverager):
         if len(saved) != self.num_fragments:
             raise ValueError(f"StreamingDiLoCoAverager checkpoint has {len(saved)} fragments, this averager "
                              f"{self.num_fragments}")
-        if any(f["residual"] is not None for f in saved) or any(p["residual"] is not None for p in state["in_flight"]):
+        if any(f["residual"] is not None or "powersgd" in f for f in saved) or \
+                any(p["residual"] is not None for p in state["in_flight"]):
             check_placement(state.get("placement"), placement(self.process_group), "StreamingDiLoCoAverager",
                             allow_other_rank)
         if state["in_flight"] and state.get("compression") != repr(self.compression):
@@ -500,13 +418,18 @@ class StreamingDiLoCoAverager(ModelAverager):
         super().load_state_dict(state)
         self._layout = None if state["layout"] is None else [int(f) for f in state["layout"]]
         for fr, item in zip(self._fragments, saved):
-            fr.outer = None if item["anchor"] is None else \
-                OuterStep.restore(item, self.outer_lr, self.outer_momentum, self.nesterov)
+            fr.outer = fr.transport = None
+            if item["anchor"] is not None:
+                fr.outer = OuterStep.restore(item, self.outer_lr, self.outer_momentum, self.nesterov)
+                fr.transport = self._transport.bind(fr.outer.anchor, self.process_group)
+                if "powersgd" in item and fr.transport.state_dict() is not None:
+                    fr.transport.load_state_dict(item["powersgd"])  # placement checked above
             fr.residual = None if item["residual"] is None else item["residual"].clone()
             fr.syncs = int(item["syncs"])
             fr.bytes_sent = int(item["bytes_sent"])
             fr.positions = [] if self._layout is None else [i for i, f in enumerate(self._layout) if f == fr.index]
         self._in_flight = [
-            _InFlight(int(p["fragment"]), int(p["due"]), [], [b.clone() for b in p["buffers"]],
-                      None if p["residual"] is None else p["residual"].clone())
+            _InFlight(int(p["fragment"]), int(p["due"]),
+                      Sent([], [b.clone() for b in p["buffers"]], None if p["residual"] is None else p["residual"].clone(),
+                           finite=None if p.get("finite") is None else p["finite"].clone()))
             for p in state["in_flight"]]

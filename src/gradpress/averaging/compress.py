@@ -1,9 +1,11 @@
-"""Outer-gradient compressors of :class:`~gradpress.streaming.StreamingDiLoCoAverager`.
+"""Outer-gradient compressors of DiLoCo's averagers (:class:`~gradpress.StreamingDiLoCoAverager`,
+:class:`~gradpress.OuterOptimizerAverager`).
 
 A compressor turns a flat float vector into a ``uint8`` payload (``encode``) and any stack of payloads
-back into vectors (``decode``); the averager all-gathers the payloads, decodes every rank's, sums in the
-working dtype (fp32, or fp64 for fp64 parameters) and divides by the world size. The error feedback
-(what a rank's own payload failed to carry, added to its next outer gradient) lives in the averager.
+back into vectors (``decode``); its transport (:class:`gradpress.averaging.transport.Compressed`)
+all-gathers the payloads, decodes every rank's, sums in the working dtype (fp32, or fp64 for fp64
+parameters) and divides by the world size. The error feedback (what a rank's own payload failed to
+carry, added to its next outer gradient) is kept by the averager, per fragment.
 
 Payload layouts and exact sizes (``n`` values, chunks of ``C``, ``nc = ceil(n / C)``; scales fp32):
 
