@@ -23,6 +23,7 @@ from distributed import run
 import gradpress
 from gradpress import Config, PowerSGD
 from gradpress.comm import LocalCommunicator
+from gradpress.hooks.batched import PaddedBuckets
 from gradpress.powersgd import EngineConfig, Segment, make_plan
 from gradpress.powersgd.step import compress_step
 
@@ -124,7 +125,8 @@ def _memory_is_finite(segment, with_p, error_feedback=True):
     """Error memory (with error feedback; else ``error_memory`` is scratch) and warm-start factors (Q; P too in
     the alternating scheme, where it is memory)."""
     factors = segment.q if not with_p else torch.cat([segment.phase1[:segment.plan.p_numel], segment.q])
-    return bool(torch.isfinite(factors).all()) and (not error_feedback or bool(torch.isfinite(segment.error_memory).all()))
+    finite_memory = not error_feedback or bool(torch.isfinite(segment.error_memory).all())
+    return bool(torch.isfinite(factors).all()) and finite_memory
 
 
 def _run(segment, grads, config, compressed_step, measure=False):
@@ -307,8 +309,10 @@ def _hook_steps(rank, world, hook_name, num_iters, measure_every=None):
             for future in [hook(state, bucket) for bucket in buckets]:
                 future.wait()
     measured = measure_every is None or (state.global_residual() and state.approximation_error())
-    return bool(measured) and all(_memory_is_finite(segment, num_iters is not None)
-                                  for segment in state.session.segments())
+    # The per-parameter memory and the batched hook's per-bucket memory.
+    segments = [*state.session.segments(), *PaddedBuckets.of(state).segments()]
+    assert hook_name != "batched_powerSGD_hook" or PaddedBuckets.of(state).segments()
+    return bool(measured) and all(_memory_is_finite(segment, num_iters is not None) for segment in segments)
 
 
 @pytest.mark.parametrize("measure_every", [None, 2], ids=["", "measured"])

@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -27,6 +28,8 @@ from ..diagnostics import named_pairs
 from ..powersgd.linalg import as_matrix_shape
 from ..policy import RankPolicy, RankRules
 from ..powersgd.plan import should_compress
+from ..powersgd.store import SegmentStore
+from ..powersgd.transport import Communicator
 
 __all__ = ["ParameterKeys"]
 
@@ -172,16 +175,9 @@ class ParameterKeys:
         self.policy_ranks.clear()
 
     def namer(self) -> Any:
-        """``key -> name``: the name learnt by :meth:`name`, else ``"#key"``; ``"bucket i"`` for the batched
-        hook's per-bucket keys (negative)."""
+        """``key -> name``: the name learnt by :meth:`name`, else ``"#key"``."""
         names = {key: self.names[id(param)] for param, key in self.keys.values() if id(param) in self.names}
-
-        def name(key: int) -> str:
-            if key < 0:
-                return f"bucket {-1 - key}"   # batched_powerSGD_hook: one matrix per bucket
-            return names.get(key, f"#{key}")
-
-        return name
+        return lambda key: names.get(key, f"#{key}")
 
     # --- ranks ---------------------------------------------------------------------------------------
     def ranks_for(self, keys: tuple[int, ...], params: Sequence[Tensor],
@@ -224,6 +220,25 @@ class ParameterKeys:
                 self.limits[key] = (min(self.adaptive.low, cap), cap)
             ranks.append(self.adaptive_ranks.setdefault(key, self.limits[key][1]))
         return ranks
+
+    def adapt(self, store: SegmentStore, comm: Communicator, seed: int, draw: int) -> None:
+        """At the end of an adaptive interval: average every parameter's signal over the ranks (one
+        all-reduce, from the hook's thread), decide its rank for the next interval (the same everywhere,
+        :meth:`decide`), and resize the factors that change in ``store`` (new columns drawn from
+        ``(seed, key, draw)``)."""
+        assert self.adaptive is not None
+        signals = store.signals()
+        if not signals:
+            return
+        keys = sorted(signals)
+        vector = torch.stack([signals[key].reshape(()).to(torch.float32) for key in keys])
+        vector.div_(comm.world_size)
+        comm.allreduce_sum(vector).wait()
+        store.reset_signals()
+        # The one host read of the interval.
+        changes = self.decide({key: total / self.adaptive.every for key, total in zip(keys, vector.tolist())})
+        if changes:
+            store.resize(changes, seed, draw)
 
     def decide(self, means: dict[int, float]) -> dict[int, int]:
         """At the end of an adaptive interval: each parameter's mean gradient-norm signal over the

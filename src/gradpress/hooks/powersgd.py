@@ -20,41 +20,60 @@ Differences from PyTorch that users can rely on (each has a test):
 
 import logging
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
-from ..checkpoint import check_placement, placement, reject_gathered
-from ..comm import check_process_group, make_communicator
-from ..powersgd.transport import Communicator
 from ..adaptive import AdaptiveRank
+from ..comm import check_process_group, make_communicator
+from ..diagnostics import check_measure_every
 from ..policy import RankRules
-from ..diagnostics import (ApproximationSummary, captured_energies, check_measure_every, relative_errors,
-                           should_measure, summarize)
-from ..powersgd.pipeline import Task
 from ..powersgd.config import EngineConfig
-from ..powersgd.memory import RESIZE_DRAW, Segment, work_dtype_for
+from ..powersgd.memory import Segment, work_dtype_for
+from ..powersgd.seeding import RESIZE_DRAW
 from ..powersgd.session import EngineSession, MemoryReport
-from ..powersgd.step import StepCommit, compress_step
-from .default import allreduce_mean_future
+from ..powersgd.transport import Communicator
 from .parameters import ParameterKeys
+from .state_checkpoint import StateCheckpoint
+from .state_report import StateReport
 
 __all__ = ["PowerSGDState", "powerSGD_hook", "powersgd_hook"]
 
 logger = logging.getLogger(__name__)
 
-_STATE_DICT_VERSION = 1
+
+def _from_config(field: str) -> property:
+    """A read-only property showing the engine configuration's ``field``."""
+    return property(lambda state: getattr(state.session.config, field), doc=f"``{field}`` of :attr:`config`.")
 
 
-# Options that decide what the memory means; a checkpoint must agree with the state on them.
-_MEMORY_OPTIONS = ("matrix_approximation_rank", "min_compression_rate", "use_error_feedback", "warm_start",
-                   "random_seed", "num_iters_per_step")
+def _counter(field: str) -> property:
+    """A property reading and setting the engine session's counter ``field``."""
+    return property(lambda state: getattr(state.session, field),
+                    lambda state, value: setattr(state.session, field, int(value)),
+                    doc=f"The engine session's ``{field}`` counter.")
 
 
-class PowerSGDState:
+class BucketMemory(Protocol):
+    """Memory a hook keeps per bucket, outside the per-parameter store (``batched_powerSGD_hook``'s
+    :class:`~gradpress.hooks.batched.PaddedBuckets`): what the state needs of it."""
+
+    def segments(self) -> list[Segment]: ...
+
+    def scale_errors(self, factor: float) -> None: ...
+
+    def approximation_norms(self) -> dict[str, tuple[float, float]]: ...
+
+    def global_residual_norms(self) -> dict[str, tuple[float, float]]: ...
+
+    def state_dict(self) -> dict[int, dict[str, Any]]: ...
+
+
+class PowerSGDState(StateReport, StateCheckpoint):
     r"""State of :func:`powerSGD_hook` / :func:`batched_powerSGD_hook`: configuration, memory, counters.
 
     Same arguments, names and defaults as PyTorch's ``PowerSGDState``, plus ``comm_device`` and
@@ -87,6 +106,13 @@ class PowerSGDState:
             orthogonalization keep fp32 (or the gradient's wider dtype). ``bytes_stats()`` counts it.
             ``None``: that working precision on the wire too (fp32; fp64 for fp64 gradients), as
             ``Config(bytes_per_weight=None)``.
+        warm_up_bytes_per_weight: the wire of the exact averages of the iterations before
+            ``start_powerSGD_iter``. ``None`` (default): the gradients at their own precision, as PyTorch,
+            not counted in :meth:`bytes_stats` or :meth:`compression_stats`. 2: the half-precision wire
+            of ``bytes_per_weight=2`` (bf16 for bf16 gradients, else fp16 with each gradient scaled by its
+            own power of two, agreed on by a max-allreduce of one float per gradient, so the sum cannot
+            overflow): half the bytes of fp32 gradients, at fp16's precision (about 3 decimal digits).
+            Those iterations are then counted (as many elements after as before, in the wire's bytes).
         lr_scheduler: a ``torch.optim.lr_scheduler.LRScheduler`` or anything with ``get_last_lr()``.
             The error memory is kept in update units: when the learning rate (of the first parameter
             group) goes from ``lr_old`` to ``lr_new``, the memory is multiplied by ``lr_old / lr_new``
@@ -138,7 +164,7 @@ class PowerSGDState:
     __slots__ = ("process_group", "start_powerSGD_iter", "compression_stats_logging_frequency",
                  "batch_tensors_with_same_shape", "comm_device", "iter", "next_stats_report", "_session",
                  "_params", "_comm", "lr_scheduler", "_lr_iter", "approximation_error_every_n_iters",
-                 "last_measured_iter", "__weakref__")
+                 "last_measured_iter", "_bucket_memory", "__weakref__")
 
     def __init__(
         self,
@@ -160,6 +186,7 @@ class PowerSGDState:
         lr_scheduler: Any = None,
         feedback_every_n_iters: int = 1,
         warm_up_beta_factor: float | None = None,
+        warm_up_bytes_per_weight: int | None = None,
         approximation_error_every_n_iters: int | None = None,
         rank_policy: RankRules | None = None,
         adaptive_rank: AdaptiveRank | dict[str, Any] | None = None,
@@ -192,7 +219,7 @@ class PowerSGDState:
             orthogonalization_epsilon=orthogonalization_epsilon, random_seed=random_seed,
             num_iters_per_step=num_iters_per_step, bytes_per_weight=bytes_per_weight,
             feedback_every_n_iters=feedback_every_n_iters, warm_up_beta_factor=warm_up_beta_factor,
-            warm_up_steps=start_powerSGD_iter)
+            warm_up_steps=start_powerSGD_iter, warm_up_bytes_per_weight=warm_up_bytes_per_weight)
         if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
             raise ValueError(
                 "Expect `start_powerSGD_iter` > 1 if `use_error_feedback` or `warm_start` is enabled, "
@@ -234,51 +261,22 @@ class PowerSGDState:
                             f"got {type(adaptive_rank).__name__}")
         # Parameters by stable key (DDP rebuilds its buckets), their names and ranks.
         self._params = ParameterKeys(config.rank, config.min_compression_rate, rank_policy, adaptive_rank)
+        # A hook's per-bucket memory (BucketMemory), or its checkpoint form until that hook first runs.
+        self._bucket_memory: BucketMemory | dict[Any, Any] = {}
 
     # --- configuration, read-only (the memory's meaning depends on it) -----------------------------
-    @property
-    def matrix_approximation_rank(self) -> int:
-        return self._session.config.rank
-
-    @property
-    def min_compression_rate(self) -> float:
-        return self._session.config.min_compression_rate
-
-    @property
-    def use_error_feedback(self) -> bool:
-        return self._session.config.use_error_feedback
-
-    @property
-    def warm_start(self) -> bool:
-        return self._session.config.warm_start
-
-    @property
-    def orthogonalization_epsilon(self) -> float:
-        return self._session.config.orthogonalization_epsilon
-
-    @property
-    def random_seed(self) -> int:
-        return self._session.config.random_seed
-
-    @property
-    def num_iters_per_step(self) -> int | None:
-        return self._session.config.num_iters_per_step
-
-    @property
-    def error_feedback(self) -> bool:
-        return self._session.config.use_error_feedback
-
-    @property
-    def bytes_per_weight(self) -> int | None:
-        return self._session.config.bytes_per_weight
-
-    @property
-    def feedback_every_n_iters(self) -> int:
-        return self._session.config.feedback_every_n_iters
-
-    @property
-    def warm_up_beta_factor(self) -> float | None:
-        return self._session.config.warm_up_beta_factor
+    matrix_approximation_rank = _from_config("rank")
+    min_compression_rate = _from_config("min_compression_rate")
+    use_error_feedback = _from_config("use_error_feedback")
+    error_feedback = _from_config("use_error_feedback")
+    warm_start = _from_config("warm_start")
+    orthogonalization_epsilon = _from_config("orthogonalization_epsilon")
+    random_seed = _from_config("random_seed")
+    num_iters_per_step = _from_config("num_iters_per_step")
+    bytes_per_weight = _from_config("bytes_per_weight")
+    warm_up_bytes_per_weight = _from_config("warm_up_bytes_per_weight")
+    feedback_every_n_iters = _from_config("feedback_every_n_iters")
+    warm_up_beta_factor = _from_config("warm_up_beta_factor")
 
     @property
     def rank_policy(self) -> RankRules | None:
@@ -296,37 +294,10 @@ class PowerSGDState:
         return self._session.config
 
     # --- counters (PyTorch's names; bytes are gradpress's) -------------------------------------------
-    @property
-    def total_numel_before_compression(self) -> int:
-        return self._session.numel_in
-
-    @total_numel_before_compression.setter
-    def total_numel_before_compression(self, value: int) -> None:
-        self._session.numel_in = int(value)
-
-    @property
-    def total_numel_after_compression(self) -> int:
-        return self._session.numel_sent
-
-    @total_numel_after_compression.setter
-    def total_numel_after_compression(self, value: int) -> None:
-        self._session.numel_sent = int(value)
-
-    @property
-    def total_bytes_before_compression(self) -> int:
-        return self._session.bytes_in
-
-    @total_bytes_before_compression.setter
-    def total_bytes_before_compression(self, value: int) -> None:
-        self._session.bytes_in = int(value)
-
-    @property
-    def total_bytes_after_compression(self) -> int:
-        return self._session.bytes_sent
-
-    @total_bytes_after_compression.setter
-    def total_bytes_after_compression(self, value: int) -> None:
-        self._session.bytes_sent = int(value)
+    total_numel_before_compression = _counter("numel_in")
+    total_numel_after_compression = _counter("numel_sent")
+    total_bytes_before_compression = _counter("bytes_in")
+    total_bytes_after_compression = _counter("bytes_sent")
 
     # --- for wrappers and tools ------------------------------------------------------------------------
     @property
@@ -339,7 +310,7 @@ class PowerSGDState:
         """Write each bucket's output and memory as soon as its step ends, instead of all buckets of an
         iteration together at the last one. For wrappers that need each bucket's result at once (FSDP,
         the interleaved ZeRO step); a non-finite bucket then keeps its own memory, not every bucket's."""
-        self._session.commit_each_task_alone()
+        self._session.commit_each_bucket = True
 
     def drain(self) -> None:
         """Run every step in flight to its end (a wrapper that must see all results before going on)."""
@@ -348,7 +319,17 @@ class PowerSGDState:
     def memory_report(self) -> MemoryReport:
         """The bytes of error memory, factors and scratch this state holds, and the elements its plans
         send per compressed step (:class:`gradpress.powersgd.MemoryReport`)."""
-        return self._session.memory_report()
+        memory = self._bucket_memory
+        return self._session.memory_report(() if isinstance(memory, dict) else memory.segments())
+
+    def bucket_memory(self, build: Callable[[dict[Any, Any]], Any]) -> Any:
+        """The per-bucket memory of a hook that keeps one (``batched_powerSGD_hook``): built at first use
+        by ``build(saved)`` from the checkpoint's ``"padded"`` entry (``{}`` without one), then the same
+        object until a checkpoint is loaded or the state moves to another model. It must satisfy
+        :class:`BucketMemory`: the state saves it, rescales it and reads its measurements."""
+        if isinstance(self._bucket_memory, dict):
+            self._bucket_memory = build(self._bucket_memory)
+        return self._bucket_memory
 
     # --- PyTorch's public methods --------------------------------------------------------------------
     def maybe_increase_iter(self, bucket: Any) -> None:
@@ -375,212 +356,16 @@ class PowerSGDState:
         self._advance()
         self._sync_lr(force=True)
 
-    def bytes_stats(self) -> tuple[float, int, int]:
-        """``(rate, bytes before, bytes after)``: like :meth:`compression_stats`, in bytes, counting the
-        gradients' dtype before and ``bytes_per_weight`` (the wire dtype) after. The global-residual
-        sketch that measured iterations all-reduce (:meth:`global_residual`) is a diagnostic and is not
-        counted, here or in :meth:`compression_stats`."""
-        before, after = self.total_bytes_before_compression, self.total_bytes_after_compression
-        return (before / after if after > 0 else 0, before, after)
-
-    # --- diagnostics ----------------------------------------------------------------------------------
-    def name_parameters(self, module: nn.Module | Iterable[tuple[str, Tensor]]) -> None:
-        """Name parameters in :meth:`approximation_error` after ``module.named_parameters()`` (a DDP or
-        FSDP wrapper's ``module.`` prefix is dropped) or after ``(name, parameter)`` pairs. The hook
-        only sees DDP's buckets, which carry the parameters but not their names, so it learns them
-        here; unnamed parameters appear as ``"#k"`` (the k-th parameter the state saw).
-
-        >>> state = PowerSGDState(None, approximation_error_every_n_iters=100)   # doctest: +SKIP
-        >>> state.name_parameters(ddp_model)                                      # doctest: +SKIP
-        """
-        self._params.name(module)
-
-    def _namer(self) -> Any:
-        """``key -> name``: the name given by :meth:`name_parameters`, else ``"#key"``."""
-        return self._params.namer()
-
-    def approximation_error(self) -> dict[str, float]:
-        """``{parameter: ||M - P Q^T|| / ||M||}`` for every compressed parameter, at the last iteration
-        that measured it (``approximation_error_every_n_iters``; empty before the first), on this rank:
-        M is this rank's gradient plus error memory, P Q^T what every rank applied (see
-        :mod:`gradpress.diagnostics`). Reads the values on the host (a device sync): call it when you
-        want the numbers, not on every step.
-
-        >>> state = PowerSGDState(None, approximation_error_every_n_iters=100)   # doctest: +SKIP
-        >>> state.approximation_error()["lstm.weight_hh_l0"]                       # doctest: +SKIP
-        0.41
-        """
-        return relative_errors(self._session.approximation_norms(), self._namer())
-
-    def approximation_error_summary(self) -> ApproximationSummary | None:
-        """:meth:`approximation_error` in one :class:`~gradpress.diagnostics.ApproximationSummary`
-        (overall, mean, worst): ``None`` before the first measurement."""
-        return summarize(self._session.approximation_norms(), self._namer())
-
-    def global_residual(self) -> dict[str, float]:
-        """``{parameter: ||mean M - P Q^T|| / ||mean M||}`` for every compressed parameter, at the last
-        iteration that measured it (the same iterations as :meth:`approximation_error`): how much of the
-        workers' *averaged* matrix the applied ``P Q^T`` misses, the same on every rank. Estimated with a
-        seeded Gaussian sketch of 16 columns (exact for matrices of at most 16 columns, and 0 when P Q^T
-        is the mean); see :mod:`gradpress.diagnostics`. Measuring adds one all-reduce of ``n x 16`` per
-        matrix to each measured iteration, not counted in :meth:`bytes_stats`. Reads the values on the
-        host."""
-        return relative_errors(self._session.global_residual_norms(), self._namer())
-
-    def global_residual_summary(self) -> ApproximationSummary | None:
-        """:meth:`global_residual` in one :class:`~gradpress.diagnostics.ApproximationSummary` (overall,
-        mean, worst, ``captured_energy``): ``None`` before the first measurement."""
-        return summarize(self._session.global_residual_norms(), self._namer())
-
-    def captured_energy(self) -> dict[str, float]:
-        """``{parameter: 1 - global_residual^2}``: the share of the averaged matrix's energy the applied
-        approximation captures, per compressed parameter (see :meth:`global_residual`)."""
-        return captured_energies(self._session.global_residual_norms(), self._namer())
-
-    def ranks(self) -> dict[str, int]:
-        """The rank each compressed parameter uses now (by name, as :meth:`approximation_error`): the
-        :class:`~gradpress.adaptive.AdaptiveRank` in force, else the policy's or
-        ``matrix_approximation_rank``, each capped at ``min(n, m)``. Parameters sent exactly are left
-        out; empty before the first compressed iteration."""
-        name = self._namer()
-        result: dict[str, int] = {}
-        for segment in self._session.store.segments.values():
-            for index in segment.compressed_order:
-                result[name(segment.keys[index])] = segment.plan.tensors[index].rank
-        for key, entry in self._session.store.pool.items():  # memory between two segments (after a switch)
-            if entry.q is not None and key >= 0:
-                result.setdefault(name(key), int(entry.q.shape[1]))
-        return dict(sorted(result.items()))
-
-    def _measure(self) -> bool:
-        """Whether this iteration measures (and, if so, note it in ``last_measured_iter``)."""
-        measure = should_measure(self.approximation_error_every_n_iters, self.iter - self.start_powerSGD_iter)
-        if measure:
-            self.last_measured_iter = self.iter
-        return measure
-
     def _sync_lr(self, force: bool = False) -> None:
         """Once per iteration: if the learning rate changed, rescale the error memory to the new one."""
         if self.lr_scheduler is None or (self._lr_iter == self.iter and not force):
             return
         self._lr_iter = self.iter
-        self._session.rescale_to_lr(self.lr_scheduler.get_last_lr()[0])
-
-    def compression_stats(self) -> tuple[float, int, int]:
-        """``(rate, numel before, numel after)`` summed over every compressed bucket step so far.
-
-        ``rate = before / after``. Counts follow the plan: ``n*m`` before and ``(n+m)*r`` after for a
-        compressed matrix, ``numel`` for the rest. **(0, 0, 0) until iteration** ``start_powerSGD_iter``:
-        the iterations before it are plain allreduce and compress nothing (the ``gradpress.hooks.powersgd``
-        logger says at INFO level when compression starts).
-
-        >>> PowerSGDState(None, start_powerSGD_iter=2).compression_stats()   # nothing compressed yet
-        (0, 0, 0)
-        """
-        before, after = self.total_numel_before_compression, self.total_numel_after_compression
-        return (before / after if after > 0 else 0, before, after)
-
-    # --- checkpoints -----------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Plain tensors and numbers: counters, options, and per-parameter error memory and Q.
-
-        No process group, nothing tied to a device or to DDP's bucket layout. Call between iterations
-        (on every rank that will resume; each rank's error memory is its own).
-        """
-        if self._session.in_flight():
-            raise RuntimeError("PowerSGDState.state_dict() was called while a backward pass is in flight")
-        return {
-            "version": _STATE_DICT_VERSION,
-            "placement": placement(self.process_group),
-            "options": {
-                "matrix_approximation_rank": self.matrix_approximation_rank,
-                "min_compression_rate": self.min_compression_rate,
-                "use_error_feedback": self.use_error_feedback,
-                "warm_start": self.warm_start,
-                "orthogonalization_epsilon": self.orthogonalization_epsilon,
-                "random_seed": self.random_seed,
-                "start_powerSGD_iter": self.start_powerSGD_iter,
-                "compression_stats_logging_frequency": self.compression_stats_logging_frequency,
-                "batch_tensors_with_same_shape": self.batch_tensors_with_same_shape,
-                "comm_device": None if self.comm_device is None else str(self.comm_device),
-                "num_iters_per_step": self.num_iters_per_step,
-                "bytes_per_weight": self.bytes_per_weight,
-                "feedback_every_n_iters": self.feedback_every_n_iters,
-                "warm_up_beta_factor": self.warm_up_beta_factor,
-                "approximation_error_every_n_iters": self.approximation_error_every_n_iters,
-                # A mapping policy is plain data; a function policy is kept by pickling only (__getstate__).
-                "rank_policy": self.rank_policy if isinstance(self.rank_policy, dict) else None,
-                "adaptive_rank": None if self.adaptive_rank is None else self.adaptive_rank.to_dict(),
-            },
-            "adaptive": self._params.adaptive_state(),
-            "last_lr": self._session.last_lr,
-            "total_bytes_before_compression": self.total_bytes_before_compression,
-            "total_bytes_after_compression": self.total_bytes_after_compression,
-            "iter": self.iter,
-            "total_numel_before_compression": self.total_numel_before_compression,
-            "total_numel_after_compression": self.total_numel_after_compression,
-            "next_stats_report": self.next_stats_report,
-            "param_shapes": [list(shape) for shape in self._params.shapes],
-            "memory": self._session.memory_state(),
-            "padded": self._session.padded_state(),
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any], *, allow_other_rank: bool = False) -> None:
-        """Restore what :meth:`state_dict` saved; tensors may come from another device.
-
-        Raises ``ValueError`` if the checkpoint was made with different compression options, or on another
-        rank or world size (checkpoints without this record are accepted; ``allow_other_rank=True`` skips
-        the rank/world-size check).
-        """
-        reject_gathered(state_dict, "PowerSGDState.load_state_dict")
-        if state_dict.get("version") != _STATE_DICT_VERSION:
-            raise ValueError(f"unsupported PowerSGDState state_dict version {state_dict.get('version')!r}; "
-                             f"expected {_STATE_DICT_VERSION}")
-        options = state_dict["options"]
-        for name in _MEMORY_OPTIONS:
-            if options.get(name) != getattr(self, name):
-                raise ValueError(
-                    f"checkpoint was saved with {name}={options.get(name)!r} but this PowerSGDState has "
-                    f"{name}={getattr(self, name)!r}; construct the state with the same value to resume")
-        adaptive = None if self.adaptive_rank is None else self.adaptive_rank.to_dict()
-        if options.get("adaptive_rank") != adaptive:
-            raise ValueError(f"checkpoint was saved with adaptive_rank={options.get('adaptive_rank')!r} but this "
-                             f"PowerSGDState has adaptive_rank={adaptive!r}; construct the state with the same "
-                             "value to resume")
-        check_placement(state_dict.get("placement"), placement(self.process_group), "PowerSGDState",
-                        allow_other_rank)
-        if self._session.in_flight():
-            raise RuntimeError("PowerSGDState.load_state_dict() was called while a backward pass is in flight")
-        self.iter = int(state_dict["iter"])
-        self.total_numel_before_compression = int(state_dict["total_numel_before_compression"])
-        self.total_numel_after_compression = int(state_dict["total_numel_after_compression"])
-        self.next_stats_report = int(state_dict["next_stats_report"])
-        self._session.last_lr = state_dict.get("last_lr")
-        self._lr_iter = -1
-        self.total_bytes_before_compression = int(state_dict.get("total_bytes_before_compression", 0))
-        self.total_bytes_after_compression = int(state_dict.get("total_bytes_after_compression", 0))
-        self._params.load(state_dict["param_shapes"], state_dict.get("adaptive", {}))
-        self._session.load_memory_state(state_dict["memory"], state_dict.get("padded", {}))
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.state_dict()
-        if self.rank_policy is not None:
-            state["options"]["rank_policy"] = self.rank_policy
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        options = dict(state["options"])
-        self.__init__(None, **options)  # type: ignore[misc]
-        self.load_state_dict(state, allow_other_rank=True)  # a copy, not a resume on a given rank
-        if dist.is_available() and dist.is_initialized():
-            logger.warning("PowerSGDState unpickled: process_group is the default group; set "
-                           "state.process_group if another group is wanted.")
+        factor = self._session.rescale_to_lr(self.lr_scheduler.get_last_lr()[0])
+        if factor is not None and not isinstance(self._bucket_memory, dict):
+            self._bucket_memory.scale_errors(factor)
 
     # --- internals used by the hooks ------------------------------------------------------------------
-    def _step_commit(self) -> StepCommit | None:
-        """The commit a bucket's task joins: the iteration's, or none (the task commits alone)."""
-        return self._session.step_commit()
-
     def _communicator(self) -> Communicator:
         if self._comm is None:
             self._comm = make_communicator(self.process_group, self.comm_device, issuer="powerSGD_hook")
@@ -593,46 +378,29 @@ class PowerSGDState:
         return self._session.store.get(index, keys, [g.shape for g in grads], grads[0].device,
                                        work_dtype_for(grads[0].dtype), ranks)
 
-    def _adapt(self) -> None:
-        """At the end of an interval: average every parameter's signal over the ranks (one all-reduce),
-        decide its rank for the next interval (the same everywhere), resize the factors that change."""
-        adaptive = self._params.adaptive
-        assert adaptive is not None
-        signals = self._session.store.signals()
-        if not signals:
-            return
-        keys = sorted(signals)
-        comm = self._communicator()
-        vector = torch.stack([signals[key].reshape(()).to(torch.float32) for key in keys])
-        vector.div_(comm.world_size)
-        comm.allreduce_sum(vector).wait()
-        self._session.store.reset_signals()
-        # The one host read of the interval.
-        changes = self._params.decide({key: total / adaptive.every for key, total in zip(keys, vector.tolist())})
-        if changes:
-            self._session.store.resize(changes, self.random_seed, RESIZE_DRAW | self.iter)
-
-    def _run(self, task: Task, bucket: Any, result: Tensor, before: int, after: int,
-             finish: Any = None, grad_dtype: torch.dtype = torch.float32) -> torch.futures.Future:
-        """Queue ``task`` in the ordered pipeline; complete the returned future with ``result``."""
+    def _hand_over(self, bucket: Any, result: Tensor, start: Callable[..., int], compressed: bool,
+                   finish: Callable[[], Any] | None = None) -> torch.futures.Future:
+        """Give ``bucket``'s work to the engine with ``start(on_done=, on_fail=)`` (one session call) and
+        return a future completed with ``result`` once the outputs are written (``finish`` runs just
+        before): at the iteration's last bucket, which ends the optimizer step, or as soon as the bucket's
+        step ends after :meth:`commit_each_bucket`."""
         fut: torch.futures.Future = torch.futures.Future()
 
-        def complete() -> None:
+        def done() -> None:
             if finish is not None:
                 finish()
             fut.set_result(result)
 
-        # The outputs are written at the commit, at the iteration's last bucket: each bucket's future
-        # completes after it.
-        self._session.submit(task, complete, fut.set_exception)
+        start(on_done=done, on_fail=fut.set_exception)
         if bucket.is_last():
             self._session.finish()
             adaptive = self._params.adaptive
-            if adaptive is not None and (self.iter - self.start_powerSGD_iter + 1) % adaptive.every == 0:
-                self._adapt()
-        self._session.count(before, after, grad_dtype, self._session.wire_dtype(grad_dtype))
-        if bucket.is_last():
-            self._report_stats()
+            if compressed and adaptive is not None \
+                    and (self.iter - self.start_powerSGD_iter + 1) % adaptive.every == 0:
+                self._params.adapt(self._session.store, self._communicator(), self.random_seed,
+                                   RESIZE_DRAW | self.iter)
+            if compressed:
+                self._report_stats()
             self.maybe_increase_iter(bucket)
         return fut
 
@@ -656,9 +424,11 @@ class PowerSGDState:
         if self.iter >= self.start_powerSGD_iter:
             return None
         self._params.keys_for(bucket.parameters())
-        fut = allreduce_mean_future(bucket.buffer(), self.process_group, comm_device=self.comm_device)
-        self.maybe_increase_iter(bucket)
-        return fut
+        # The exact average goes through the engine's communicator and pipeline, in bucket order, like
+        # the compressed steps; counted only on gradpress's own warm-up wire (warm_up_bytes_per_weight).
+        average = partial(self._session.average, [bucket.buffer()], self._communicator(),
+                          counted=self.warm_up_bytes_per_weight is not None)
+        return self._hand_over(bucket, bucket.buffer(), average, compressed=False)
 
     def _move_to_another_model(self) -> None:
         """PyTorch's pattern of registering a finished model's state on a new DDP model: the new model
@@ -670,6 +440,7 @@ class PowerSGDState:
                       "its own PowerSGDState", stacklevel=4)
         self._session.drain()
         self._session.forget_memory()
+        self._bucket_memory = {}
         self._params = self._params.moved_to_another_model()
         self._lr_iter = -1
 
@@ -681,29 +452,9 @@ class PowerSGDState:
         after :meth:`commit_each_bucket`); ``finish`` runs just before. ``numel``: gradient elements the
         bucket stands for (default: the plan's); ``track``: feed the adaptive rank."""
         self._sync_lr()
-        task, sent = compress_step(segment, tensors, self._communicator(), self.config,
-                                   self.iter - self.start_powerSGD_iter, self._step_commit(),
-                                   measure=self._measure(), track=track)
-        return self._run(task, bucket, result, segment.plan.numel if numel is None else numel, sent,
-                         finish=finish, grad_dtype=result.dtype)
-
-    def _report_stats(self) -> None:
-        if self.iter >= self.next_stats_report:
-            rate, before, after = self.compression_stats()
-            logger.info("Compression stats: iter %s, total before compression %s, total after compression %s, "
-                        "rate %s", self.iter, before, after, rate)
-            measured = self.approximation_error_every_n_iters is not None and logger.isEnabledFor(logging.INFO)
-            summary = self.approximation_error_summary() if measured else None
-            if summary is not None:
-                logger.info("Approximation error: overall %.4f, mean %.4f, worst %.4f (%s), over %s parameters",
-                            summary.overall, summary.mean, summary.worst, summary.worst_name,
-                            summary.parameters)
-            global_summary = self.global_residual_summary() if measured else None
-            if global_summary is not None:
-                logger.info("Global residual (of the workers' mean, sketched): overall %.4f, captured energy %.4f, "
-                            "worst %.4f (%s)", global_summary.overall, global_summary.captured_energy,
-                            global_summary.worst, global_summary.worst_name)
-            self.next_stats_report = self.iter + self.compression_stats_logging_frequency
+        run = partial(self._session.run, segment, tensors, self._communicator(), self.iter - self.start_powerSGD_iter,
+                      numel=numel, dtype=result.dtype, measure=self._measure(), track=track)
+        return self._hand_over(bucket, result, run, compressed=True, finish=finish)
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:

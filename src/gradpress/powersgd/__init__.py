@@ -3,9 +3,11 @@
 No ``torch.distributed``, no ``GradBucket`` in here."""
 
 from .config import EngineConfig
-from .memory import ParamMemory, Segment, SegmentStore, Workspace, seeded_normal
+from .memory import ParamMemory, Segment, Workspace
+from .seeding import seeded_normal
 from .plan import GroupPlan, Plan, TensorPlan, make_plan, should_compress
 from .session import EngineSession, MemoryReport
+from .store import SegmentStore
 from .step import StepCommit, alternating_step, compress_step, power_step
 
 __all__ = ["EngineConfig", "EngineSession", "GroupPlan", "MemoryReport", "ParamMemory", "Plan", "Segment",

@@ -29,6 +29,9 @@ class EngineConfig:
     step only (the residual of every step is accumulated); 1 is standard PowerSGD.
     ``warm_up_beta_factor``, ``warm_up_steps``: store ``beta * residual`` instead of the residual during
     the first ``warm_up_steps`` compressed steps (``None``: no damping).
+    ``warm_up_bytes_per_weight``: the wire of the exact averages before compression starts
+    (:meth:`warm_up_wire_dtype`): ``None`` sends the gradients' own dtype; 2 = the half-precision wire of
+    ``bytes_per_weight=2`` (bf16 for bf16 gradients, else fp16 scaled one power of two per tensor).
     """
 
     rank: int = 1
@@ -42,6 +45,7 @@ class EngineConfig:
     feedback_every_n_iters: int = 1
     warm_up_beta_factor: float | None = None
     warm_up_steps: int = 0
+    warm_up_bytes_per_weight: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -76,6 +80,11 @@ class EngineConfig:
             raise ValueError(f"warm_up_beta_factor must be None (off) or a number in (0, 1], got {beta!r}")
         if isinstance(self.warm_up_steps, bool) or not isinstance(self.warm_up_steps, int) or self.warm_up_steps < 0:
             raise ValueError(f"warm_up_steps must be an integer >= 0, got {self.warm_up_steps!r}")
+        warm_up_bytes = self.warm_up_bytes_per_weight
+        if warm_up_bytes is not None and (isinstance(warm_up_bytes, bool) or not isinstance(warm_up_bytes, int)
+                                          or warm_up_bytes != 2):
+            raise ValueError(f"warm_up_bytes_per_weight must be None (the gradients' own precision) or 2 (the "
+                             f"half-precision wire of bytes_per_weight=2), got {warm_up_bytes!r}")
 
     def wire_dtype(self, grad_dtype: torch.dtype, work_dtype: torch.dtype) -> torch.dtype:
         """The dtype P, Q and the uncompressed tensors are allreduced in, for gradients of ``grad_dtype``."""
@@ -84,3 +93,11 @@ class EngineConfig:
         if self.bytes_per_weight == 2:
             return torch.bfloat16 if grad_dtype == torch.bfloat16 else torch.float16
         return torch.float32 if self.bytes_per_weight == 4 else torch.float64
+
+    def warm_up_wire_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the exact averages before compression starts send, for gradients of ``grad_dtype``:
+        that dtype itself, or with ``warm_up_bytes_per_weight=2`` the half-precision wire
+        ``bytes_per_weight=2`` selects (bf16 for bf16 gradients, else fp16)."""
+        if self.warm_up_bytes_per_weight is None:
+            return grad_dtype
+        return torch.bfloat16 if grad_dtype == torch.bfloat16 else torch.float16

@@ -2,7 +2,7 @@
 
 While training, a :class:`Segment` holds the memory of one bucket in flat buffers laid out by its
 :class:`~gradpress.powersgd.plan.Plan` (one ``bmm`` per shape group). Checkpoints and layout changes go
-through :class:`ParamMemory`, keyed by a stable per-parameter key, so state survives DDP rebuilding its
+through :class:`ParamMemory` (the pool of :class:`~gradpress.powersgd.store.SegmentStore`), keyed by a stable per-parameter key, so state survives DDP rebuilding its
 buckets (which it does after the first iteration of every process: a state keyed by bucket index, as
 PyTorch's is, gets applied to the wrong parameters after a resume).
 """
@@ -17,9 +17,11 @@ import torch
 from torch import Tensor
 
 from .config import EngineConfig
-from .plan import GroupPlan, Plan, make_plan
+from .plan import GroupPlan, Plan
+# Seeding has its own module; its names stay importable from here, where they used to live.
+from .seeding import P_DRAW, RESIZE_DRAW, SKETCH_COLUMNS, seeded_normal, seeded_sketch
 
-__all__ = ["ALIGNMENT_BYTES", "RESIZE_DRAW", "SKETCH_COLUMNS", "Finiteness", "ParamMemory", "Segment", "SegmentStore",
+__all__ = ["ALIGNMENT_BYTES", "RESIZE_DRAW", "SKETCH_COLUMNS", "Finiteness", "ParamMemory", "Segment",
            "StagedFactors", "WireSpans", "Workspace", "seeded_normal", "seeded_sketch", "work_dtype_for"]
 
 #: Every matrix's error memory starts at a multiple of this many bytes (PyTorch's CPU allocations are
@@ -28,52 +30,6 @@ __all__ = ["ALIGNMENT_BYTES", "RESIZE_DRAW", "SKETCH_COLUMNS", "Finiteness", "Pa
 #: would depend on where it sits in its bucket, and DDP's first bucket layout after a restart differs
 #: from the rebuilt one an uninterrupted run uses: resuming would not equal never stopping, bit for bit.
 ALIGNMENT_BYTES = 64
-
-_MASK64 = (1 << 64) - 1
-_P_DRAW = 1 << 40  # draw numbers of P factors, disjoint from those of Q
-RESIZE_DRAW = 1 << 41  # draw numbers of the columns an adaptive rank adds, disjoint from the first draws
-_SKETCH_KEY = 1 << 62  # keys of the global-residual sketches (| m), disjoint from parameter keys
-
-#: Columns k of the global-residual sketch Omega (m x k): see :func:`seeded_sketch`.
-SKETCH_COLUMNS = 16
-
-
-def _mix(*parts: int) -> int:
-    """SplitMix64 over the parts: a seed that differs for every (seed, key, draw) triple."""
-    state = 0x9E3779B97F4A7C15
-    for part in parts:
-        state = (state ^ (part & _MASK64)) & _MASK64
-        state = (state + 0x9E3779B97F4A7C15) & _MASK64
-        z = state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        state = z ^ (z >> 31)
-    return state & ((1 << 63) - 1)
-
-
-def seeded_normal(shape: Sequence[int], seed: int, key: int, draw: int) -> Tensor:
-    """Standard normal fp32 values on the CPU, a pure function of ``(seed, key, draw)``.
-
-    Drawn on the CPU so every rank and every device gets the same numbers (house rule: identical randomness), and from a
-    private generator so the user's global RNG stream is untouched.
-    """
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(_mix(seed, key, draw))
-    return torch.randn(tuple(shape), generator=generator, dtype=torch.float32)
-
-
-def seeded_sketch(m: int, seed: int, draw: int) -> Tensor:
-    """The ``(m, k)`` fp32 test matrix Omega of the global-residual diagnostic, on the CPU: a pure function
-    of ``(seed, m, draw)`` (``draw``: the measurement's compressed step), so identical on every rank and
-    device (house rule: identical randomness) and the same for every matrix with ``m`` columns.
-
-    ``m > SKETCH_COLUMNS``: ``k = SKETCH_COLUMNS`` standard normal columns, so ``E ||X Omega||_F^2 = k ||X||_F^2``
-    for any ``(n, m)`` matrix X (an unbiased estimate of ``||X||^2`` after dividing by k). ``m <=
-    SKETCH_COLUMNS``: the identity (``k = m``), which costs no more to send and measures exactly.
-    """
-    if m <= SKETCH_COLUMNS:
-        return torch.eye(m, dtype=torch.float32)
-    return seeded_normal((m, SKETCH_COLUMNS), seed, _SKETCH_KEY | m, draw)
 
 
 class StagedFactors(enum.Enum):
@@ -138,7 +94,7 @@ class ParamMemory:
         """Give the warm-start factors ``rank`` columns: the leading ones are kept; new ones are drawn
         from ``(seed, key, draw)`` (the same on every rank), so an adaptive rank change is identical on
         every worker. The error memory is untouched (nothing of the gradient is lost by a switch)."""
-        for name, offset in (("q", 0), ("p", _P_DRAW)):
+        for name, offset in (("q", 0), ("p", P_DRAW)):
             factor = getattr(self, name)
             if factor is None or factor.shape[1] == rank:
                 continue
@@ -416,7 +372,7 @@ class Segment:
             view.copy_(seeded_normal(view.shape, seed, key, draw))
             if p_views is not None:
                 view = p_views[position]
-                view.copy_(seeded_normal(view.shape, seed, key, _P_DRAW | draw))
+                view.copy_(seeded_normal(view.shape, seed, key, P_DRAW | draw))
 
     def load(self, memory: Mapping[int, ParamMemory], config: EngineConfig) -> None:
         """Fill the buffers from per-parameter memory (missing keys: zero error, Q drawn at first use)."""
@@ -475,118 +431,3 @@ class Segment:
                 signal=None if self.signals is None else self.signals[position].clone(),
             )
         return out
-
-
-class SegmentStore:
-    """The segments of one PowerSGD state, by slot (a bucket index, a dtype group), and a per-parameter
-    pool holding the memory of parameters that are in no segment right now.
-
-    When the tensors of a slot change (DDP rebuilt its buckets, a parameter got no gradient this step),
-    the memory of every affected segment goes back to the pool first and the new segment takes its
-    parameters' memory from there: memory follows parameters, never positions.
-    """
-
-    __slots__ = ("config", "segments", "pool", "workspace")
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.segments: dict[object, Segment] = {}
-        self.pool: dict[int, ParamMemory] = {}
-        self.workspace = Workspace()  # shared by the segments (see Workspace)
-
-    def get(self, slot: object, keys: tuple[int, ...], shapes: Sequence[Sequence[int]],
-            device: torch.device, dtype: torch.dtype, ranks: Sequence[int | None] | None = None) -> Segment:
-        """The segment of ``slot`` for parameters ``keys`` (with gradient ``shapes``), built if needed.
-        ``ranks``: a rank (or ``None``: sent exactly) per parameter, fixed per key (a rank policy);
-        ``None``: the configuration's rank for all."""
-        segment = self.segments.get(slot)
-        if segment is not None and segment.keys == keys and segment.dtype == dtype and segment.device == device:
-            return segment
-        wanted = set(keys)
-        for other in [s for s, seg in self.segments.items() if s == slot or wanted & set(seg.keys)]:
-            self.pool.update(self.segments.pop(other).export(self.config))
-        plan = make_plan(shapes, self.config.rank, self.config.min_compression_rate, ranks)
-        segment = Segment(plan, keys, device, dtype, self.workspace)
-        segment.load(self.pool, self.config)
-        for key in keys:
-            self.pool.pop(key, None)
-        self.segments[slot] = segment
-        return segment
-
-    def export(self) -> dict[int, ParamMemory]:
-        """Per-parameter copies of all memory (pool and segments)."""
-        memory = dict(self.pool)
-        for segment in self.segments.values():
-            memory.update(segment.export(self.config))
-        return memory
-
-    def approximation_norms(self) -> dict[int, tuple[float, float]]:
-        """Per parameter key, ``(||M||, ||M - P Q^T||)`` of its last measured step, for the compressed
-        matrices of the segments in use that measured one (see :meth:`Segment.approximation_norms`).
-        Reads the values on the host: one transfer per device."""
-        return _read_norms([(segment, segment.norms) for segment in self.segments.values()])
-
-    def global_residual_norms(self) -> dict[int, tuple[float, float]]:
-        """Per parameter key, the sketched ``(||mean M||, ||mean M - P Q^T||)`` of its last measured step
-        (see :meth:`Segment.global_residual_norms`), as :meth:`approximation_norms`."""
-        return _read_norms([(segment, segment.global_norms) for segment in self.segments.values()])
-
-    def signals(self) -> dict[int, Tensor]:
-        """Per parameter key, its adaptive-rank signal (a 0-d tensor on its device; nothing is read)."""
-        result = {key: entry.signal for key, entry in self.pool.items() if entry.signal is not None}
-        for segment in self.segments.values():
-            if segment.signals is not None:
-                for position, index in enumerate(segment.compressed_order):
-                    result[segment.keys[index]] = segment.signals[position]
-        return result
-
-    def reset_signals(self) -> None:
-        """Start a new adaptive-rank interval: every signal to zero."""
-        for segment in self.segments.values():
-            if segment.signals is not None:
-                segment.signals.zero_()
-        for entry in self.pool.values():
-            if entry.signal is not None:
-                entry.signal = torch.zeros_like(entry.signal)
-
-    def resize(self, ranks: Mapping[int, int], seed: int, draw: int) -> None:
-        """Change the rank of parameters ``{key: effective rank}``: the segments holding them return their
-        memory to the pool (rebuilt at their next use with the caller's new ranks) and the pool's
-        warm-start factors are resized (:meth:`ParamMemory.resize`)."""
-        for slot in [s for s, seg in self.segments.items() if set(ranks) & set(seg.keys)]:
-            self.pool.update(self.segments.pop(slot).export(self.config))
-        for key, rank in ranks.items():
-            entry = self.pool.get(key)
-            if entry is not None:
-                entry.resize(rank, self.config.random_seed, key, draw)
-
-    def scale_errors(self, factor: float) -> None:
-        """Multiply all error memory (segments and pool) by ``factor``."""
-        for segment in self.segments.values():
-            segment.error_memory.mul_(factor)
-        for entry in self.pool.values():
-            if entry.error is not None:
-                entry.error = entry.error * factor
-
-    def replace(self, memory: dict[int, ParamMemory]) -> None:
-        """Drop every segment and make ``memory`` the pool (segments are rebuilt from it on use)."""
-        self.segments.clear()
-        self.pool = dict(memory)
-
-
-def _read_norms(measured: Sequence[tuple[Segment, Tensor | None]]) -> dict[int, tuple[float, float]]:
-    """``{key: (whole, residual)}`` from per-segment ``(C, 2)`` norms (``None``: never measured; NaN rows: not
-    measured yet). Reads the values on the host: one transfer per device."""
-    by_device: dict[torch.device, list[tuple[list[int], Tensor]]] = {}
-    for segment, norms in measured:
-        if norms is not None:
-            keys = [segment.keys[i] for i in segment.compressed_order]
-            by_device.setdefault(segment.device, []).append((keys, norms))
-    result: dict[int, tuple[float, float]] = {}
-    for entries in by_device.values():
-        values = torch.cat([norms for _, norms in entries]).tolist()
-        keys = [key for entry_keys, _ in entries for key in entry_keys]
-        for key, (whole, residual) in zip(keys, values):
-            if whole == whole:  # NaN: not measured yet
-                result[key] = (whole, residual)
-    return result

@@ -1,11 +1,13 @@
 """One PowerSGD run's engine state, shared by both front-ends.
 
 :class:`gradpress.PowerSGDState` (DDP hooks) and :class:`gradpress.PowerSGD` (the aggregator) each hold
-one :class:`EngineSession` and differ only in how they are called and what they call things. The
-session owns what a compressed run changes from step to step:
+one :class:`EngineSession` and differ only in how they are called and what they call things. Each
+bucket (or dtype group) is one call: :meth:`EngineSession.run` (a compressed step) or
+:meth:`EngineSession.average` (an exact average, the warm-up), which start the step in the ordered
+pipeline, join it to the optimizer step's commit and count what it sends. The session owns what a
+compressed run changes from step to step:
 
-* the :class:`~gradpress.powersgd.memory.SegmentStore` (error memory and warm-start factors per
-  parameter), plus the per-bucket memory of the batched hook;
+* the :class:`~gradpress.powersgd.store.SegmentStore` (error memory and warm-start factors per parameter);
 * the ordered pipeline the steps' collectives run in and the :class:`~gradpress.powersgd.step.StepCommit`
   that writes one optimizer step's outputs and memory together ("non-finite steps" in docs/design.md);
 * learning-rate rescaling of the error memory, byte and element counters;
@@ -21,24 +23,21 @@ It issues no collective itself and knows nothing of DDP: the steps it runs are g
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .pipeline import OrderedPipeline, Task
 from .config import EngineConfig
-from .memory import ParamMemory, Segment, SegmentStore, work_dtype_for
-from .plan import make_plan
-from .step import StepCommit
+from .memory import ParamMemory, Segment, work_dtype_for
+from .pipeline import OrderedPipeline, Task
+from .step import StepCommit, average_step, compress_step, step_wire_dtype
+from .store import SegmentStore
+from .transport import Communicator
 
 __all__ = ["EngineSession", "MemoryReport"]
-
-logger = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class MemoryReport:
@@ -82,21 +81,23 @@ class EngineSession:
             bucket arrives (``False``); the aggregator, which has all tensors at once, advances on
             every submit (``True``).
 
-    A step's work is handed over with :meth:`submit`; :meth:`finish` ends the optimizer step (drain the
-    pipeline, commit every segment together, then run the completions). With ``commit_each_task`` set
-    (:meth:`commit_each_task_alone`), each task commits as it ends instead, for wrappers that need each
-    bucket's result at once (FSDP, the interleaved ZeRO step).
+    Each bucket's work is one call, :meth:`run` (compressed) or :meth:`average` (exact); :meth:`finish`
+    ends the optimizer step (drain the pipeline, commit every segment together, then run the completions).
+    With :attr:`commit_each_bucket` set, each bucket's step commits as it ends instead, for wrappers that
+    need each bucket's result at once (FSDP, the interleaved ZeRO step).
     """
 
-    __slots__ = ("config", "store", "pipeline", "commit", "commit_each_task", "last_lr", "numel_in",
-                 "numel_sent", "bytes_in", "bytes_sent", "_padded", "_saved_padded", "_pending")
+    __slots__ = ("config", "store", "pipeline", "commit", "commit_each_bucket", "last_lr", "numel_in",
+                 "numel_sent", "bytes_in", "bytes_sent", "_pending")
 
     def __init__(self, config: EngineConfig, *, advance_on_submit: bool = True) -> None:
         self.config = config
         self.store = SegmentStore(config)
         self.pipeline = OrderedPipeline(advance_on_submit=advance_on_submit)
         self.commit = StepCommit()
-        self.commit_each_task = False
+        #: Whether each bucket's step writes its output and memory as soon as it ends (``True``), or all
+        #: steps of an optimizer step together at :meth:`finish` (``False``, the default).
+        self.commit_each_bucket = False
         #: The learning rate the error memory is expressed for (``None``: not tracked yet).
         self.last_lr: float | None = None
         #: Elements handed in, elements sent, and the same in bytes (at the wire's precision).
@@ -104,39 +105,60 @@ class EngineSession:
         self.numel_sent = 0
         self.bytes_in = 0
         self.bytes_sent = 0
-        # The batched hook's memory: bucket index -> (bucket numel, segment, padded square matrix).
-        self._padded: dict[int, tuple[int, Segment, Tensor]] = {}
-        self._saved_padded: dict[int, dict[str, Any]] = {}  # loaded, not yet seen again
         # Completions waiting for the commit, each with what to run instead if the step fails.
         self._pending: list[tuple[Callable[[], None], Callable[[BaseException], None]]] = []
 
     # --- running steps ------------------------------------------------------------------------------
-    def forget_memory(self) -> None:
-        """Drop every error memory and warm-start factor (the state moved to another model); the
-        counters and the learning rate stay. Nothing may be in flight."""
-        self.store = SegmentStore(self.config)
-        self._padded.clear()
-        self._saved_padded.clear()
+    def run(self, segment: Segment, tensors: Sequence[Tensor], comm: Communicator, compressed_step: int, *,
+            numel: int | None = None, dtype: torch.dtype | None = None, measure: bool = False,
+            track: bool = False, on_done: Callable[[], None] = lambda: None,
+            on_fail: Callable[[BaseException], None] = lambda error: None) -> int:
+        """Compress ``tensors`` (``segment``'s, in plan order) in compressed step number ``compressed_step``
+        (see :func:`~gradpress.powersgd.step.compress_step`; ``measure``, ``track`` too), averaging over
+        ``comm``: start the step in the ordered pipeline, join it to the optimizer step's commit (or let it
+        commit alone under :attr:`commit_each_bucket`) and count it. Returns the bytes it sends.
 
-    def commit_each_task_alone(self) -> None:
-        """From now on each submitted task commits when it ends (its result is needed at once)."""
-        self.commit_each_task = True
+        ``on_done()`` runs once the outputs are written (after :meth:`finish`'s commit, or when the step
+        ends under :attr:`commit_each_bucket`); ``on_fail(error)`` if it raises. ``numel``, ``dtype``:
+        the gradient elements the tensors stand for and their dtype, counted as what came in (default:
+        the plan's elements, the tensors' dtype; the batched hook's padded square stands for its bucket).
+        """
+        commit = None if self.commit_each_bucket else self.commit
+        task, sent = compress_step(segment, tensors, comm, self.config, compressed_step, commit,
+                                   measure=measure, track=track)
+        self._submit(task, on_done, on_fail)
+        wire = step_wire_dtype(segment, tensors, self.config)
+        return self.count(segment.plan.numel if numel is None else numel, sent,
+                          tensors[0].dtype if dtype is None else dtype, wire)
 
-    def step_commit(self) -> StepCommit | None:
-        """The commit a task joins: the optimizer step's, or ``None`` (the task commits alone)."""
-        return None if self.commit_each_task else self.commit
+    def average(self, tensors: Sequence[Tensor], comm: Communicator, *, counted: bool = True,
+                on_done: Callable[[], None] = lambda: None,
+                on_fail: Callable[[BaseException], None] = lambda error: None) -> int:
+        """Average ``tensors`` (one device and dtype) exactly over ``comm``, in place, in one collective:
+        the iterations before compression starts. The wire is the working precision, or the half-precision
+        wire of the compressed steps with ``config.warm_up_bytes_per_weight=2`` (see
+        :func:`~gradpress.powersgd.step.average_step`). Started, committed and completed as :meth:`run`;
+        ``counted``: add the elements and bytes to the counters. Returns the bytes it sends."""
+        if not tensors:
+            return 0
+        dtype = tensors[0].dtype
+        wire = self.config.warm_up_wire_dtype(dtype)
+        commit = None if self.commit_each_bucket else self.commit
+        self._submit(average_step(tensors, comm, commit, wire), on_done, on_fail)
+        numel = sum(t.numel() for t in tensors)
+        return self.count(numel, numel, dtype, wire) if counted else numel * wire.itemsize
 
-    def submit(self, task: Task, complete: Callable[[], None], fail: Callable[[BaseException], None]) -> None:
+    def _submit(self, task: Task, complete: Callable[[], None], fail: Callable[[BaseException], None]) -> None:
         """Start ``task`` in the ordered pipeline. ``complete`` runs once its outputs are written: after
-        :meth:`finish`'s commit, or when the task ends under ``commit_each_task``. ``fail(error)`` runs
-        if it raises (and fails every completion still waiting)."""
+        :meth:`finish`'s commit, or when the task ends under :attr:`commit_each_bucket`. ``fail(error)``
+        runs if it raises (and fails every completion still waiting)."""
         def failed(error: BaseException) -> None:
             pending, self._pending = self._pending, []
             fail(error)
             for _, fail_waiting in pending:
                 fail_waiting(error)
 
-        done = complete if self.commit_each_task else (lambda: self._pending.append((complete, fail)))
+        done = complete if self.commit_each_bucket else (lambda: self._pending.append((complete, fail)))
         try:
             self.pipeline.submit(task, done, failed)
         except BaseException:
@@ -173,91 +195,59 @@ class EngineSession:
         if len(self.pipeline):
             self.pipeline = OrderedPipeline(advance_on_submit=self.pipeline.advance_on_submit)
 
+    def forget_memory(self) -> None:
+        """Drop every error memory and warm-start factor (the state moved to another model); the
+        counters and the learning rate stay. Nothing may be in flight."""
+        self.store = SegmentStore(self.config)
+
     # --- learning rate, counters ------------------------------------------------------------------
-    def rescale_to_lr(self, lr: float) -> None:
+    def rescale_to_lr(self, lr: float) -> float | None:
         """Keep the error memory in update units: if the learning rate changed from the one the memory
-        is expressed for, multiply the memory by ``old / new`` (constant LR: bitwise no-op)."""
+        is expressed for, multiply the memory by ``old / new`` (constant LR: bitwise no-op). Returns the
+        factor applied (``None``: none), for memory the caller keeps outside the store."""
         lr = float(lr)
         if not lr > 0:
             raise ValueError(f"lr_scheduler.get_last_lr()[0] is {lr!r}; LR-aware error feedback needs a "
                              "positive learning rate")
+        factor = None
         if self.last_lr is not None and lr != self.last_lr:
             factor = self.last_lr / lr
             self.store.scale_errors(factor)
-            for _, segment, _ in self._padded.values():
-                segment.error_memory.mul_(factor)
         self.last_lr = lr
+        return factor
 
     def wire_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         """The dtype a compressed step sends for gradients of ``grad_dtype``."""
         return self.config.wire_dtype(grad_dtype, work_dtype_for(grad_dtype))
 
-    def count(self, numel: int, sent: int, grad_dtype: torch.dtype, wire_dtype: torch.dtype) -> None:
-        """Add one task's figures: ``numel`` gradient elements in, ``sent`` elements of ``wire_dtype`` out."""
+    def count(self, numel: int, sent: int, grad_dtype: torch.dtype, wire_dtype: torch.dtype) -> int:
+        """Add one task's figures: ``numel`` gradient elements in, ``sent`` elements of ``wire_dtype`` out.
+        Returns the bytes sent."""
         self.numel_in += numel
         self.numel_sent += sent
         self.bytes_in += numel * grad_dtype.itemsize
         self.bytes_sent += sent * wire_dtype.itemsize
-
-    # --- the batched hook's per-bucket memory -------------------------------------------------------
-    def padded_segment(self, index: int, buffer: Tensor) -> tuple[Segment, Tensor]:
-        """The segment and the padded ``s x s`` matrix of bucket ``index`` (``s = ceil(sqrt(numel))``);
-        a bucket whose size or device changed starts with fresh memory (with a warning)."""
-        numel = buffer.numel()
-        entry = self._padded.get(index)
-        if entry is not None and entry[0] == numel and entry[1].device == buffer.device:
-            return entry[1], entry[2]
-        side = max(1, int(numel ** 0.5))
-        while side * side < numel:
-            side += 1
-        dtype = work_dtype_for(buffer.dtype)
-        plan = make_plan([(side, side)], self.config.rank, min_compression_rate=0)
-        # Negative keys: the batched hook's memory is per bucket, not per parameter.
-        segment = Segment(plan, [-1 - index], buffer.device, dtype, self.store.workspace)
-        saved = self._saved_padded.pop(index, None)
-        if saved is not None:
-            if saved["numel"] == numel:
-                memory = {-1 - index: ParamMemory.from_dict({**saved, "shape": (side, side)})}
-                segment.load(memory, self.config)
-            else:
-                logger.warning("batched_powerSGD_hook: bucket %s has %s elements, the checkpoint %s; its memory "
-                               "is reset", index, numel, saved["numel"])
-        elif entry is not None:
-            logger.warning("batched_powerSGD_hook: bucket %s changed size (%s -> %s elements); its memory is "
-                           "reset", index, entry[0], numel)
-        square = torch.zeros(side, side, device=buffer.device, dtype=dtype)
-        self._padded[index] = (numel, segment, square)
-        return segment, square
+        return sent * wire_dtype.itemsize
 
     # --- reading the memory -----------------------------------------------------------------------
     def approximation_norms(self) -> dict[int, tuple[float, float]]:
-        """``{key: (||M||, ||M - P Q^T||)}`` of the last measured step (batched buckets under ``-1 - index``)."""
-        return self._with_padded(self.store.approximation_norms(), lambda segment: segment.norms)
+        """``{key: (||M||, ||M - P Q^T||)}`` of the last measured step (see
+        :meth:`~gradpress.powersgd.store.SegmentStore.approximation_norms`)."""
+        return self.store.approximation_norms()
 
     def global_residual_norms(self) -> dict[int, tuple[float, float]]:
         """``{key: (||mean M Omega||, ||(mean M - P Q^T) Omega||)}`` of the last measured step, sketched over
-        the workers' mean (see :meth:`~gradpress.powersgd.memory.Segment.global_residual_norms`; batched
-        buckets under ``-1 - index``)."""
-        return self._with_padded(self.store.global_residual_norms(), lambda segment: segment.global_norms)
-
-    def _with_padded(self, norms: dict[int, tuple[float, float]],
-                     of: Callable[[Segment], Tensor | None]) -> dict[int, tuple[float, float]]:
-        """``norms`` plus the batched hook's per-bucket norms (``of(segment)``), read on the host."""
-        for index, (_, segment, _) in self._padded.items():
-            measured = of(segment)
-            if measured is not None:
-                whole, residual = measured[0].tolist()
-                if whole == whole:
-                    norms[-1 - index] = (whole, residual)
-        return norms
+        the workers' mean (see :meth:`~gradpress.powersgd.memory.Segment.global_residual_norms`)."""
+        return self.store.global_residual_norms()
 
     def segments(self) -> list[Segment]:
-        """Every segment of memory: the store's (per parameter) and the batched hook's (per bucket)."""
-        return [*self.store.segments.values(), *(segment for _, segment, _ in self._padded.values())]
+        """The store's segments (the per-parameter memory in use)."""
+        return list(self.store.segments.values())
 
-    def memory_report(self) -> MemoryReport:
-        """What the engine holds now, in bytes, and what its plans send (see :class:`MemoryReport`)."""
-        segments = self.segments()
+    def memory_report(self, extra: Sequence[Segment] = ()) -> MemoryReport:
+        """What the engine holds now, in bytes, and what its plans send (see :class:`MemoryReport`);
+        ``extra``: segments the caller keeps outside the store (sharing its workspace), counted too."""
+        segments = [*self.segments(), *extra]
         plans = [segment.plan for segment in segments]
         workspace = self.store.workspace.nbytes if segments else 0
         return MemoryReport(
@@ -273,18 +263,7 @@ class EngineSession:
         front-ends' checkpoints)."""
         return {key: memory.to_dict() for key, memory in self.store.export().items()}
 
-    def padded_state(self) -> dict[int, dict[str, Any]]:
-        """The batched hook's per-bucket memory (``"padded"``); buckets loaded but not seen again since
-        keep their loaded memory."""
-        return {**self._saved_padded,
-                **{index: {"numel": numel, **segment.export(self.config)[-1 - index].to_dict()}
-                   for index, (numel, segment, _) in self._padded.items()}}
-
-    def load_memory_state(self, memory: dict[Any, dict[str, Any]],
-                          padded: dict[Any, dict[str, Any]] | None = None) -> None:
-        """Replace the memory by a checkpoint's (:meth:`memory_state`, :meth:`padded_state`); a step
-        in flight is forgotten."""
+    def load_memory_state(self, memory: dict[Any, dict[str, Any]]) -> None:
+        """Replace the memory by a checkpoint's (:meth:`memory_state`); a step in flight is forgotten."""
         self.discard()
         self.store.replace({int(key): ParamMemory.from_dict(entry) for key, entry in memory.items()})
-        self._padded.clear()
-        self._saved_padded = {int(key): entry for key, entry in (padded or {}).items()}

@@ -17,7 +17,7 @@ from .pipeline import Task
 from .config import EngineConfig
 from .memory import Finiteness, Segment, StagedFactors, seeded_sketch
 
-__all__ = ["StepCommit", "alternating_step", "compress_step", "power_step"]
+__all__ = ["StepCommit", "alternating_step", "average_step", "compress_step", "power_step", "step_wire_dtype"]
 
 
 class StepCommit:
@@ -125,7 +125,7 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     # 3. One collective for all P's and all uncompressed tensors.
     if unsent:
         torch._foreach_copy_(list(unsent_buffer.split([t.numel() for t in unsent])), unsent)
-    wire_dtype = config.wire_dtype(grads[0].dtype, segment.dtype) if grads else segment.dtype
+    wire_dtype = step_wire_dtype(segment, grads, config)
     sent = segment.phase1.numel()
     yield from _send(segment, 0, sent, comm, wire_dtype)
 
@@ -189,7 +189,7 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
     with_memory = config.use_error_feedback and add_memory
     _draw_missing(segment, config, 0)
     segment.stage(StagedFactors.P_AND_Q)
-    wire_dtype = config.wire_dtype(grads[0].dtype, segment.dtype) if grads else segment.dtype
+    wire_dtype = step_wire_dtype(segment, grads, config)
     earlier: list[tuple[list[Tensor], list[Tensor]]] = []  # the pieces' factors, in copies of the wire
     copies: list[Tensor] = []
 
@@ -253,6 +253,45 @@ def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator,
         task = alternating_step(segment, grads, comm, config, first, **options)
         sent = segment.plan.numel_sent_per_step(k, first)
     return task, sent
+
+
+def step_wire_dtype(segment: Segment, grads: Sequence[Tensor], config: EngineConfig) -> torch.dtype:
+    """The dtype the steps of ``segment`` send for ``grads`` (``config.bytes_per_weight``'s wire for the
+    gradients' dtype; the working dtype when there is nothing to send)."""
+    return config.wire_dtype(grads[0].dtype, segment.dtype) if grads else segment.dtype
+
+
+def average_step(tensors: Sequence[Tensor], comm: Communicator, commit: StepCommit | None = None,
+                 wire_dtype: torch.dtype | None = None) -> Task:
+    """Replace ``tensors`` (one device and dtype) by their exact mean over the workers, in one collective
+    (the iterations before compression starts, and tensors no plan compresses), as a task.
+
+    ``wire_dtype``: what is sent (default: the tensors' dtype). The tensors are divided by the world size
+    first, then sent as in a compressed step's phase (:func:`_send`): an fp16 wire from a wider dtype
+    scales each tensor by its own power of two, agreed on by a max-allreduce of one float per tensor, so
+    that the sum cannot overflow; bf16 is a plain cast. Adds whether the means are finite (identical on
+    every rank) to ``commit``; ``None``: the task commits alone. Nothing else is written: there is no memory.
+    """
+    own = commit is None
+    commit = StepCommit() if own else commit
+    dtype = tensors[0].dtype
+    wire_dtype = dtype if wire_dtype is None else wire_dtype
+    if comm.world_size == 1 and wire_dtype == dtype:  # the mean of one worker: nothing to send
+        commit.add(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+    else:
+        alone = len(tensors) == 1 and tensors[0].is_contiguous()
+        flat = tensors[0].view(-1) if alone else torch.cat([t.reshape(-1) for t in tensors])
+        spans = None
+        if wire_dtype == torch.float16 and dtype != torch.float16:
+            lengths = torch.tensor([t.numel() for t in tensors if t.numel()], dtype=torch.int64)
+            index = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)
+            spans = (lengths.to(flat.device), index.to(flat.device), 0)
+        yield from _mean(flat, comm, wire_dtype, spans)
+        if not alone:
+            torch._foreach_copy_([t.view(-1) for t in tensors], list(flat.split([t.numel() for t in tensors])))
+        commit.add(torch.isfinite(flat).all())
+    if own:
+        commit.apply()
 
 
 def _finish(segment: Segment, commit: StepCommit, own: bool, matrices: list[Tensor],
@@ -473,6 +512,22 @@ def _send(segment: Segment, start: int, end: int, comm: Communicator, wire_dtype
     bf16 has fp32's range and needs no scaling.
     """
     buffer = segment.wire[start:end]
+    spans = None
+    if wire_dtype == torch.float16 and buffer.dtype != torch.float16:
+        wire_spans = segment.wire_spans()
+        first, last = wire_spans.first[start], wire_spans.first[end]
+        spans = (wire_spans.lengths[first:last], wire_spans.index[start:end], first)
+    yield from _mean(buffer, comm, wire_dtype, spans)
+
+
+def _mean(buffer: Tensor, comm: Communicator, wire_dtype: torch.dtype,
+          spans: tuple[Tensor, Tensor, int] | None) -> Task:
+    """Average ``buffer`` over the workers, in place, sending it as ``wire_dtype`` (see :func:`_send`).
+
+    ``spans`` (needed for an fp16 wire from a wider dtype): ``(lengths, index, first)``, the lengths of
+    the tensor spans that tile ``buffer``, each element's span number, and the number of the first span
+    (``index`` counts from it), all on the buffer's device.
+    """
     buffer.div_(comm.world_size)
     if wire_dtype == buffer.dtype:
         yield comm.allreduce_sum(buffer)
@@ -482,11 +537,10 @@ def _send(segment: Segment, start: int, end: int, comm: Communicator, wire_dtype
         yield comm.allreduce_sum(wire)
         buffer.copy_(wire)
         return
-    spans = segment.wire_spans()
-    first, last = spans.first[start], spans.first[end]
-    if last > first:  # one reduction for all spans; lengths are on the device: nothing is read on the host
-        peaks = torch.segment_reduce(buffer.abs(), "max", lengths=spans.lengths[first:last], unsafe=True,
-                                     initial=0).float()
+    assert spans is not None
+    lengths, index, first = spans
+    if lengths.numel():  # one reduction for all spans; lengths are on the device: nothing is read on the host
+        peaks = torch.segment_reduce(buffer.abs(), "max", lengths=lengths, unsafe=True, initial=0).float()
     else:  # nothing to send (the max-allreduce is still issued, as on every rank)
         peaks = buffer.new_zeros(1, dtype=torch.float32)
     yield comm.allreduce_max(peaks)
@@ -495,7 +549,7 @@ def _send(segment: Segment, start: int, end: int, comm: Communicator, wire_dtype
     scales = torch.where(usable, torch.exp2(torch.ceil(torch.log2(bound.clamp_min(1e-30))) - 14),
                          torch.ones_like(bound)).to(buffer.dtype)
     # Each element's scale: span numbers first..last-1 are looked up in ``scales`` shifted by ``first``.
-    scale = torch.nn.functional.pad(scales, (first, 0)).index_select(0, spans.index[start:end])
+    scale = torch.nn.functional.pad(scales, (first, 0)).index_select(0, index)
     buffer.div_(scale)  # by powers of two: exact
     wire = buffer.to(wire_dtype)
     yield comm.allreduce_sum(wire)

@@ -1,223 +1,32 @@
-"""PowerSGD without DDP: an aggregator that works with any optimizer and any training loop.
-
-The API of the PowerSGD authors' reference implementation (github.com/epfml/powersgd)::
-
-    from gradpress import PowerSGD, Config, optimizer_step
-    powersgd = PowerSGD(model.parameters(), config=Config(
-        rank=1,                      # lower rank => more aggressive compression
-        min_compression_rate=10,     # don't compress gradients with less compression
-        num_iters_per_step=2,        # lower number => more aggressive compression
-        start_compressing_after_num_steps=0,
-    ))
-    for x, y in loader:
-        loss_fn(model(x), y).backward()
-        optimizer_step(optimizer, powersgd)
-
-It runs the same engine as :func:`gradpress.powerSGD_hook` (:func:`gradpress.powersgd.compress_step`),
-averaging over ``torch.distributed``'s default group when it is initialised and over nothing (one
-worker) when it is not. Unlike the reference, the error memory lives inside the aggregator, not in
-``.grad``: the ordinary loop (``zero_grad``, ``backward``, ``optimizer_step``) and the reference's loop
-(no ``zero_grad``) both work, and so does gradient accumulation over several backward passes.
-"""
+"""The PowerSGD aggregator (:class:`PowerSGD`) and :func:`optimizer_step`; see :mod:`gradpress.aggregator`."""
 
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import broadcast_parameters
-from .checkpoint import check_placement, placement, reject_gathered
-from .comm import check_process_group, make_communicator
-from .powersgd.transport import Communicator
-from .diagnostics import (ApproximationSummary, captured_energies, check_measure_every, parameter_names,
-                          relative_errors, should_measure, summarize)
-from .policy import RankPolicy, RankRules
-from .powersgd.pipeline import OrderedPipeline, Task
-from .powersgd.config import EngineConfig
-from .powersgd.memory import work_dtype_for
-from .powersgd.plan import Plan, make_plan
-from .powersgd.session import EngineSession, MemoryReport
-from .powersgd.step import StepCommit, compress_step
+from ..checkpoint import check_placement, placement, reject_gathered
+from ..comm import broadcast_parameters, check_process_group, make_communicator
+from ..diagnostics import (ApproximationSummary, captured_energies, parameter_names, relative_errors,
+                           should_measure, summarize)
+from ..policy import RankPolicy, RankRules
+from ..powersgd.memory import work_dtype_for
+from ..powersgd.plan import Plan, make_plan
+from ..powersgd.session import EngineSession, MemoryReport
+from .config import Config
+from .exact import Aggregator, Contiguous, by_device_dtype, dense_gradients
 
-__all__ = ["AllReduce", "Aggregator", "Config", "PowerSGD", "optimizer_step"]
+__all__ = ["PowerSGD", "optimizer_step"]
 
 _STATE_DICT_VERSION = 1
 # Config fields a checkpoint's memory depends on.
 _MEMORY_FIELDS = ("rank", "min_compression_rate", "num_iters_per_step", "random_seed")
-
-
-class Aggregator(ABC):
-    """Turns every worker's gradients into (an approximation of) their average over the workers.
-
-    All workers must call :meth:`aggregate` / :meth:`aggregate_` together, with the same tensors (same
-    shapes, same ones ``None``), as with any collective.
-
-    ``finite``: after an aggregation, a 0-d bool tensor on the gradients' device, the same on every
-    worker: whether everything averaged was finite (``False`` when any worker had an inf/NaN gradient;
-    the averages are then non-finite too). ``None`` before the first aggregation or when there was
-    nothing to aggregate. Reading it is a host sync on a GPU; :func:`optimizer_step` reads it once per
-    step to skip non-finite steps.
-    """
-
-    finite: Tensor | None = None
-
-    @abstractmethod
-    def aggregate_(self, gradients: Sequence[Tensor | None]) -> None:
-        """Replace each gradient, in place, by the average; ``None`` entries are skipped."""
-
-    def aggregate(self, gradients: Sequence[Tensor | None]) -> list[Tensor | None]:
-        """The averages as new tensors; the inputs are left unchanged (the reference's signature)."""
-        _dense(gradients, type(self).__name__)  # refuse what is not a gradient before copying it
-        out = [None if g is None else g.detach().clone() for g in gradients]
-        self.aggregate_(out)
-        return out
-
-
-def _average_task(tensors: Sequence[Tensor], comm: Communicator, commit: StepCommit) -> Task:
-    """Average ``tensors`` (one device and dtype) over the workers, in place, in one collective; add
-    whether the averages are finite to ``commit``."""
-    if not tensors:
-        return
-    if comm.world_size == 1:
-        commit.add(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    flat.div_(comm.world_size)
-    yield comm.allreduce_sum(flat)
-    torch._foreach_copy_([t.view(-1) for t in tensors], list(flat.split([t.numel() for t in tensors])))
-    commit.add(torch.isfinite(flat).all())
-
-
-def _dense(gradients: Sequence[Tensor | None], what: str) -> list[tuple[int, Tensor]]:
-    out = []
-    for index, grad in enumerate(gradients):
-        if grad is None:
-            continue
-        if not isinstance(grad, Tensor):
-            raise TypeError(f"{what}: gradient #{index} must be a torch.Tensor or None, got {type(grad).__name__}")
-        if not grad.is_floating_point():
-            raise TypeError(f"{what}: gradient #{index} has dtype {grad.dtype}; only real floating-point "
-                            "gradients (float16, bfloat16, float32, float64) can be aggregated")
-        if grad.is_sparse:
-            raise ValueError(f"{what}: gradient #{index} is sparse; only dense gradients can be aggregated")
-        out.append((index, grad))
-    return out
-
-
-def _by_device_dtype(items: Sequence[tuple[int, Tensor]]) -> dict[tuple[torch.device, torch.dtype],
-                                                                   list[tuple[int, Tensor]]]:
-    groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, Tensor]]] = {}
-    for index, grad in items:
-        groups.setdefault((grad.device, grad.dtype), []).append((index, grad))
-    return groups
-
-
-class _Contiguous:
-    """Contiguous stand-ins for non-contiguous gradients (e.g. channels-last), copied back on exit."""
-
-    def __init__(self, tensors: Sequence[Tensor]) -> None:
-        self.originals = list(tensors)
-        self.tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-
-    def __enter__(self) -> list[Tensor]:
-        return self.tensors
-
-    def __exit__(self, *exc: Any) -> None:
-        for original, tensor in zip(self.originals, self.tensors):
-            if tensor is not original:
-                original.copy_(tensor)
-
-
-class AllReduce(Aggregator):
-    """Exact averaging: one allreduce per device and dtype, no compression.
-
-    >>> AllReduce().aggregate([torch.ones(2)])     # one worker: the average is the input
-    [tensor([1., 1.])]
-    """
-
-    def __init__(self, process_group: dist.ProcessGroup | None = None,
-                 comm_device: torch.device | str | None = None) -> None:
-        check_process_group(process_group, "AllReduce's process_group")
-        self.process_group = process_group
-        self.comm_device = comm_device
-
-    def aggregate_(self, gradients: Sequence[Tensor | None]) -> None:
-        comm = make_communicator(self.process_group, self.comm_device, issuer="gradpress.AllReduce.aggregate_")
-        pipeline = OrderedPipeline()
-        commit = StepCommit()
-        for group in _by_device_dtype(_dense(gradients, "AllReduce")).values():
-            with _Contiguous([g for _, g in group]) as tensors:
-                pipeline.submit(_average_task(tensors, comm, commit), lambda: None, lambda exc: None)
-                pipeline.drain()
-        self.finite = commit.apply()
-
-
-@dataclass(frozen=True)
-class Config:
-    """Configuration of :class:`PowerSGD` (the reference's fields and defaults, plus ``random_seed``).
-
-    Args:
-        rank: rank r of each approximation (each matrix uses ``min(n, m, r)``); lower is more aggressive.
-        min_compression_rate: compress an ``n x m`` gradient only if ``n*m > (n+m)*r*rate``.
-        num_iters_per_step: one-sided power iterations per step, each sending one rank-r factor
-            (P or Q, alternating); lower is more aggressive. 1 sends half of classic PowerSGD, 2 about
-            the same. ``None``: classic two-sided PowerSGD (as :func:`gradpress.powerSGD_hook`).
-        start_compressing_after_num_steps: exact averaging for this many steps first.
-        random_seed: seeds the initial factors, identically on every worker.
-        bytes_per_weight: precision of what goes on the wire (P, Q, uncompressed gradients), as in
-            :class:`gradpress.PowerSGDState`: 2 = half (bf16 for bf16 gradients, else fp16 scaled so
-            the sum cannot overflow), 4 = fp32, 8 = fp64. ``None`` (default, the reference's
-            behaviour): the working precision (fp32 for fp16/bf16/fp32 gradients, fp64 for fp64).
-        feedback_every_n_iters: add the error memory back into the gradient only on every n-th
-            compressed step (every step's residual is accumulated); 1 is standard PowerSGD.
-        warm_up_beta_factor: beta in (0, 1]: during the first ``start_compressing_after_num_steps``
-            compressed steps the stored residual is ``beta * residual``; ``None``: off. Needs
-            ``start_compressing_after_num_steps > 0`` (the damping lasts as long as the exact warm-up).
-        approximation_error_every_n_iters: measure each compressed matrix's approximation error on
-            every n-th compressed step (the first included), on the device; read it with
-            :meth:`PowerSGD.approximation_error` (:mod:`gradpress.diagnostics`). ``None``: never.
-
-    >>> Config(rank=2, bytes_per_weight=2).engine_config().bytes_per_weight
-    2
-    """
-
-    rank: int
-    min_compression_rate: float = 2
-    num_iters_per_step: int | None = 1
-    start_compressing_after_num_steps: int = 100
-    random_seed: int = 0
-    bytes_per_weight: int | None = None
-    feedback_every_n_iters: int = 1
-    warm_up_beta_factor: float | None = None
-    approximation_error_every_n_iters: int | None = None
-
-    def __post_init__(self) -> None:
-        check_measure_every(self.approximation_error_every_n_iters)
-        steps = self.start_compressing_after_num_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"start_compressing_after_num_steps must be an integer >= 0, got {steps!r}")
-        self.engine_config()  # validates the engine's fields
-        if self.warm_up_beta_factor is not None and steps == 0:
-            raise ValueError("warm_up_beta_factor damps the error memory during the first "
-                             "start_compressing_after_num_steps compressed steps, so it needs "
-                             "start_compressing_after_num_steps > 0 (got 0); set both, or leave "
-                             "warm_up_beta_factor=None")
-
-    def engine_config(self) -> EngineConfig:
-        """The engine's view of this configuration (error feedback and warm start on)."""
-        return EngineConfig(rank=self.rank, min_compression_rate=self.min_compression_rate,
-                            use_error_feedback=True, warm_start=True, random_seed=self.random_seed,
-                            num_iters_per_step=self.num_iters_per_step, bytes_per_weight=self.bytes_per_weight,
-                            feedback_every_n_iters=self.feedback_every_n_iters,
-                            warm_up_beta_factor=self.warm_up_beta_factor,
-                            warm_up_steps=self.start_compressing_after_num_steps)
 
 
 class PowerSGD(Aggregator):
@@ -245,7 +54,10 @@ class PowerSGD(Aggregator):
     ``aggregate_([p.grad ...])`` and then ``scaler.step(optimizer)``, which sees the inf and skips.
     ``step_counter`` still advances (no host sync decides it; as in ``PowerSGDState``): a run that
     leaves the step out and adds 1 to ``step_counter`` instead continues with the same numbers.
-    Memory: the new error memory is built beside the old one (one more error memory).
+    Memory: no second copy of the error memory is kept; nothing a later step reads is written until
+    every group of the call has finished, and then only if all are finite (M = g + e is rebuilt in a
+    shared workspace for each product, the warm-start factors the step overwrites are saved first: see
+    :class:`gradpress.powersgd.memory.Segment` and :class:`gradpress.powersgd.step.StepCommit`).
 
     Args:
         params: the parameters whose gradients will be aggregated (order fixes the gradients' order), or
@@ -391,7 +203,7 @@ class PowerSGD(Aggregator):
         if len(gradients) != len(self.params):
             raise ValueError(f"expected {len(self.params)} gradients (one per parameter, None for none), "
                              f"got {len(gradients)}")
-        items = _dense(gradients, "PowerSGD")
+        items = dense_gradients(gradients, "PowerSGD")
         for index, grad in items:
             if grad.shape != self.params[index].shape:
                 raise ValueError(f"gradient #{index} has shape {tuple(grad.shape)}, its parameter "
@@ -404,23 +216,16 @@ class PowerSGD(Aggregator):
         session = self._session
         contexts = []
         try:
-            for (device, dtype), group in _by_device_dtype(items).items():
-                context = _Contiguous([g for _, g in group])
+            for (device, dtype), group in by_device_dtype(items).items():
+                context = Contiguous([g for _, g in group])
                 contexts.append(context)
-                tensors = context.tensors
-                numel = sum(t.numel() for t in tensors)
                 if compressed_step < 0:
-                    task, sent = _average_task(tensors, comm, session.commit), numel
-                    wire = dtype
-                else:
-                    wire = session.wire_dtype(dtype)
-                    keys = tuple(i for i, _ in group)
-                    segment = session.store.get((device, dtype), keys, [t.shape for t in tensors], device,
-                                                work_dtype_for(dtype), self._ranks_of(keys))
-                    task, sent = compress_step(segment, tensors, comm, session.config, compressed_step,
-                                               session.commit, measure=measure)
-                session.submit(task, _nothing, _ignore)
-                session.count(numel, sent, dtype, wire)
+                    session.average(context.tensors, comm)
+                    continue
+                keys = tuple(i for i, _ in group)
+                segment = session.store.get((device, dtype), keys, [t.shape for t in context.tensors], device,
+                                            work_dtype_for(dtype), self._ranks_of(keys))
+                session.run(segment, context.tensors, comm, compressed_step, measure=measure)
             self.finite = session.finish()
         except BaseException:
             session.discard()
@@ -490,7 +295,9 @@ class PowerSGD(Aggregator):
         return {
             "version": _STATE_DICT_VERSION,
             "placement": placement(self.process_group),
-            "config": asdict(self.config),
+            # warm_up_bytes_per_weight only when set: checkpoints keep the keys they had before it existed.
+            "config": {name: value for name, value in asdict(self.config).items()
+                       if name != "warm_up_bytes_per_weight" or value is not None},
             "step_counter": self.step_counter,
             "total_numel": self.total_numel,
             "total_floats_sent": self.total_floats_sent,
@@ -535,14 +342,6 @@ class PowerSGD(Aggregator):
         self._session.load_memory_state(state_dict["memory"])
 
 
-def _nothing() -> None:
-    """What an aggregator task does when it ends: nothing (its outputs are written at the commit)."""
-
-
-def _ignore(error: BaseException) -> None:
-    """A failing task's error is raised by the pipeline itself."""
-
-
 def optimizer_step(optimizer: torch.optim.Optimizer, aggregator: Aggregator) -> bool:
     """Average the gradients with ``aggregator``, take the optimizer step, then zero the gradients.
 
@@ -578,4 +377,3 @@ def optimizer_step(optimizer: torch.optim.Optimizer, aggregator: Aggregator) -> 
             if grad is not None:
                 grad.zero_()
     return stepped
-

@@ -1,0 +1,140 @@
+"""A :class:`~gradpress.PowerSGDState`'s checkpoints: ``state_dict()`` / ``load_state_dict()`` (plain tensors
+and numbers, per rank) and pickling. A base class of ``PowerSGDState``; the state's core is in
+:mod:`gradpress.hooks.powersgd`.
+
+The format: options, counters, the placement (rank and world size), parameter shapes, the adaptive
+rank's decisions, ``"memory"`` (per-parameter error memory and factors, :meth:`EngineSession.memory_state
+<gradpress.powersgd.EngineSession.memory_state>`) and ``"padded"`` (``batched_powerSGD_hook``'s per-bucket
+memory, :class:`~gradpress.hooks.batched.PaddedBuckets`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed as dist
+
+from ..checkpoint import check_placement, placement, reject_gathered
+
+__all__ = ["StateCheckpoint"]
+
+# PowerSGDState's log lines keep the logger of the module users know it from.
+logger = logging.getLogger("gradpress.hooks.powersgd")
+
+_STATE_DICT_VERSION = 1
+
+
+# Options that decide what the memory means; a checkpoint must agree with the state on them.
+_MEMORY_OPTIONS = ("matrix_approximation_rank", "min_compression_rate", "use_error_feedback", "warm_start",
+                   "random_seed", "num_iters_per_step")
+
+
+
+class StateCheckpoint:
+    """The checkpoint half of :class:`~gradpress.PowerSGDState` (see the module docstring)."""
+
+    __slots__ = ()
+    _session: Any
+    _params: Any
+    _bucket_memory: Any
+    _lr_iter: int
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain tensors and numbers: counters, options, and per-parameter error memory and Q.
+
+        No process group, nothing tied to a device or to DDP's bucket layout. Call between iterations
+        (on every rank that will resume; each rank's error memory is its own).
+        """
+        if self._session.in_flight():
+            raise RuntimeError("PowerSGDState.state_dict() was called while a backward pass is in flight")
+        return {
+            "version": _STATE_DICT_VERSION,
+            "placement": placement(self.process_group),
+            "options": {
+                "matrix_approximation_rank": self.matrix_approximation_rank,
+                "min_compression_rate": self.min_compression_rate,
+                "use_error_feedback": self.use_error_feedback,
+                "warm_start": self.warm_start,
+                "orthogonalization_epsilon": self.orthogonalization_epsilon,
+                "random_seed": self.random_seed,
+                "start_powerSGD_iter": self.start_powerSGD_iter,
+                "compression_stats_logging_frequency": self.compression_stats_logging_frequency,
+                "batch_tensors_with_same_shape": self.batch_tensors_with_same_shape,
+                "comm_device": None if self.comm_device is None else str(self.comm_device),
+                "num_iters_per_step": self.num_iters_per_step,
+                "bytes_per_weight": self.bytes_per_weight,
+                "feedback_every_n_iters": self.feedback_every_n_iters,
+                "warm_up_beta_factor": self.warm_up_beta_factor,
+                "approximation_error_every_n_iters": self.approximation_error_every_n_iters,
+                # A mapping policy is plain data; a function policy is kept by pickling only (__getstate__).
+                "rank_policy": self.rank_policy if isinstance(self.rank_policy, dict) else None,
+                "adaptive_rank": None if self.adaptive_rank is None else self.adaptive_rank.to_dict(),
+                # Only when set: checkpoints keep the keys they had before the option existed.
+                **({} if self.warm_up_bytes_per_weight is None
+                   else {"warm_up_bytes_per_weight": self.warm_up_bytes_per_weight}),
+            },
+            "adaptive": self._params.adaptive_state(),
+            "last_lr": self._session.last_lr,
+            "total_bytes_before_compression": self.total_bytes_before_compression,
+            "total_bytes_after_compression": self.total_bytes_after_compression,
+            "iter": self.iter,
+            "total_numel_before_compression": self.total_numel_before_compression,
+            "total_numel_after_compression": self.total_numel_after_compression,
+            "next_stats_report": self.next_stats_report,
+            "param_shapes": [list(shape) for shape in self._params.shapes],
+            "memory": self._session.memory_state(),
+            "padded": dict(memory) if isinstance(memory := self._bucket_memory, dict) else memory.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any], *, allow_other_rank: bool = False) -> None:
+        """Restore what :meth:`state_dict` saved; tensors may come from another device.
+
+        Raises ``ValueError`` if the checkpoint was made with different compression options, or on another
+        rank or world size (checkpoints without this record are accepted; ``allow_other_rank=True`` skips
+        the rank/world-size check).
+        """
+        reject_gathered(state_dict, "PowerSGDState.load_state_dict")
+        if state_dict.get("version") != _STATE_DICT_VERSION:
+            raise ValueError(f"unsupported PowerSGDState state_dict version {state_dict.get('version')!r}; "
+                             f"expected {_STATE_DICT_VERSION}")
+        options = state_dict["options"]
+        for name in _MEMORY_OPTIONS:
+            if options.get(name) != getattr(self, name):
+                raise ValueError(
+                    f"checkpoint was saved with {name}={options.get(name)!r} but this PowerSGDState has "
+                    f"{name}={getattr(self, name)!r}; construct the state with the same value to resume")
+        adaptive = None if self.adaptive_rank is None else self.adaptive_rank.to_dict()
+        if options.get("adaptive_rank") != adaptive:
+            raise ValueError(f"checkpoint was saved with adaptive_rank={options.get('adaptive_rank')!r} but this "
+                             f"PowerSGDState has adaptive_rank={adaptive!r}; construct the state with the same "
+                             "value to resume")
+        check_placement(state_dict.get("placement"), placement(self.process_group), "PowerSGDState",
+                        allow_other_rank)
+        if self._session.in_flight():
+            raise RuntimeError("PowerSGDState.load_state_dict() was called while a backward pass is in flight")
+        self.iter = int(state_dict["iter"])
+        self.total_numel_before_compression = int(state_dict["total_numel_before_compression"])
+        self.total_numel_after_compression = int(state_dict["total_numel_after_compression"])
+        self.next_stats_report = int(state_dict["next_stats_report"])
+        self._session.last_lr = state_dict.get("last_lr")
+        self._lr_iter = -1
+        self.total_bytes_before_compression = int(state_dict.get("total_bytes_before_compression", 0))
+        self.total_bytes_after_compression = int(state_dict.get("total_bytes_after_compression", 0))
+        self._params.load(state_dict["param_shapes"], state_dict.get("adaptive", {}))
+        self._session.load_memory_state(state_dict["memory"])
+        self._bucket_memory = dict(state_dict.get("padded") or {})
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.state_dict()
+        if self.rank_policy is not None:
+            state["options"]["rank_policy"] = self.rank_policy
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        options = dict(state["options"])
+        self.__init__(None, **options)  # type: ignore[misc]
+        self.load_state_dict(state, allow_other_rank=True)  # a copy, not a resume on a given rank
+        if dist.is_available() and dist.is_initialized():
+            logger.warning("PowerSGDState unpickled: process_group is the default group; set "
+                           "state.process_group if another group is wanted.")
