@@ -137,3 +137,48 @@ def test_demo_json_says_what_recommended_resolved_to(tmp_path: Path) -> None:
     width = model_width([tuple(p.shape) for p in get_task("digits").build().parameters()])
     assert rec["status"] == "not measured" and rec["method"] == f"powersgd:{rank_for_width(width)}"
     assert list(report["methods"]) == ["allreduce", rec["method"]]
+
+
+# --- gradpress check reads the map ----------------------------------------------------------------------
+
+def test_check_does_not_recommend_powersgd_where_the_map_measured_it_behind() -> None:
+    import torch
+
+    from gradpress.tools.check.advice import candidate_methods, predict, recommend
+    from gradpress.tools.check.link import Link
+    from gradpress.tools.check.report import _mark_measured_behind, quality
+
+    with torch.device("meta"):
+        shapes = [tuple(p.shape) for p in get_task("gpt").build().parameters()]
+    rows = predict(candidate_methods(shapes), Link(4, 100e-6, 12.5e6), 200.0)  # 100 Mbit/s, 4 ranks
+    assert recommend(rows)[0].name.startswith("powersgd")                       # on bytes alone
+    behind = quality(128, "sgd", 4 * 16 * SEQUENCE, "--tokens-per-step", task="gpt")
+    assert behind["method"] == "fp16" and behind["status"] == "measured to fall behind"
+    best, _ = recommend(_mark_measured_behind(rows, behind))
+    assert best.name == "fp16"
+    held = quality(128, "adamw", 2 * 64 * SEQUENCE, "--tokens-per-step", task="gpt")
+    assert held["status"] == "measured" and recommend(_mark_measured_behind(rows, held))[0].name.startswith("powersgd")
+    assert quality(128, None, 1000, None)["status"] == quality(128, "sgd", None, None)["status"] == "not asked"
+
+
+def test_tokens_of_an_example_batch() -> None:
+    import torch
+
+    from gradpress.tools.check.report import batch_tokens
+
+    assert batch_tokens((torch.zeros(16, 64, dtype=torch.long), torch.zeros(16, 64, dtype=torch.long))) == 1024
+    assert batch_tokens((torch.zeros(32, 1, 8, 8), torch.zeros(32, dtype=torch.long))) == 32
+
+
+@pytest.mark.slow
+def test_check_reports_the_quality_map_for_a_demo_task(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gradpress.tools.cli.main import main
+
+    path = tmp_path / "check.json"
+    assert main(["check", "--model", "gpt", "--optimizer", "sgd", "--iters", "1", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    quality = json.loads(path.read_text())["quality"]
+    # One rank of 16 sequences of 64: the map's gpt rows with SGD held at 2 x 16 sequences.
+    assert quality["tokens_per_step"] == 16 * SEQUENCE and quality["tokens_source"] == "the example batch on every rank"
+    assert (quality["status"], quality["method"]) == ("measured", "powersgd:16")
+    assert "quality map (sgd, 1,024 tokens/step from the example batch on every rank): measured, powersgd:16" in out

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -15,7 +16,10 @@ import torch.distributed as dist
 
 from ... import comm
 from ..cli.table import format_table
-from .advice import candidate_methods, model_width, predict, recipe_rule, recommend, recommended_powersgd
+from ..quality_map import advise
+from ..workloads.tasks import TASKS
+from .advice import (Prediction, candidate_methods, model_width, predict, recipe_rule, recommend,
+                     recommended_powersgd)
 from .compute import hook_compute_ms, step_ms
 from .correctness import run_correctness
 from .link import DEFAULT_SIZES, measure_link, node_groups
@@ -32,10 +36,14 @@ def _slowest(value: float, device: torch.device) -> float:
 def collect(model: str, device: torch.device, given_step_ms: float | None = None,
             hooks: Mapping[str, Callable[..., Any]] | None = None, local_world_size: int | None = None,
             sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 5, powersgd_ranks: Sequence[int] = (4,),
-            local_sgd_period: int = 8, diloco_period: int = 64) -> dict[str, Any]:
+            local_sgd_period: int = 8, diloco_period: int = 64, optimizer: str | None = None,
+            tokens_per_step: int | None = None) -> dict[str, Any]:
     """Run every part of the check on every rank of the default group; the same report on every rank.
 
     ``model``: as ``--model`` (``ValueError`` naming it if invalid, raised before any collective).
+    ``optimizer`` (``"sgd"``/``"adamw"``) and ``tokens_per_step`` (all ranks' tokens or samples per
+    optimizer step; default: the example batch on every rank) select the quality map's advice
+    (``report["quality"]``); where PowerSGD was measured behind allreduce at that batch it is not recommended.
     ``given_step_ms``: the compute step when the model has no example batch (``--step-ms``); a measured
     step wins over it. ``hooks`` / ``local_world_size``: see :func:`~gradpress.tools.check.correctness.run_correctness`.
     """
@@ -66,11 +74,49 @@ def collect(model: str, device: torch.device, given_step_ms: float | None = None
                             "powersgd_rank": recommended_powersgd(shapes)[0]}
     methods = candidate_methods(shapes, local_sgd_period, diloco_period, powersgd_ranks)
     rows = predict(methods, link, measured, hook_ms)
+    tokens_source: str | None
+    if tokens_per_step is None and batch is not None:
+        tokens_per_step, tokens_source = batch_tokens(batch) * world, "the example batch on every rank"
+    else:
+        tokens_source = "--tokens-per-step" if tokens_per_step is not None else None
+    report["quality"] = quality(report["model_info"]["width"], optimizer, tokens_per_step, tokens_source,
+                                model if model in TASKS else None)
+    rows = _mark_measured_behind(rows, report["quality"])
     best, reason = recommend(rows)
     report["predictions"] = [row.to_dict() for row in rows]
     report["recommendation"] = {"method": best.name, "config": best.config, "reason": reason}
     report["ok"] = all(item.ok for item in items)
     return report
+
+
+def batch_tokens(batch: Any) -> int:
+    """Tokens (or samples) in one rank's example batch: the elements of its first tensor when it holds
+    token ids (an integer tensor), else its first dimension."""
+    first = batch[0] if isinstance(batch, (tuple, list)) else batch
+    return int(first.numel()) if not first.is_floating_point() else int(first.shape[0])
+
+
+def quality(width: int, optimizer: str | None, tokens_per_step: int | None, source: str | None,
+            task: str | None = None) -> dict[str, Any]:
+    """The quality map's advice (:func:`gradpress.tools.quality_map.advise`) for the model's width, the
+    optimizer and the global batch, as the report holds it; ``{"status": "not asked"...}`` without an
+    optimizer or a batch size."""
+    if optimizer is None or tokens_per_step is None:
+        return {"status": "not asked", "reason": "give --optimizer and --tokens-per-step (all ranks' tokens or "
+                "samples per optimizer step) for the quality map's advice (docs/tuning.md)"}
+    advice = advise(width, optimizer, tokens_per_step, task=task)
+    return {**advice.to_dict(), "optimizer": optimizer, "tokens_per_step": tokens_per_step,
+            "tokens_source": source}
+
+
+def _mark_measured_behind(rows: Sequence[Prediction], quality: Mapping[str, Any]) -> list[Prediction]:
+    """The predictions, with PowerSGD's rows noted (so never recommended) where the quality map measured
+    it behind allreduce at this global batch."""
+    if quality.get("method") != "fp16":
+        return list(rows)
+    note = "measured behind allreduce at this batch (quality map)"
+    return [dataclasses.replace(row, note=row.note or note) if row.name.startswith("powersgd") else row
+            for row in rows]
 
 
 def _size(nbytes: float) -> str:
@@ -114,6 +160,11 @@ def format_report(report: dict[str, Any]) -> str:
              p.get("note", "")] for p in report["predictions"]]
     lines += ["  " + line for line in format_table(
         ["method", "MB/step", "step ms", "hook ms", "link ms", "predicted ms", "note"], rows, "<>>>>><")]
+    q = report.get("quality", {})
+    if q:
+        head = "quality map" + (f" ({q['optimizer']}, {q['tokens_per_step']:,} tokens/step from {q['tokens_source']})"
+                                if q["status"] != "not asked" else "")
+        lines += ["", f"{head}: {q['status']}" + (f", {q['method']}" if "method" in q else ""), f"  {q['reason']}"]
     rec = report["recommendation"]
     lines += ["", f"recommended: {rec['method']} = {rec['config']}", f"  because {rec['reason']}",
               "", "all correctness checks passed" if report["ok"] else "SOME CORRECTNESS CHECKS FAILED"]

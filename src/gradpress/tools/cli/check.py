@@ -33,8 +33,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                     "hook compute on your model's gradient shapes; and ranks the methods by predicted step time "
                     "(compute step + hook compute + the bytes on the measured link).")
     parser.add_argument("--model", default="charlm", metavar="NAME",
-                        help="a demo task (charlm, gpt-wide, ...), a gradpress.tools.zoo model, or module.path:function "
-                             "returning your nn.Module or (module, example_batch) (default: charlm)")
+                        help="a demo task (charlm, gpt-wide, ...), a gradpress.tools.zoo model, or "
+                             "module.path:function returning your nn.Module or (module, example_batch) "
+                             "(default: charlm)")
     parser.add_argument("--step-ms", type=positive_float, default=None, metavar="MS",
                         help="your forward + backward time per step, when the model gives no example batch")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -47,6 +48,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                              "candidate; docs/tuning.md)")
     parser.add_argument("--local-sgd-period", type=int_at_least(1), default=8, metavar="H")
     parser.add_argument("--diloco-period", type=int_at_least(1), default=64, metavar="H")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default=None,
+                        help="your optimizer, for the quality map's advice (docs/tuning.md): where PowerSGD was "
+                             "measured behind allreduce at your global batch, it is not recommended")
+    parser.add_argument("--tokens-per-step", type=int_at_least(1), default=None, metavar="N",
+                        help="tokens (or samples) per optimizer step over all ranks, for the quality map (default: "
+                             "the model's example batch on every rank, when it has one)")
     parser.add_argument("--iters", type=int_at_least(1), default=5, metavar="N", help="timed allreduces per size")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON (rank 0)")
     parser.set_defaults(func=run)
@@ -99,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             report = collect(args.model, device, args.step_ms, local_world_size=int(local) if local else None,
                              iters=args.iters, powersgd_ranks=args.powersgd_ranks,
-                             local_sgd_period=args.local_sgd_period, diloco_period=args.diloco_period)
+                             local_sgd_period=args.local_sgd_period, diloco_period=args.diloco_period,
+                             optimizer=args.optimizer, tokens_per_step=args.tokens_per_step)
         except ValueError as exc:
             print(f"gradpress check: error: {exc}", file=sys.stderr)
             return 2
