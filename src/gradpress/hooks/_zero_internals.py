@@ -18,7 +18,11 @@ from torch import Tensor
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = ["ASSIGNMENT_FIELDS", "OVERLAP_INFO_FIELDS", "ZERO_FIELDS", "check_internals", "initialize",
-           "install_state_dict", "is_initialized", "local_parameters", "local_step"]
+           "install_state_dict", "is_driven", "is_initialized", "local_parameters", "local_step", "mark_driven",
+           "overlaps_with_ddp"]
+
+#: The marker a hook leaves on the optimizer it drives (one hook per optimizer).
+_DRIVEN = "_gradpress_zero_hook"
 
 #: ``ZeroRedundancyOptimizer`` attributes we use (private ones start with ``_``).
 ZERO_FIELDS = ("_overlap_with_ddp", "_overlap_info", "_init_zero_for_overlap", "_local_step", "rank",
@@ -61,6 +65,21 @@ def check_internals(zero: ZeroRedundancyOptimizer) -> None:
         if not hasattr(zero._overlap_info, field):
             raise _incompatible(f"_overlap_info.{field}")
     _status_enum()
+
+
+def overlaps_with_ddp(zero: ZeroRedundancyOptimizer) -> bool:
+    """Whether ``zero`` was built with ``overlap_with_ddp=True`` (check :func:`check_internals` first)."""
+    return bool(zero._overlap_with_ddp)
+
+
+def is_driven(zero: ZeroRedundancyOptimizer) -> bool:
+    """Whether a hook already drives ``zero`` (:func:`mark_driven`)."""
+    return bool(getattr(zero, _DRIVEN, False))
+
+
+def mark_driven(zero: ZeroRedundancyOptimizer) -> None:
+    """Note on ``zero`` that a hook drives it, so that a second hook over it is refused."""
+    setattr(zero, _DRIVEN, True)
 
 
 def is_initialized(zero: ZeroRedundancyOptimizer) -> bool:

@@ -18,7 +18,7 @@ group, or divided it only in part and divides the rest after the hook (fp16 redu
 ``set_force_sum_reduction_for_comms``, ``set_gradient_divide_factor``: a scale the hook needs not know).
 FSDP reads the tensor back as soon as the hook returns, so the hook must finish its communication
 before returning (on a GPU it runs on FSDP's all-reduce stream, which FSDP orders with its own).
-This module's hook:
+Every private FSDP2 or autograd field read is in :mod:`gradpress.hooks._fsdp_internals`. This module's hook:
 
   1. views the flat tensor as a :class:`FSDPBucket` (gradients = the local shards, padding left out);
   2. runs ``hook(state, bucket)`` and waits for its future (the collectives run inside the call);
@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from . import _fsdp_internals as internals
 from .bucket import DenseBucket, check_hook, future_tensor
 from .powersgd import PowerSGDState
 
@@ -110,10 +111,10 @@ def register_fsdp_comm_hook(module: nn.Module, state: Any, hook: Hook) -> None:
     """
     check_hook(hook, "register_fsdp_comm_hook")
     group = _replicate_group(state)
-    units = _units(module)
+    units = internals.units(module)
     replicas = dist.get_world_size(group)
     for name, unit, param_group in units:
-        _check_replicate_group(group, param_group, name)
+        internals.check_replicate_group(group, param_group, name)
     counter = _BackwardCounter([param_group for _, _, param_group in units])
     if isinstance(state, PowerSGDState):
         # FSDP reads each unit's result as soon as its hook returns: each unit commits its own memory
@@ -141,7 +142,7 @@ class _UnitHook:
         self.replicas = replicas
 
     def __call__(self, flat: Tensor) -> None:
-        parameters, offsets, shapes = _layout(self.param_group, flat)
+        parameters, offsets, shapes = internals.layout(self.param_group, flat)
         dense = _is_dense(offsets, shapes)
         packed = flat if dense else torch.cat([flat[o: o + s.numel()] for o, s in zip(offsets, shapes)])
         bucket = FSDPBucket(self.index, self.counter.next_is_last(), parameters, shapes, packed)
@@ -159,7 +160,7 @@ class _UnitHook:
         else:
             for chunk, offset in zip(result.split([s.numel() for s in shapes]), offsets):
                 flat[offset: offset + chunk.numel()].copy_(chunk)
-        if self.param_group.gradient_divide_factor is not None:
+        if internals.divide_factor(self.param_group) is not None:
             # FSDP divides by the factor alone and expects the sum across replicas (native HSDP sums
             # there); the hook averaged.
             flat.mul_(self.replicas)
@@ -182,12 +183,12 @@ class _BackwardCounter:
         self.task = -1
 
     def next_is_last(self) -> bool:
-        task = torch._C._current_graph_task_id()
+        task = internals.current_backward()
         if self.calls == 0 or task != self.task:
             self.task = task
             self.calls = 0
-            self.expected = sum(any(p.sharded_param.requires_grad for p in g.fsdp_params) for g in self.param_groups)
-            torch.autograd.Variable._execution_engine.queue_callback(self._check_complete)
+            self.expected = internals.trainable_units(self.param_groups)
+            internals.on_backward_end(self._check_complete)
         self.calls += 1
         return self.calls == self.expected
 
@@ -201,62 +202,7 @@ class _BackwardCounter:
                 "for unused ones), and set_requires_gradient_sync must be set on the root module.")
 
 
-# --- the places that read FSDP2's internals ----------------------------------------------------------------
-
-def _units(module: nn.Module) -> list[tuple[str, nn.Module, Any]]:
-    """``(name, unit, FSDPParamGroup)`` for each ``fully_shard`` unit with parameters, in module order."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
-
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module containing fully_shard units, got {type(module).__name__}")
-    units = []
-    for name, unit in module.named_modules():
-        if not isinstance(unit, FSDPModule):
-            continue
-        label = repr(name) if name else "the root module"
-        param_groups = unit._get_fsdp_state()._fsdp_param_groups
-        if len(param_groups) > 1:
-            raise ValueError(f"module: fully_shard unit {label} has {len(param_groups)} parameter groups "
-                             "(per-parameter meshes); register_fsdp_comm_hook supports one mesh per unit")
-        if not param_groups:
-            continue  # a unit without parameters of its own reduces nothing
-        mesh_info = param_groups[0].mesh_info
-        if isinstance(mesh_info, DDPMeshInfo) or mesh_info.mesh.ndim != 1:
-            raise ValueError(
-                f"module: fully_shard unit {label} is sharded over a {mesh_info.mesh.ndim}-D mesh "
-                f"{tuple(mesh_info.mesh.shape)}; native HSDP already all-reduces across replicas. "
-                "Shard every unit over a 1-D mesh, e.g. fully_shard(unit, mesh=mesh['shard'])")
-        units.append((name, unit, param_groups[0]))
-    if not units:
-        raise ValueError(f"module: {type(module).__name__} has no fully_shard unit with parameters; apply "
-                         "torch.distributed.fsdp.fully_shard(submodule, mesh=mesh['shard']) first")
-    return units
-
-
-def _layout(param_group: Any, flat: Tensor) -> tuple[list[Tensor], list[int], list[torch.Size]]:
-    """Parameters, offsets in ``flat`` and local shard shapes of the gradients FSDP reduced.
-
-    FSDP puts each parameter that has a gradient (``requires_grad`` ones, in the unit's order) at the next
-    multiple of its padded shard size (``padded_sharded_param_size``); the local shard
-    (``sharded_size``) comes first, the padding rows after it.
-    """
-    parameters, offsets, shapes = [], [], []
-    offset = 0
-    for fsdp_param in param_group.fsdp_params:
-        if not fsdp_param.sharded_param.requires_grad:
-            continue
-        parameters.append(fsdp_param.sharded_param)
-        offsets.append(offset)
-        shapes.append(torch.Size(fsdp_param.sharded_size))
-        offset += fsdp_param.padded_sharded_param_size.numel()
-    if offset != flat.numel():
-        raise RuntimeError(
-            f"register_fsdp_comm_hook: fully_shard reduced {flat.numel()} elements for a unit whose trainable "
-            f"parameters take {offset}: a trainable parameter got no gradient. Every trainable parameter must "
-            "get one (set_reduce_scatter_unused_params(True) on the root module reduces zeros for unused ones)")
-    return parameters, offsets, shapes
-
+# --- helpers ---------------------------------------------------------------------------------------------
 
 def _is_dense(offsets: list[int], shapes: list[torch.Size]) -> bool:
     end = 0
@@ -274,16 +220,3 @@ def _replicate_group(state: Any) -> dist.ProcessGroup | None:
         return state.process_group
     raise TypeError(f"state must be the hook's state naming the replicate group: a PowerSGDState, a "
                     f"ProcessGroup or None (the default group), got {type(state).__name__}")
-
-
-def _check_replicate_group(group: dist.ProcessGroup | None, param_group: Any, name: str) -> None:
-    """The group must hold one rank per shard group: this one, and no other rank of its shard mesh."""
-    group_ranks = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    shard_ranks = set(param_group.mesh_info.mesh.mesh.flatten().tolist())
-    if group_ranks & shard_ranks != {dist.get_rank()}:
-        label = repr(name) if name else "the root module"
-        raise ValueError(
-            f"state: the hook's process group has ranks {sorted(group_ranks)}, which should include this rank "
-            f"({dist.get_rank()}) and no other rank of the shard mesh {sorted(shard_ranks)} of fully_shard unit "
-            f"{label}: they hold other shards. Pass the replicate group, e.g. mesh['replicate'].get_group() "
-            "(None means the default group)")

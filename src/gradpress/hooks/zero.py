@@ -122,13 +122,13 @@ class ZeroStepHook:
         if not isinstance(shard_buckets, bool):
             raise TypeError(f"{name}: shard_buckets must be True or False, got {shard_buckets!r}")
         internals.check_internals(zero)
-        if not zero._overlap_with_ddp:
+        if not internals.overlaps_with_ddp(zero):
             raise ValueError(f"{name}: construct the optimizer with ZeroRedundancyOptimizer(..., "
                              "overlap_with_ddp=True); without it, call zero.step() after backward instead")
         if len(zero.param_groups) != 1:
             raise ValueError(f"{name}: the ZeroRedundancyOptimizer has {len(zero.param_groups)} parameter groups; "
                              "overlapping supports exactly one (the functional optimizers take one group)")
-        if getattr(zero, "_gradpress_zero_hook", False) or internals.is_initialized(zero):
+        if internals.is_driven(zero) or internals.is_initialized(zero):
             raise ValueError(f"{name}: this ZeroRedundancyOptimizer is already driven by a hook; "
                              "create one optimizer per hook")
         if getattr(ddp, "find_unused_parameters", False):
@@ -145,7 +145,7 @@ class ZeroStepHook:
                              f"trainable parameters ({len(trainable)}; it has {len(owned)}, "
                              f"{len(trainable & owned)} in common): use [p for p in ddp.parameters() if "
                              "p.requires_grad]")
-        zero._gradpress_zero_hook = True
+        internals.mark_driven(zero)
         self.hook = hook
         self.zero = zero
         self.shard_buckets = shard_buckets
