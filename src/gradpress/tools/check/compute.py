@@ -4,7 +4,8 @@ comes from :func:`gradpress.tools.check.loader.load_model`, re-exported here).
 Hook compute is timed with no network: every rank runs the real engine (the :class:`gradpress.PowerSGD`
 aggregator, which shares the hooks' engine) on random gradients of the model's shapes over a process
 group holding only itself, so its collectives are local copies and what remains is compression compute.
-The cast hooks' compute is the cast there and back. Timings are medians over a few calls.
+The cast hooks' compute is the cast there and back, named by the wire's dtype
+(:func:`gradpress.tools.bytes.dtype_name`: ``fp16``, ``bf16``). Timings are medians over a few calls.
 
 >>> model, batch, loss = load_model("charlm", torch.device("cpu"))   # doctest: +SKIP
 >>> hook_compute_ms([tuple(p.shape) for p in model.parameters()], torch.device("cpu"))   # doctest: +SKIP
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..bytes import dtype_name
 from .advice import powersgd_configs
 from .loader import Loss, load_model
 
@@ -62,8 +64,9 @@ def _own_group() -> Any:
 
 def hook_compute_ms(shapes: Sequence[Sequence[int]], device: torch.device, powersgd_ranks: Sequence[int] = (4,),
                     iters: int = 3) -> dict[str, float]:
-    """Per method name (as :func:`~gradpress.tools.check.advice.candidate_methods` names them), the hook's own
-    compute in milliseconds on ``device`` for fp32 gradients of ``shapes``. A collective (group creation)."""
+    """Per method name (as :func:`~gradpress.tools.check.advice.candidate_methods` names them; ``bf16``
+    too), the hook's own compute in milliseconds on ``device`` for fp32 gradients of ``shapes``. A
+    collective (group creation)."""
     from ...aggregator import Config, PowerSGD
 
     group = _own_group()
@@ -71,8 +74,9 @@ def hook_compute_ms(shapes: Sequence[Sequence[int]], device: torch.device, power
     params = [torch.randn(tuple(s), generator=generator).to(device).requires_grad_() for s in shapes]
     grads = [torch.randn(p.shape, generator=generator).to(device) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    out = {"allreduce": _median_ms(lambda: flat.div(2), device, iters),
-           "fp16": _median_ms(lambda: flat.half().float(), device, iters)}
+    out = {"allreduce": _median_ms(lambda: flat.div(2), device, iters)}
+    for wire in (torch.float16, torch.bfloat16):  # the cast hooks: there and back
+        out[dtype_name(wire)] = _median_ms(lambda wire=wire: flat.to(wire).float(), device, iters)
     for name, rank, bytes_per_weight, _ in powersgd_configs(shapes, powersgd_ranks):
         aggregator = PowerSGD(params, Config(rank=rank, bytes_per_weight=bytes_per_weight,
                                              start_compressing_after_num_steps=0), process_group=group)

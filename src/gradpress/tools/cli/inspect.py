@@ -12,9 +12,10 @@ gives the same floats as summing the plans of the buckets.
 
 Traffic per epoch uses the PowerSGD paper's convention (Vogels et al. 2019, Table on ResNet-18/CIFAR-10):
 what ONE worker puts into the allreduce per step, times ``steps = floor(dataset / (workers x batch))``
-(``drop_last``), in MiB (2^20 bytes). Bytes are counted as ``PowerSGDState.bytes_stats()`` counts them
-(:func:`gradpress.tools.check.wire.step_bytes`): allreduce sends the gradients in their dtype, PowerSGD its
-floats at the wire's precision, ``--bytes-per-weight`` (2: fp16, or bf16 for bf16 gradients), so the
+(``drop_last``), in MiB (2^20 bytes). Bytes come from the tools' one byte model (:mod:`gradpress.tools.bytes`):
+allreduce sends the gradients in their dtype (:func:`~gradpress.tools.bytes.allreduce_bytes`), PowerSGD its
+floats at the wire's precision, ``--bytes-per-weight`` (2: fp16, or bf16 for bf16 gradients), counted as
+``PowerSGDState.bytes_stats()`` counts them (:func:`~gradpress.tools.bytes.powersgd_bytes`), so the
 compression ratio is the state's.
 
 With ``--workers-per-node L`` it also shows the bytes that cross nodes per step, flat (every rank sends
@@ -37,8 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..bytes import allreduce_bytes, powersgd_bytes
 from ..check.loader import load_model, valid_models
-from ..check.wire import step_bytes
 from ...hooks.hierarchical import assign_shares
 from ...powersgd import make_plan
 from ..workloads.tasks import TASKS
@@ -108,8 +109,8 @@ def hierarchical_traffic(shapes: list[tuple[int, ...]], rank: int, min_compressi
     Flat: every rank puts its whole plan into the allreduce that crosses nodes. Hierarchical: local rank
     ``j`` of each node puts in the plan of its share ``assign_shares(numels, L)[j]`` (the tensors are
     planned as one bucket; DDP's hook assigns shares per bucket, which moves tensors between local ranks
-    but leaves each node's total unchanged: the sum of the shares' plans is the whole plan). Bytes as
-    :func:`~gradpress.tools.check.wire.step_bytes` counts them for gradients of ``dtypes`` (default fp32). Raises
+    but leaves each node's total unchanged: the sum of the shares' plans is the whole plan). Bytes from
+    :mod:`gradpress.tools.bytes` for gradients of ``dtypes`` (default fp32). Raises
     ``ValueError`` unless ``workers_per_node`` divides ``workers`` into at least 2 nodes.
 
     >>> t = hierarchical_traffic([(512, 512), (512,)], rank=1, min_compression_rate=2, workers=4, workers_per_node=2)
@@ -130,9 +131,9 @@ def hierarchical_traffic(shapes: list[tuple[int, ...]], rank: int, min_compressi
     plan = make_plan(shapes, rank, min_compression_rate)
 
     def sent(indices: list[int]) -> dict[str, int]:
-        counts = step_bytes([shapes[i] for i in indices], [dtypes[i] for i in indices], rank,
-                            min_compression_rate, bytes_per_weight)
-        return {"allreduce": counts.bytes_in, "powersgd": counts.bytes_sent}
+        part = [shapes[i] for i in indices], [dtypes[i] for i in indices]
+        return {"allreduce": allreduce_bytes(*part).bytes_sent,
+                "powersgd": powersgd_bytes(*part, rank, min_compression_rate, bytes_per_weight).bytes_sent}
 
     shares = []
     for local_rank, share in enumerate(assign_shares([t.numel for t in plan.tensors], workers_per_node)):
@@ -174,7 +175,8 @@ def compression_report(model: nn.Module, name: str, rank: int, min_compression_r
                          f"= {setting.workers * setting.batch_size}: no full step per epoch")
     shapes = [tuple(p.shape) for _, p in named]
     dtypes = [p.dtype for _, p in named]
-    counts = step_bytes(shapes, dtypes, rank, min_compression_rate, bytes_per_weight)
+    counts = powersgd_bytes(shapes, dtypes, rank, min_compression_rate, bytes_per_weight)
+    allreduce = allreduce_bytes(shapes, dtypes)
     hierarchical = None if workers_per_node is None else hierarchical_traffic(
         shapes, rank, min_compression_rate, setting.workers, workers_per_node, bytes_per_weight, dtypes)
     plan = make_plan(shapes, rank, min_compression_rate)
@@ -182,7 +184,7 @@ def compression_report(model: nn.Module, name: str, rank: int, min_compression_r
                "numel": t.numel, "compressed": t.compressed, "reason": _reason(t.numel, len(t.shape), t.compressed),
                "numel_sent": t.numel_sent} for t in plan.tensors]
     floats = {"allreduce": plan.numel, "powersgd": plan.numel_sent}
-    sent = {"allreduce": counts.bytes_in, "powersgd": counts.bytes_sent}
+    sent = {"allreduce": allreduce.bytes_sent, "powersgd": counts.bytes_sent}
     report: dict[str, Any] = {
         "model": name, "rank": rank, "min_compression_rate": min_compression_rate,
         "bytes_per_weight": bytes_per_weight, "gradients": counts.gradients, "wire": counts.wire,
