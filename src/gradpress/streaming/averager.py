@@ -103,7 +103,7 @@ class StreamingDiLoCoAverager(ModelAverager):
        torchft's too) replaces them by the new global ones, dropping the fragment's last τ local steps;
        larger ``α`` keeps part of them.
 
-    ``F=1, τ=0``, no compression reproduces :class:`gradpress.OuterOptimizerAverager` bit for bit.
+    ``F=1, τ=0`` reproduces :class:`gradpress.OuterOptimizerAverager` with the same ``compression`` bit for bit.
     The collectives are issued from :meth:`average_parameters` only, in step order, so every rank
     issues the same ones in the same order; at most one fragment is sent per step and a fragment is
     applied before it is sent again (``τ < sync_every``). Updates still in flight when training stops
