@@ -467,7 +467,8 @@ def test_the_sketch_is_one_more_collective_per_bucket_on_measured_steps_in_the_s
     results = run(_collectives, WORLD, num_iters)
     assert results[0][0] == results[1][0]  # every collective, in the same order, on every rank
     per_iteration, residuals = results[0]
-    assert per_iteration[:2] == [[], []]  # plain averaging before start_powerSGD_iter (not through the engine)
+    # Before start_powerSGD_iter: one exact sum of each bucket, through the engine's communicator.
+    assert per_iteration[:2] == [[("sum", 24 * 20), ("sum", 12 * 9 + 7), ("sum", 2 * 40 * 30)]] * 2
     compressed = per_iteration[2:]  # compressed steps 0..5: 0 and 3 measure
     plain = [c for step, c in enumerate(compressed) if step % 3]
     assert all(c == plain[0] for c in plain)
