@@ -182,3 +182,10 @@ def test_check_reports_the_quality_map_for_a_demo_task(tmp_path: Path, capsys: p
     assert quality["tokens_per_step"] == 16 * SEQUENCE and quality["tokens_source"] == "the example batch on every rank"
     assert (quality["status"], quality["method"]) == ("measured", "powersgd:16")
     assert "quality map (sgd, 1,024 tokens/step from the example batch on every rank): measured, powersgd:16" in out
+
+
+def test_the_tuning_guide_shows_the_maps_rows() -> None:
+    from gradpress.tools.quality_map import markdown_table
+
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "tuning.md").read_text()
+    assert markdown_table() in guide

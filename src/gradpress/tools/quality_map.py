@@ -31,7 +31,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["FP16_WIRE", "MEASURED", "QUALITY_TARGET", "Advice", "Measured", "advise", "rank_for_width"]
+__all__ = ["FP16_WIRE", "MEASURED", "QUALITY_TARGET", "Advice", "Measured", "advise", "markdown_table",
+           "rank_for_width"]
 
 #: The quality target, in percent of allreduce's final perplexity.
 QUALITY_TARGET = 1.5
@@ -191,3 +192,15 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
     return Advice("powersgd", rank, dict(FP16_WIRE), "beyond the map",
                   f"{words} {where}: the largest measured batch, {row.describe()}; yours, {tokens_per_step:,} "
                   "tokens/step, is beyond it: read the global residual (docs/tuning.md)", lr, (row,))
+
+
+def markdown_table() -> str:
+    """:data:`MEASURED` as the markdown table docs/tuning.md shows (rows over the target in bold)."""
+    lines = ["| task (width) | optimizer | tokens/step (sequences of 64) | rank | final perplexity vs allreduce "
+             "| bytes/step fewer |", "|---|---|---|---|---|---|"]
+    for m in MEASURED:
+        end = f"{m.end_vs_allreduce:+.2f}%"
+        lines.append(f"| {m.task} ({m.width}) | {_OPTIMIZER_WORDS[m.optimizer]} | {m.tokens_per_step:,} "
+                     f"({m.tokens_per_step // _SEQUENCE}) | {m.rank} | {end if m.holds else f'**{end}**'} "
+                     f"| {m.bytes_ratio:.1f}x |")
+    return "\n".join(lines)
