@@ -152,7 +152,8 @@ def table(runs: list[dict[str, Any]], baseline: str | None = None) -> str:
         baselines[group(chosen)] = chosen
     lines, seen = [], set()
     rows = ["| label | task | workers | optimizer | batch | lr | method | options | start | ppl@mid | ppl@end | "
-            "steps to base mid / base's | same, smoothed curves | end vs base | last 3 evals vs base's | bytes/step after warm-up: x fewer | "
+            "steps to base mid / base's | same, smoothed curves | end vs base | last 3 evals vs base's | "
+            "bytes/step after warm-up: x fewer | "
             "whole run's bytes: x fewer |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = sorted(runs, key=lambda r: (r["task"], r["workers"], r.get("optimizer", "sgd"), r.get("batch") or 0,
@@ -182,11 +183,13 @@ def table(runs: list[dict[str, Any]], baseline: str | None = None) -> str:
                  if run["method"] != "allreduce" else run["steps"] * run["bytes_allreduce_per_step"])
         tail = tail_mean(run["curve"]) / tail_mean(base["curve"]) - 1
         opts = ", ".join(f"{k}={json.dumps(v)}" for k, v in run["options"].items())
+        end_vs_base = 100 * (run["final"] / base["final"] - 1)
+        whole_run_fewer = run["steps"] * run["bytes_allreduce_per_step"] / total
         rows.append(f"| {run['label']} | {run['task']} | {run['workers']} | {optimizer_name(run)} | "
                     f"{run.get('batch') or 'task'} | {run['lr']:g} | "
                     f"{run['method']} | {opts} | {run['start_iter']} | {metric_at(run['curve'], mid):.2f} | "
-                    f"{run['final']:.2f} | {ratio} | {smooth_ratio} | {100 * (run['final'] / base['final'] - 1):+.2f}% | "
-                    f"{100 * tail:+.2f}% | {fewer:.2f}x | {run['steps'] * run['bytes_allreduce_per_step'] / total:.2f}x |")
+                    f"{run['final']:.2f} | {ratio} | {smooth_ratio} | {end_vs_base:+.2f}% | "
+                    f"{100 * tail:+.2f}% | {fewer:.2f}x | {whole_run_fewer:.2f}x |")
     return "\n".join(lines + [""] + rows)
 
 

@@ -9,7 +9,8 @@ beta (median over seeds):
 * ``dip``: the lowest test accuracy in those 60 steps;
 * the final test accuracy and test loss.
 
-    python benchmarks/warmup_beta.py --json benchmarks/results/warmup-beta-results.json --plot benchmarks/results/warmup-beta.png
+    python benchmarks/warmup_beta.py --json benchmarks/results/warmup-beta-results.json \\
+        --plot benchmarks/results/warmup-beta.png
 
 About 4 minutes on a 2-core VM with the defaults.
 """

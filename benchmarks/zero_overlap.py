@@ -75,7 +75,8 @@ def _build(variant: str, args: argparse.Namespace) -> tuple[DDP, Any, Any]:
     else:
         state, hook = None, gradpress.allreduce_hook
     if overlap:
-        wrap = gradpress.hook_with_zero_step_interleaved if variant.endswith("interleaved") else gradpress.hook_with_zero_step
+        wrap = (gradpress.hook_with_zero_step_interleaved if variant.endswith("interleaved")
+                else gradpress.hook_with_zero_step)
         ddp.register_comm_hook(state, wrap(hook, ddp, zero, shard_buckets=args.shard_buckets))
         return ddp, None, zero
     if state is not None:

@@ -83,7 +83,8 @@ def text_codes() -> tuple[torch.Tensor, torch.Tensor, int]:
     return codes[:split], codes[split:], len(chars)
 
 
-def get_batch(data: torch.Tensor, batch: int, block: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(data: torch.Tensor, batch: int, block: int,
+              generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     starts = torch.randint(len(data) - block - 1, (batch,), generator=generator)
     x = torch.stack([data[i:i + block] for i in starts])
     return x, torch.stack([data[i + 1:i + block + 1] for i in starts])

@@ -115,7 +115,8 @@ def up_to_date():
             return False                                 # not installed, or another clone's
         if metadata.version("torch").split("+")[0] != torch_version:
             return False
-        if not all(importlib.util.find_spec(m) for m in ("pytest", "hypothesis", "sklearn", "matplotlib")):
+        tools = ("pytest", "hypothesis", "sklearn", "matplotlib", "ruff", "mypy")
+        if not all(importlib.util.find_spec(m) for m in tools):
             return False
         return os.path.exists(os.path.join(sysconfig.get_path("scripts"), "gradpress"))
     except Exception:
@@ -161,7 +162,7 @@ if [ -n "$created" ]; then
 else
     say "using $where"
 fi
-say "installing torch==${TORCH_VERSION} and gradpress[dev,demo,integrations] (editable) with pip"
+say "installing torch==${TORCH_VERSION} and gradpress[dev,demo,integrations] (editable; dev brings pytest, ruff, mypy) with pip"
 pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
 pip_install "torch==${TORCH_VERSION}" || die "pip could not install torch==${TORCH_VERSION} into $ENV_DIR"
 # torch pinned again in the same command, so that no extra (Lightning, transformers) can move it.

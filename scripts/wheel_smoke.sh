@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build gradpress's wheel and check it works without the repository: a fresh virtual env gets
 # torch==2.13.0 and the wheel (nothing editable, no extras), then, from a temporary folder outside the
-# repository, `gradpress --version` and a two-rank demo run (gloo on CPU, a few steps).
+# repository, `gradpress --version` and a two-rank demo run (gloo on CPU, a few steps). The wheel must
+# hold gradpress/py.typed (the typing marker).
 #
 #   bash scripts/wheel_smoke.sh          (what CI runs after the tests)
 #
@@ -20,6 +21,9 @@ pip_install() { "$work/venv/bin/python" -m pip install --quiet --disable-pip-ver
 say "building the wheel"
 "$work/venv/bin/python" -m pip wheel --quiet --disable-pip-version-check --no-deps -w "$work/dist" "$ROOT" >&2
 wheel="$(ls "$work"/dist/gradpress-*.whl)"
+# PEP 561: without the py.typed marker in the wheel, type checkers ignore gradpress's annotations.
+"$work/venv/bin/python" -c 'import sys, zipfile; sys.exit("gradpress/py.typed" not in zipfile.ZipFile(sys.argv[1]).namelist())' \
+    "$wheel" || { say "$(basename "$wheel") has no gradpress/py.typed"; exit 1; }
 say "installing torch==$TORCH_VERSION and $(basename "$wheel") into a fresh venv"
 pip_install "torch==$TORCH_VERSION"
 pip_install "torch==$TORCH_VERSION" "$wheel"

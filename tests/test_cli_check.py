@@ -74,7 +74,8 @@ def with_batch() -> tuple[nn.Module, torch.Tensor]:
     ("resnet19", "--model 'resnet19' is not a model name; give resnet18-cifar"),
     ("no_such_module:f", "--model 'no_such_module:f': cannot import module 'no_such_module'"),
     ("user_models:NOT_CALLABLE", "'NOT_CALLABLE' is an object of type int, not a function"),
-    ("user_models:not_a_module", "returned an object of type dict; expected an nn.Module or (nn.Module, example_batch)"),
+    ("user_models:not_a_module",
+     "returned an object of type dict; expected an nn.Module or (nn.Module, example_batch)"),
     ("user_models:needs_arguments", "must be callable with no arguments, but needs_arguments() is missing"),
 ])
 def test_bad_model_values_are_clear_errors(capsys, model, message):

@@ -22,7 +22,9 @@ import gradpress
 import models
 from gradpress.tools.cli import demo
 from gradpress.tools.cli.demo import WorkerFailure, run_workers
-from gradpress.tools.cli.demo.supervisor import Ledger, StepReporter, WorkerError, failure_report, is_peer_loss, supervise
+from gradpress.tools.cli.demo.plot import make_figure
+from gradpress.tools.cli.demo.supervisor import (Ledger, StepReporter, WorkerError, failure_report, is_peer_loss,
+                                                 supervise)
 from gradpress.comm import CollectiveError
 from gradpress.tools.cli.main import build_parser, main
 from gradpress.tools.workloads import DemoConfig, default_start_iter, get_task, parse_methods
@@ -106,7 +108,8 @@ def test_demo_end_to_end_writes_three_files_consistent_with_the_plan(tmp_path: P
 @pytest.mark.slow
 def test_demo_streaming_and_compressed_diloco_methods_send_what_the_formulas_say(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The streaming and compressed-outer-gradient demo methods: bytes from the payload formulas (written out here), counted by the averager."""
+    """The streaming and compressed-outer-gradient demo methods: bytes from the payload formulas (written out
+    here), counted by the averager."""
     out = tmp_path / "out"
     code = main(["demo", "--workers", "2", "--steps", "20", "--start-iter", "4", "--methods",
                  "streaming:4,diloco-int8:4,diloco-int4:4,sparseloco:4", "--out", str(out)])
@@ -140,7 +143,7 @@ def test_demo_streaming_and_compressed_diloco_methods_send_what_the_formulas_say
 
 def _check_figure(report: dict) -> None:
     """What a person needs to read the plot without the README."""
-    fig = demo.make_figure(report)
+    fig = make_figure(report)
     fig.canvas.draw()
     axes = fig.axes
     # The dotted warm-up line is in the legend, with what it means.
@@ -483,13 +486,13 @@ def test_a_dead_or_stuck_worker_is_named_and_the_others_say_which_collective_and
     (the reset connection, or the 5 s collective timeout), its error names the collective and the hook,
     the report names rank 1, and no worker process is left."""
     started: list[int] = []
-    real_start = demo.mp.get_context("spawn").Process.start
+    real_start = mp.get_context("spawn").Process.start
 
     def start(self: object) -> None:
         real_start(self)
         started.append(self.pid)  # type: ignore[attr-defined]
 
-    monkeypatch.setattr(demo.mp.get_context("spawn").Process, "start", start)
+    monkeypatch.setattr(mp.get_context("spawn").Process, "start", start)
     begin = time.monotonic()
     with pytest.raises(WorkerFailure) as failure:
         run_workers(DemoConfig(steps=40, start_iter=4, fail_at_step=6, fail_rank=1, fail_kind=kind), 2, timeout=120,
@@ -555,7 +558,8 @@ def test_a_worker_that_died_without_a_traceback_or_hangs_is_the_root_cause_not_t
         lines[0].endswith("worker rank 0 failed during fp16:")
     assert LOST_PEER in lines and lines[-2].startswith("worker rank 1 also failed during fp16, as a consequence")
     # Two workers that raised on their own are both shown in full, in rank order.
-    own = {0: WorkerError("fp16", _traceback("ValueError: a"), False), 1: WorkerError(None, _traceback("OSError: b"), False)}
+    own = {0: WorkerError("fp16", _traceback("ValueError: a"), False),
+           1: WorkerError(None, _traceback("OSError: b"), False)}
     lines = failure_report(own, [1, 1]).splitlines()
     assert lines.index("worker rank 0 failed during fp16:") < lines.index("worker rank 1 failed:")
 
@@ -578,10 +582,10 @@ def test_only_collectives_that_lost_a_peer_count_as_consequences() -> None:
     assert is_peer_loss(raised(chained))
     # DDP re-raises a comm hook's error from its future as a plain RuntimeError carrying only the text,
     # here a peer that timed out (no "connection closed" in it).
-    assert is_peer_loss(RuntimeError("Got the following error when running the callback: CollectiveError: allreduce "
-                                     "(sum) of 4 float32 values over 2 ranks in allreduce_hook, bucket 0 failed (a peer "
-                                     "did not take part within the process group's timeout: it died, is stuck, or is "
-                                     "far behind): RuntimeError: [gloo] Timed out waiting 5000ms for recv"))
+    assert is_peer_loss(RuntimeError(
+        "Got the following error when running the callback: CollectiveError: allreduce (sum) of 4 float32 values "
+        "over 2 ranks in allreduce_hook, bucket 0 failed (a peer did not take part within the process group's "
+        "timeout: it died, is stuck, or is far behind): RuntimeError: [gloo] Timed out waiting 5000ms for recv"))
     assert is_peer_loss(torch_dist_error("Connection closed by peer [127.0.0.1]:4242"))
     assert is_peer_loss(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection reset by peer"))
     assert not is_peer_loss(RuntimeError("injected failure on rank 1 at step 5 (DemoConfig.fail_at_step)"))

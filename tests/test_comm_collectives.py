@@ -26,7 +26,8 @@ def collectives(rank: int, world: int) -> dict[str, object]:
     gathered = torch.empty(2 * world)
     out["all_gather"] = comm.all_gather_async(gathered, torch.tensor([rank, 10.0 * rank])).wait().tolist()
     share = torch.empty(1)
-    out["reduce_scatter"] = comm.reduce_scatter_async(share, torch.arange(world, dtype=torch.float32) + rank).wait().tolist()
+    pending = comm.reduce_scatter_async(share, torch.arange(world, dtype=torch.float32) + rank)
+    out["reduce_scatter"] = pending.wait().tolist()
     out["objects"] = comm.all_gather_objects({"rank": rank})
     comm.barrier()
     # A subgroup of ranks 1 .. world-1: src is a rank within it (its first member, global rank 1).

@@ -10,7 +10,6 @@ import io
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import gradpress

@@ -351,7 +351,8 @@ def relative_error(got, want):
 # Relative error allowed for the full-rank output: the gradients' own rounding plus the working precision.
 # fp16/bf16 outputs may be off by about an ulp, not half of one: with error feedback, the previous step's
 # rounding residual is fed back into this step's output (which is what error feedback is for).
-EXACT_TOLERANCE = {torch.float16: 4 * torch.finfo(torch.float16).eps, torch.bfloat16: 4 * torch.finfo(torch.bfloat16).eps,
+EXACT_TOLERANCE = {torch.float16: 4 * torch.finfo(torch.float16).eps,
+                   torch.bfloat16: 4 * torch.finfo(torch.bfloat16).eps,
                    torch.float32: 1e-4, torch.float64: 1e-9}
 
 

@@ -425,13 +425,15 @@ def test_engine_reads_one_flag_per_step_on_the_cpu_and_keeps_no_second_memory():
     # Held: the error memory once, the factors (and their saved copy), and one workspace of the largest
     # shape group (plus alignment), not a second error memory.
     largest_group = max(g.batch * g.n * g.m for s in segments for g in s.plan.groups) * 4
-    assert workspace.nbytes <= largest_group + 2 * ALIGNMENT_BYTES * max(g.batch for s in segments for g in s.plan.groups)
+    largest_batch = max(g.batch for s in segments for g in s.plan.groups)
+    assert workspace.nbytes <= largest_group + 2 * ALIGNMENT_BYTES * largest_batch
     assert workspace.nbytes < sum(s.error_memory.numel() for s in segments) * 4
     for segment in segments:
         held = [getattr(segment, name) for name in segment.__slots__]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in held if isinstance(t, torch.Tensor)}  # (views share their buffer's storage)
-        assert sum(storages.values()) == 4 * (segment.error_memory.numel() + segment.wire.numel() + segment.plan.q_numel)
+        numel = segment.error_memory.numel() + segment.wire.numel() + segment.plan.q_numel
+        assert sum(storages.values()) == 4 * numel
 
 
 class _Tiny(nn.Module):

@@ -101,8 +101,8 @@ def _curve(*losses: float) -> list[dict]:
 
 
 def test_a_run_whose_loss_still_swings_is_marked_not_quoted() -> None:
-    assert demo.settled(_curve(2.3, 0.3, 0.05, 0.04, 0.045))
-    assert not demo.settled(_curve(2.3, 1.5, 0.71, 1.33))  # the default run's multi r=1 on this machine
+    assert report.settled(_curve(2.3, 0.3, 0.05, 0.04, 0.045))
+    assert not report.settled(_curve(2.3, 1.5, 0.71, 1.33))  # the default run's multi r=1 on this machine
     summary = {**_fake_summary(), "workers": 2, "backend": "gloo", "ranks_agree": True,
                "config": {"start_iter": 30}}
     entry = summary["methods"]["allreduce"]
@@ -135,7 +135,7 @@ def test_the_mark_falls_on_the_rows_that_move_between_machines() -> None:
     moved = []
     for method in runs[machines[0]]:
         finals = [runs[label][method][-1][2] for label in machines]
-        marks = [not demo.settled([{"step": step, "test_loss": loss, "metric": accuracy}
+        marks = [not report.settled([{"step": step, "test_loss": loss, "metric": accuracy}
                                    for step, loss, accuracy in runs[label][method]]) for label in runs]
         if max(finals) - min(finals) > 0.01:
             moved.append(method)
@@ -148,7 +148,7 @@ def test_the_mark_falls_on_the_rows_that_move_between_machines() -> None:
 def test_the_note_says_how_an_unsettled_classifier_still_moves() -> None:
     points = [(2.3, 0.1)] + [(1.0, 0.6)] * 11 + [(0.9, 0.7), (1.0, 0.55), (0.95, 0.8), (0.92, 0.6)]
     curve = [{"step": 20 * i, "test_loss": loss, "metric": accuracy} for i, (loss, accuracy) in enumerate(points)]
-    assert not demo.settled(curve) and demo.settled(curve, "perplexity")  # perplexity: the loss rule alone
+    assert not report.settled(curve) and report.settled(curve, "perplexity")  # perplexity: the loss rule alone
     summary = {**_fake_summary(), "workers": 2, "backend": "gloo", "ranks_agree": True,
                "config": {"start_iter": 30}}
     summary["methods"] = {"multi:1": {**summary["methods"]["allreduce"], "label": "multi r=1", "curve": curve,

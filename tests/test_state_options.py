@@ -8,7 +8,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import models
 from distributed import run
 from gradpress import PowerSGDState, powerSGD_hook
 
@@ -116,7 +115,8 @@ def _conservation_residual(trace, weighted):
         if key not in final:
             continue
         w = [t["lr"] if weighted else 1.0 for t in steps]
-        lhs = sum(wt * t["applied"][i] for wt, t in zip(w, steps)) + w[-1] * final[key].reshape(steps[0]["local"][i].shape)
+        final_error = final[key].reshape(steps[0]["local"][i].shape)
+        lhs = sum(wt * t["applied"][i] for wt, t in zip(w, steps)) + w[-1] * final_error
         rhs = sum(wt * t["local"][i] for wt, t in zip(w, steps))
         worst = max(worst, (lhs - rhs).abs().max().item())
     return worst

@@ -335,7 +335,8 @@ def test_imports_point_down_the_layers(package):
 
 
 def test_the_engine_never_imports_torch_distributed_or_comm(package):
-    engine = {m: info for m, info in package.items() if m == "gradpress.powersgd" or m.startswith("gradpress.powersgd.")}
+    engine = {m: info for m, info in package.items()
+              if m == "gradpress.powersgd" or m.startswith("gradpress.powersgd.")}
     assert len(engine) >= 8
     assert not [m for m, info in engine.items() if info.imports_dist], "the engine imports torch.distributed"
     assert not [(m, info.imports) for m, info in engine.items() if any(_in_comm(t) for t in info.imports)]

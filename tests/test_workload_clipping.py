@@ -29,7 +29,8 @@ def _model() -> nn.Module:
 def _local_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(10 + rank)
     # Rank 1's inputs are 100x larger: one worker's gradient is clipped, the other's not.
-    return torch.randn(8, 600, generator=generator) * (0.1 + 9.9 * rank), torch.randint(0, 10, (8,), generator=generator)
+    features = torch.randn(8, 600, generator=generator) * (0.1 + 9.9 * rank)
+    return features, torch.randint(0, 10, (8,), generator=generator)
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 import gradpress
-from gradpress.tools.workloads import METHOD_KINDS, METHOD_REGISTRY, DemoConfig, MethodKind, get_task, parse_methods, training
+from gradpress.tools.workloads import METHOD_KINDS, METHOD_REGISTRY, DemoConfig, get_task, parse_methods, training
 from gradpress.tools.workloads.methods import Method, bytes_schedule, method_kind, wire_bytes
 
 ALL = ["allreduce", "fp16", "bf16", "powersgd", "multi", "localsgd", "diloco", "streaming", "diloco-int8",

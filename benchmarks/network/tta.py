@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="adamw: nanoGPT's (betas 0.9/0.95, weight decay 0.1 on matrices, warm-up, cosine)")
     parser.add_argument("--batch-size", type=int, default=None, help="per worker per step (default: the task's)")
     parser.add_argument("--powersgd-options", default=None, metavar="JSON",
-                        help='further PowerSGDState arguments for the PowerSGD methods, e.g. \'{"bytes_per_weight": 2}\'')
+                        help="further PowerSGDState arguments for the PowerSGD methods, "
+                             'e.g. \'{"bytes_per_weight": 2}\'')
     parser.add_argument("--target", type=float, required=True, help="the metric value to reach")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--json", type=Path, default=None)

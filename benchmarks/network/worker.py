@@ -7,8 +7,8 @@ wrapper, ``--warmup`` untimed steps (the compressed methods start compressing af
 ``--steps`` timed steps. ``powersgd-eager:R`` / ``multi-eager:R`` use the hook's pipeline as it was
 of the first releases (``advance_on_submit=True``: each bucket's hook first finishes the previous buckets' P
 phase, waiting for it inside the backward pass); ``powersgd-lazy:R`` / ``multi-lazy:R`` name today's
-default explicitly (every Q phase at the last bucket). ``--rounds N`` runs every method N times, interleaved, and pools the
-timed steps (each round's median is kept too). With ``--ranks-per-node L`` (nodes of L ranks sharing a
+default explicitly (every Q phase at the last bucket). ``--rounds N`` runs every method N times, interleaved,
+and pools the timed steps (each round's median is kept too). With ``--ranks-per-node L`` (nodes of L ranks sharing a
 namespace), ``hier-powersgd:R`` / ``hier-allreduce`` / ``hier-noop`` (nothing across nodes: the intra-node
 collectives alone) wrap the hook in ``gradpress.hierarchical_wrapper``
 (exact inside the node, the hook across nodes); ``hsdp`` is FSDP2's native hybrid sharding (sharded inside

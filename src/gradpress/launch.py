@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import warnings
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,7 +64,7 @@ def init_distributed(backend: str | None = None, timeout: float | None = None) -
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     prefix = restart_store_prefix()
     if prefix is None:

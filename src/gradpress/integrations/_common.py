@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, Literal, overload
 
 import torch.distributed as dist
 
@@ -18,6 +18,12 @@ from ..hooks.bucket import check_hook as _check_hook
 
 #: Version of the layout written by the adapters (inside each framework's checkpoint).
 FORMAT_VERSION = 1
+
+
+@overload
+def check_hook(hook: Any, name: str = ..., *, allow_none: Literal[False] = ...) -> Callable[..., Any]: ...
+@overload
+def check_hook(hook: Any, name: str = ..., *, allow_none: bool) -> Callable[..., Any] | None: ...
 
 
 def check_hook(hook: Any, name: str = "hook", *, allow_none: bool = False) -> Callable[..., Any] | None:

@@ -194,6 +194,7 @@ class GPT2(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
         for block in self.blocks:
+            assert isinstance(block, GPT2Block)
             nn.init.normal_(block.attn_proj.weight, std=0.02 / (2 * n_layers) ** 0.5)
             nn.init.normal_(block.mlp_proj.weight, std=0.02 / (2 * n_layers) ** 0.5)
 

@@ -31,8 +31,9 @@ unbatched 9), not its work.
 Overhead = median(hook step) - median(allreduce step), each median over all workers' timed steps. The
 spread is over rounds: per round, the hook's median step minus allreduce's median step in the same
 process and round, and ours' over torch's; ``by_round`` holds those, their medians and interquartile
-ranges (:func:`.summary.summarize`). :func:`.summary.trust_warnings` says when a result cannot be trusted (machine busier
-than its cores, more threads than cores, a spread wider than the difference between ours and torch's).
+ranges (:func:`.summary.summarize`). :func:`.summary.trust_warnings` says when a result cannot be trusted
+(machine busier than its cores, more threads than cores, a spread wider than the difference between ours
+and torch's).
 Gradients are refilled from fixed random values before every step of every variant (hooks write in
 place); the refill is not timed. Each variant runs ``start_powerSGD_iter=2`` allreduce steps and
 ``--warmup`` compressed steps untimed first.
@@ -173,8 +174,9 @@ def _measure_isolated(models: Sequence[str], ranks: Sequence[int], rounds: int, 
     gloo's worker threads; each of those threads that enters an OpenMP parallel region gets its own
     OpenMP team (ResNet-50: the process goes from 16 to 23 threads), and with more OpenMP threads than
     cores GNU OpenMP throttles its spin-waits and sleeps almost at once (as with OMP_WAIT_POLICY=passive):
-    slower fork/joins on an idle machine, much faster ones on a busy machine. So the hooks are not timed in one process. Worker processes alternate
-    between the hooks round after round, which keeps the comparison side by side in time.
+    slower fork/joins on an idle machine, much faster ones on a busy machine. So the hooks are not timed in
+    one process. Worker processes alternate between the hooks round after round, which keeps the comparison
+    side by side in time.
     """
     import tempfile
 

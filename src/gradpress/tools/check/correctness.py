@@ -96,11 +96,17 @@ def _guarded(hook: Callable[..., Any], device: torch.device, name: str) -> Calla
     return guarded
 
 
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    """``param.grad``, which the backward pass just filled (every parameter of the checked models gets one)."""
+    assert param.grad is not None
+    return param.grad
+
+
 def _mean_grads(model: nn.Module, batch: Any, world: int) -> list[torch.Tensor]:
     """The oracle: each local gradient allreduced and divided by the world size."""
     model.zero_grad()
     _loss(model, batch).backward()
-    grads = [p.grad.detach().clone() for p in model.parameters()]
+    grads = [_grad(p).detach().clone() for p in model.parameters()]
     for grad in grads:
         comm.all_reduce(grad, issuer="gradpress check (oracle)")
         grad.div_(world)
@@ -127,7 +133,7 @@ def _compare_to_mean(device: torch.device, hook: Callable[..., Any], make_state:
         want = _mean_grads(reference, batch, world)
         model.zero_grad()
         _loss(model, batch).backward()
-        worst = max(worst, _relative_error([p.grad for p in model.parameters()], want))
+        worst = max(worst, _relative_error([_grad(p) for p in model.parameters()], want))
     ok = worst <= tolerance
     return Item(name, ok, f"max |hook - mean| / max |mean| = {worst:.2e} over {steps} steps "
                           f"({'<=' if ok else '>'} {tolerance:.1e})")
@@ -191,7 +197,7 @@ def _nonfinite_skipped(device: torch.device, hook: Callable[..., Any]) -> Item:
         x[0, 0] = float("inf")
     model.zero_grad()
     _loss(model, (x, y)).backward()
-    finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    finite = all(bool(torch.isfinite(_grad(p)).all()) for p in model.parameters())
     after = _state_tensors(state)
     changed = sorted(key for key in before if key in after and not torch.equal(before[key], after[key])
                      and not key.endswith("iter"))
@@ -200,7 +206,8 @@ def _nonfinite_skipped(device: torch.device, hook: Callable[..., Any]) -> Item:
     any_finite, any_changed = bool(flags[0]), bool(flags[1])
     ok = not any_finite and not any_changed and set(before) == set(after)
     if ok:
-        reason = f"an inf on rank {world - 1} gave non-finite gradients on every rank and left the state bitwise as it was"
+        reason = (f"an inf on rank {world - 1} gave non-finite gradients on every rank and left the state "
+                  "bitwise as it was")
     elif any_finite:
         reason = f"an inf on rank {world - 1} left finite gradients on some rank (a GradScaler there would step)"
     else:

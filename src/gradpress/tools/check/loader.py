@@ -98,7 +98,7 @@ def load_model(spec: str, device: torch.device, *, data: bool = True) -> tuple[n
             loaded = task.load(0)
         except (RuntimeError, OSError, ImportError):
             return model, None, task_loss
-        batch = (loaded.x_train[:task.batch_size].to(device), loaded.y_train[:task.batch_size].to(device))
+        batch: Any = (loaded.x_train[:task.batch_size].to(device), loaded.y_train[:task.batch_size].to(device))
         return model, batch, task_loss
     if spec in MODELS:
         return build_model(spec, device), None, _output_loss
