@@ -6,12 +6,13 @@ pass is assumed, so a step costs
     predicted = compute step + the hook's own compute + Link.allreduce_seconds(bytes, collectives)
 
 with a ring allreduce ``latency * 2 (n - 1)`` per collective plus ``bytes * 2 (n - 1) / n / busbw``.
-Bytes per step: allreduce sends every gradient in fp32, the cast hooks in 2 bytes, PowerSGD what
-``PowerSGDState.bytes_stats()`` counts (:func:`gradpress.tools.check.wire.step_bytes`: the plan's ``numel_sent``
-at the wire's bytes per value; two collectives per bucket, and on an fp16 wire one more tiny one per
-phase for the scale), local SGD and DiLoCo all parameters once every ``H`` steps (averaged over the H
-steps). Local SGD and DiLoCo change the optimization (fewer synchronizations), so the fastest step is not
-always the fastest to a given loss; the report says so.
+Bytes per step come from the tools' byte model (:mod:`gradpress.tools.bytes`): allreduce sends every
+gradient in fp32, the fp16 hook in fp16, PowerSGD what ``PowerSGDState.bytes_stats()`` counts
+(:func:`~gradpress.tools.bytes.powersgd_bytes`: the plan's ``numel_sent`` at the wire's bytes per value;
+two collectives per bucket, and on an fp16 wire one more tiny one per phase for the scale), local SGD
+and DiLoCo one synchronization every ``H`` steps (:func:`~gradpress.tools.bytes.sync_bytes`, averaged
+over the H steps). Local SGD and DiLoCo change the optimization (fewer synchronizations), so the
+fastest step is not always the fastest to a given loss; the report says so.
 
 PowerSGD's recommended configuration follows the model: its rank comes from the model's width by
 :func:`recipe_rule`, the rule the measured recipes of the demo's tasks follow (rank 16 on the width-128
@@ -39,7 +40,7 @@ import torch
 
 from ...powersgd import make_plan
 from .link import Link
-from .wire import StepBytes, step_bytes
+from ..bytes import StepBytes, allreduce_bytes, powersgd_bytes, sync_bytes
 
 __all__ = ["BUCKET_BYTES", "Method", "Prediction", "RankRule", "candidate_methods", "model_width",
            "powersgd_configs", "predict", "recipe_rule", "recommend", "recommended_powersgd"]
@@ -123,7 +124,7 @@ def powersgd_configs(shapes: Sequence[Sequence[int]],
     configs = [(int(r), 4) for r in powersgd_ranks] + [recommended_powersgd(shapes)]
     out = []
     for rank, bytes_per_weight in dict.fromkeys(configs):
-        counts = step_bytes(shapes, [torch.float32] * len(shapes), rank, 2, bytes_per_weight)
+        counts = powersgd_bytes(shapes, [torch.float32] * len(shapes), rank, 2, bytes_per_weight)
         out.append((f"powersgd-r{rank}-{counts.wire}", rank, bytes_per_weight, counts))
     return out
 
@@ -174,21 +175,23 @@ def candidate_methods(shapes: Sequence[Sequence[int]], local_sgd_period: int = 8
     if numel == 0:
         raise ValueError("shapes: the model has no parameters that take gradients")
     buckets = max(1, math.ceil(numel * 4 / BUCKET_BYTES))
+    fp32 = [torch.float32] * len(shapes)
     methods = [
-        Method("allreduce", "allreduce_hook (DDP's default)", numel * 4, buckets),
-        Method("fp16", "fp16_compress_hook", numel * 2, buckets),
+        Method("allreduce", "allreduce_hook (DDP's default)", allreduce_bytes(shapes, fp32).bytes_sent, buckets),
+        Method("fp16", "fp16_compress_hook", allreduce_bytes(shapes, fp32, torch.float16).bytes_sent, buckets),
     ]
     recommended_rank = recommended_powersgd(shapes)[0]
     for name, rank, bytes_per_weight, counts in powersgd_configs(shapes, powersgd_ranks):
-        phases = 2 * buckets * (2 if bytes_per_weight == 2 else 1)  # a half wire max-reduces its scale first
+        phases = 2 * buckets * (2 if counts.wire == "fp16" else 1)  # an fp16 wire max-reduces its scales first
         note = f"rank below {recommended_rank}: more steps to the same loss" if rank < recommended_rank else ""
         methods.append(Method(name, f"PowerSGDState(pg, matrix_approximation_rank={rank}, "
                                     f"bytes_per_weight={bytes_per_weight})", counts.bytes_sent, phases, note=note))
     periodic = "fewer syncs: check its loss"
+    sync = sum(sync_bytes(shapes, fp32))  # every parameter, exactly
     methods.append(Method(f"local-sgd-h{local_sgd_period}", f"PeriodicModelAverager(period={local_sgd_period})",
-                          numel * 4 / local_sgd_period, 1 / local_sgd_period, True, periodic))
+                          sync / local_sgd_period, 1 / local_sgd_period, True, periodic))
     methods.append(Method(f"diloco-h{diloco_period}", f"OuterOptimizerAverager(period={diloco_period})",
-                          numel * 4 / diloco_period, 1 / diloco_period, True, periodic))
+                          sync / diloco_period, 1 / diloco_period, True, periodic))
     return methods
 
 

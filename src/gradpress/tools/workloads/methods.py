@@ -16,11 +16,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 from ...averaging import ModelAverager, OuterOptimizerAverager, PeriodicModelAverager
 from ...hooks import (PostLocalSGDState, PowerSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook,
                      post_localSGD_hook, powerSGD_hook)
 from ...powersgd import Plan
-from ...streaming import QuantizeInt4, QuantizeInt8, StreamingDiLoCoAverager, TopK, split_by_size
+from ...streaming import QuantizeInt4, QuantizeInt8, StreamingDiLoCoAverager, TopK
+from .. import bytes as model_bytes
 from .config import DemoConfig
 
 __all__ = ["DEFAULT_PERIOD", "METHOD_KINDS", "METHOD_REGISTRY", "RECOMMENDED", "SPARSELOCO", "STREAMING_ALPHA", "STREAMING_DELAY",
@@ -193,38 +196,57 @@ def _sparseloco_averager(method: Method, config: DemoConfig, num_tensors: int) -
 
 # --- payloads -------------------------------------------------------------------------------------------
 
-def _every_step(bytes_per_element: int) -> PayloadFn:
-    """Every gradient element at every step: allreduce (4 bytes), fp16 and bf16 (2)."""
+def _gradients(plan: Plan) -> tuple[list[tuple[int, ...]], list[torch.dtype]]:
+    """The demo's gradients: the plan's shapes, fp32."""
+    return [t.shape for t in plan.tensors], [torch.float32] * len(plan.tensors)
+
+
+def _allreduce(plan: Plan, wire_dtype: torch.dtype | None = None) -> int:
+    """Bytes of one exact average of the gradients (:func:`gradpress.tools.bytes.allreduce_bytes`)."""
+    return model_bytes.allreduce_bytes(*_gradients(plan), wire_dtype).bytes_sent
+
+
+def _every_step(wire_dtype: torch.dtype | None) -> PayloadFn:
+    """Every gradient element at every step: allreduce (fp32), fp16 and bf16 (the hooks' cast dtype)."""
     def payload(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
-        return [bytes_per_element * plan.numel for _ in range(config.steps)]
+        return [_allreduce(plan, wire_dtype)] * config.steps
     return payload
+
+
+def _compressed(method: Method, plan: Plan, config: DemoConfig, num_iters_per_step: int | None,
+                iteration: int) -> int:
+    """Bytes of one compressed PowerSGD step as the state counts them
+    (:func:`gradpress.tools.bytes.powersgd_bytes`, at :func:`wire_bytes`)."""
+    return model_bytes.powersgd_bytes(*_gradients(plan), method.rank or 1, config.min_compression_rate,
+                                      wire_bytes(config), num_iters_per_step, iteration).bytes_sent
 
 
 def _powersgd_payload(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
     """fp32 gradients until ``start_iter``, then ``(n + m) r`` per compressed matrix and the rest as is."""
-    wire = wire_bytes(config)
-    return [4 * plan.numel if step < config.start_iter else wire * plan.numel_sent for step in range(config.steps)]
+    warm, compressed = _allreduce(plan), _compressed(method, plan, config, None, 0)
+    return [warm if step < config.start_iter else compressed for step in range(config.steps)]
 
 
 def _multi_payload(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
     """fp32 gradients until ``start_iter``, then one factor per step (alternately ``n r`` and ``m r``)."""
-    wire = wire_bytes(config)
-    return [4 * plan.numel if step < config.start_iter
-            else wire * plan.numel_sent_per_step(1, step - config.start_iter) for step in range(config.steps)]
+    warm = _allreduce(plan)
+    return [warm if step < config.start_iter else _compressed(method, plan, config, 1, step - config.start_iter)
+            for step in range(config.steps)]
 
 
 def _periodic_payload(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
     """Every element on the synchronous steps and on each averaging step (every ``period`` steps from
     ``start_iter``), nothing on the others; DiLoCo's anchor at the last warm-up step."""
     period = method.period or 1
-    out = [4 * plan.numel if step < config.start_iter or (step - config.start_iter) % period == 0 else 0
+    warm, sync = _allreduce(plan), _whole_model(method, plan, config)
+    out = [warm if step < config.start_iter else sync if (step - config.start_iter) % period == 0 else 0
            for step in range(config.steps)]
     return _with_anchor(out, method, plan, config)
 
 
 def anchor_bytes(method: Method, plan: Plan, config: DemoConfig) -> int:
     """Bytes of the anchor's broadcast (every parameter, fp32) for DiLoCo's averagers, else 0."""
-    return 4 * plan.numel if METHOD_REGISTRY[method.kind].anchored else 0
+    return model_bytes.anchor_bytes(*_gradients(plan)) if METHOD_REGISTRY[method.kind].anchored else 0
 
 
 def _with_anchor(out: list[int], method: Method, plan: Plan, config: DemoConfig) -> list[int]:
@@ -235,7 +257,8 @@ def _with_anchor(out: list[int], method: Method, plan: Plan, config: DemoConfig)
 
 
 def _whole_model(method: Method, plan: Plan, config: DemoConfig) -> int:
-    return 4 * plan.numel
+    """One synchronization of local SGD or DiLoCo: every parameter, exactly."""
+    return sum(model_bytes.sync_bytes(*_gradients(plan)))
 
 
 def _fragment_payloads(method: Method, plan: Plan, config: DemoConfig
@@ -246,11 +269,10 @@ def _fragment_payloads(method: Method, plan: Plan, config: DemoConfig
     assert build is not None
     averager = build(method, config, len(plan.tensors))
     assert isinstance(averager, StreamingDiLoCoAverager)
-    sizes = [t.numel for t in plan.tensors]
-    layout = split_by_size(sizes, averager.num_fragments)
-    numel = [sum(n for n, f in zip(sizes, layout) if f == k) for k in range(averager.num_fragments)]
-    compression = averager.compression
-    steady = [4 * n if compression is None else compression.payload_bytes(n) for n in numel]
+    shapes, dtypes = _gradients(plan)
+    parts = model_bytes.fragments(shapes, dtypes, averager.num_fragments)
+    numel = [sum(plan.tensors[i].numel for i in part) for part in parts]
+    steady = model_bytes.sync_bytes(shapes, dtypes, averager.compression, averager.num_fragments)
     return averager, numel, steady
 
 
@@ -262,7 +284,7 @@ def _fragment_payload(method: Method, plan: Plan, config: DemoConfig) -> list[in
     for step in range(config.steps):
         fragment = averager.fragment_sent_at(step)  # the averager's step numbering is the 0-based step
         if step < config.start_iter:
-            out.append(4 * plan.numel)
+            out.append(_allreduce(plan))
         else:
             out.append(0 if fragment is None else steady[fragment])
     return _with_anchor(out, method, plan, config)
@@ -281,11 +303,11 @@ def _streamed(name: str, description: str, averager: AveragerBuilder, final_aver
 #: Every method kind, in the order ``--help`` lists them.
 METHOD_REGISTRY: dict[str, MethodKind] = {kind.name: kind for kind in (
     MethodKind("allreduce", "plain allreduce of fp32 gradients (the baseline)", None,
-               hook=_plain(allreduce_hook), payload=_every_step(4)),
+               hook=_plain(allreduce_hook), payload=_every_step(None)),
     MethodKind("fp16", "gradients cast to fp16 for the allreduce (fp16_compress_hook)", None,
-               hook=_plain(fp16_compress_hook), payload=_every_step(2)),
+               hook=_plain(fp16_compress_hook), payload=_every_step(torch.float16)),
     MethodKind("bf16", "gradients cast to bf16 for the allreduce (bf16_compress_hook)", None,
-               hook=_plain(bf16_compress_hook), payload=_every_step(2)),
+               hook=_plain(bf16_compress_hook), payload=_every_step(torch.bfloat16)),
     MethodKind("powersgd", "PowerSGD DDP hook, rank r (classic: P and Q every step)", "rank",
                hook=_powersgd(None), payload=_powersgd_payload),
     MethodKind("multi", "multi-iteration PowerSGD, one one-sided iteration per step (half of powersgd's floats)",
@@ -334,7 +356,7 @@ def parse_methods(text: str | Sequence[str], ranks: Sequence[int]) -> list[Metho
     """
     names = [t.strip() for t in (text.split(",") if isinstance(text, str) else text) if t.strip()]
     if not names:
-        raise ValueError(f"--methods is empty; valid methods: {', '.join([*METHOD_REGISTRY, RECOMMENDED])}")
+        raise ValueError(f"--methods is empty; valid methods: {', '.join(METHOD_REGISTRY)}")
     ranked = [k.name for k in METHOD_REGISTRY.values() if k.argument == "rank"]
     periodic = [k.name for k in METHOD_REGISTRY.values() if k.argument == "period"]
     out: list[Method] = []
@@ -342,7 +364,7 @@ def parse_methods(text: str | Sequence[str], ranks: Sequence[int]) -> list[Metho
         kind_name, _, number = name.partition(":")
         kind = METHOD_REGISTRY.get(kind_name)
         if kind is None:
-            raise ValueError(f"unknown method {name!r}; valid methods: {', '.join([*METHOD_REGISTRY, RECOMMENDED])} "
+            raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(METHOD_REGISTRY)} "
                              f"({_and(ranked)} also as {ranked[0]}:R; {', '.join(periodic)} as {periodic[0]}:H)")
         if kind.argument == "period":
             if number and (not number.isdigit() or int(number) < 1):

@@ -311,7 +311,11 @@ def resolve(args: argparse.Namespace) -> Resolved:
     recommended = recommendation(args) if RECOMMENDED in names else None
     if recommended is not None:
         names = [recommended["method"] if n == RECOMMENDED else n for n in names]
-    methods = parse_methods(names, ranks)
+    try:
+        methods = parse_methods(names, ranks)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; or {RECOMMENDED} (the quality map's advice for this task, optimizer and batch)") \
+            from None
     powersgd = any(METHOD_REGISTRY[m.kind].argument == "rank" for m in methods)
     lr, options = args.lr, args.powersgd_options
     applied: list[str] = []
