@@ -38,7 +38,9 @@ class StateReport:
         ``rate = before / after``. Counts follow the plan: ``n*m`` before and ``(n+m)*r`` after for a
         compressed matrix, ``numel`` for the rest. **(0, 0, 0) until iteration** ``start_powerSGD_iter``:
         the iterations before it are plain allreduce and compress nothing (the ``gradpress.hooks.powersgd``
-        logger says at INFO level when compression starts).
+        logger says at INFO level when compression starts). With ``warm_up_bytes_per_weight=2`` those
+        iterations are counted too, each element once before and once after (rate 1 in elements; in
+        :meth:`bytes_stats`, the half-precision wire's bytes).
 
         >>> PowerSGDState(None, start_powerSGD_iter=2).compression_stats()   # nothing compressed yet
         (0, 0, 0)
