@@ -63,7 +63,7 @@ def _threaded_world() -> Iterator[Any]:
     """Install the threaded world (each thread sees its own default group) and remove it after, as PyTorch's
     ``MultiThreadedTestCase`` does; yields the group class (for its termination event)."""
     threaded = _threaded_group_module()
-    isolation = torch._C._distributed_c10d._set_thread_isolation_mode
+    isolation = torch._C._distributed_c10d._set_thread_isolation_mode  # type: ignore[attr-defined]  # not in the stubs
     isolation(True)
     threaded._install_threaded_pg()
     try:
