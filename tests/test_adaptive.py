@@ -13,7 +13,8 @@ from distributed import run, run_fresh
 from gradpress import AdaptiveRank
 from gradpress.comm import LocalCommunicator
 from gradpress.powersgd import EngineConfig, SegmentStore, make_plan
-from gradpress.powersgd.memory import ParamMemory, seeded_normal
+from gradpress.powersgd.memory import ParamMemory
+from gradpress.powersgd.seeding import seeded_normal
 from gradpress.powersgd.step import compress_step
 
 WORLD = 2

@@ -325,7 +325,7 @@ def _engine_steps(rank, world, config, shapes, steps, gradients, measure=lambda 
 
 
 def _global_against_oracles(rank, world, num_iters):
-    from gradpress.powersgd.memory import seeded_sketch
+    from gradpress.powersgd.seeding import seeded_sketch
 
     config = EngineConfig(rank=2, min_compression_rate=0, random_seed=5, num_iters_per_step=num_iters)
     rows = []

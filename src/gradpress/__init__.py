@@ -31,7 +31,8 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["ApproximationSummary", "approximation_error_metrics", "log_approximation_error"], "diagnostics"),
     "AdaptiveRank": "adaptive",
     **dict.fromkeys(["gather_state", "scatter_state", "state_nbytes"], "checkpoint"),
-    **dict.fromkeys(["QuantizeInt4", "QuantizeInt8", "StreamingDiLoCoAverager", "TopK"], "streaming"),
+    **dict.fromkeys(["QuantizeInt4", "QuantizeInt8", "TopK"], "averaging.compress"),
+    "StreamingDiLoCoAverager": "streaming",
     "register_fsdp_comm_hook": "hooks.fsdp",
     "hierarchical_wrapper": "hooks.hierarchical",
 }
@@ -53,7 +54,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from .hooks.fsdp import register_fsdp_comm_hook
     from .hooks.hierarchical import hierarchical_wrapper
     from .powersgd import EngineConfig, Plan, make_plan
-    from .streaming import QuantizeInt4, QuantizeInt8, StreamingDiLoCoAverager, TopK
+    from .averaging.compress import QuantizeInt4, QuantizeInt8, TopK
+    from .streaming import StreamingDiLoCoAverager
 
 
 def __getattr__(name: str) -> Any:
