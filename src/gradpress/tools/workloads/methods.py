@@ -28,7 +28,7 @@ from .config import DemoConfig
 
 __all__ = ["DEFAULT_PERIOD", "METHOD_KINDS", "METHOD_REGISTRY", "RECOMMENDED", "SPARSELOCO", "STREAMING_ALPHA", "STREAMING_DELAY",
            "STREAMING_FRAGMENTS", "Method", "MethodKind", "bytes_schedule", "method_kind", "parse_methods",
-           "wire_bytes"]
+           "warm_up_wire", "wire_bytes"]
 
 #: Fragments, overlap (inner steps) and local share of ``streaming``: (F, tau, alpha), F and tau capped by H.
 STREAMING_FRAGMENTS, STREAMING_DELAY, STREAMING_ALPHA = 4, 1, 0.5
@@ -221,15 +221,23 @@ def _compressed(method: Method, plan: Plan, config: DemoConfig, num_iters_per_st
                                       wire_bytes(config), num_iters_per_step, iteration).bytes_sent
 
 
+def warm_up_wire(config: DemoConfig) -> torch.dtype | None:
+    """What the PowerSGD methods' warm-up sends: fp16 with ``warm_up_bytes_per_weight=2`` in
+    ``config.powersgd_options`` (the demo's gradients are fp32), else ``None``: the gradients as they are."""
+    return torch.float16 if (config.powersgd_options or {}).get("warm_up_bytes_per_weight") == 2 else None
+
+
 def _powersgd_payload(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
-    """fp32 gradients until ``start_iter``, then ``(n + m) r`` per compressed matrix and the rest as is."""
-    warm, compressed = _allreduce(plan), _compressed(method, plan, config, None, 0)
+    """The warm-up's exact average until ``start_iter`` (:func:`warm_up_wire`), then ``(n + m) r`` per
+    compressed matrix and the rest as is."""
+    warm, compressed = _allreduce(plan, warm_up_wire(config)), _compressed(method, plan, config, None, 0)
     return [warm if step < config.start_iter else compressed for step in range(config.steps)]
 
 
 def _multi_payload(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
-    """fp32 gradients until ``start_iter``, then one factor per step (alternately ``n r`` and ``m r``)."""
-    warm = _allreduce(plan)
+    """The warm-up's exact average until ``start_iter`` (:func:`warm_up_wire`), then one factor per step
+    (alternately ``n r`` and ``m r``)."""
+    warm = _allreduce(plan, warm_up_wire(config))
     return [warm if step < config.start_iter else _compressed(method, plan, config, 1, step - config.start_iter)
             for step in range(config.steps)]
 

@@ -30,7 +30,7 @@ from . import checkpoints
 from .config import ADAMW_BETAS, FAIL_KINDS, DemoConfig, default_start_iter
 from .methods import (DEFAULT_PERIOD, METHOD_KINDS, METHOD_REGISTRY, SPARSELOCO, STREAMING_ALPHA, STREAMING_DELAY,
                       STREAMING_FRAGMENTS, Method, MethodKind, anchor_bytes, bytes_schedule, method_kind,
-                      parse_methods)
+                      parse_methods, warm_up_wire)
 from .tasks import get_task
 
 # The configuration and the methods live in .config and .methods; this module re-exports them, so
@@ -350,9 +350,14 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
                              "ok": averager.bytes_sent == sum(tail) + anchor}
     elif isinstance(state, PowerSGDState):
         # PowerSGDState counts the payload it hands to the collectives, whatever the world size.
+        # With warm_up_bytes_per_weight=2 it counts the warm-up too: its bytes are given apart, and
+        # "bytes_after" keeps the compressed steps' alone.
         compressed = max(0, config.steps - config.start_iter)
+        counted_steps = config.steps if warm_up_wire(config) is not None else compressed
+        warm = sum(payload[:config.start_iter]) if warm_up_wire(config) is not None else 0
         _, before, after = state.bytes_stats()
-        result["counted"] = {"compressed_steps": compressed, "bytes_before": before, "bytes_after": after,
-                             "ok": after == sum(payload[config.start_iter:])
-                             and before == 4 * plan.numel * compressed}
+        result["counted"] = {"compressed_steps": compressed, "bytes_before": before, "bytes_after": after - warm,
+                             "bytes_warm_up": warm,
+                             "ok": after == sum(payload[config.start_iter:]) + warm
+                             and before == 4 * plan.numel * counted_steps}
     return result
