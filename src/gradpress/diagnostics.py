@@ -61,7 +61,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from torch import Tensor, nn
 
@@ -69,6 +69,8 @@ __all__ = ["ApproximationSummary", "approximation_error_metrics", "captured_ener
            "log_approximation_error", "named_pairs", "parameter_names", "relative_errors", "should_measure",
            "summarize"]
 
+#: A parameter's key in a table of norms: the engine's per-parameter key, or a bucket memory's name.
+K = TypeVar("K", int, str)
 
 @dataclass(frozen=True)
 class ApproximationSummary:
@@ -106,18 +108,18 @@ def should_measure(every: int | None, compressed_step: int) -> bool:
     return every is not None and compressed_step >= 0 and compressed_step % every == 0
 
 
-def relative_errors(norms: Mapping[int, tuple[float, float]], name_of: Callable[[int], str]) -> dict[str, float]:
+def relative_errors(norms: Mapping[K, tuple[float, float]], name_of: Callable[[K], str]) -> dict[str, float]:
     """``{name: ||M - P Q^T|| / ||M||}`` from ``{key: (||M||, ||M - P Q^T||)}``; 0 where M is zero."""
     return {name_of(key): (residual / whole if whole > 0 else 0.0) for key, (whole, residual) in sorted(norms.items())}
 
 
-def captured_energies(norms: Mapping[int, tuple[float, float]], name_of: Callable[[int], str]) -> dict[str, float]:
+def captured_energies(norms: Mapping[K, tuple[float, float]], name_of: Callable[[K], str]) -> dict[str, float]:
     """``{name: 1 - (residual / whole)^2}`` from ``{key: (whole, residual)}``: the share of each matrix's
     energy the approximation captures (1 where the matrix is zero)."""
     return {name: 1.0 - error * error for name, error in relative_errors(norms, name_of).items()}
 
 
-def summarize(norms: Mapping[int, tuple[float, float]], name_of: Callable[[int], str]) -> ApproximationSummary | None:
+def summarize(norms: Mapping[K, tuple[float, float]], name_of: Callable[[K], str]) -> ApproximationSummary | None:
     """The :class:`ApproximationSummary` of ``{key: (||M||, ||M - P Q^T||)}``; ``None`` if empty."""
     if not norms:
         return None

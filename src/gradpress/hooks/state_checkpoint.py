@@ -11,11 +11,14 @@ memory, :class:`~gradpress.hooks.batched.PaddedBuckets`).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
+from ..adaptive import AdaptiveRank
 from ..checkpoint import check_placement, placement, reject_gathered
+from ..policy import RankRules
 
 __all__ = ["StateCheckpoint"]
 
@@ -30,17 +33,68 @@ _MEMORY_OPTIONS = ("matrix_approximation_rank", "min_compression_rate", "use_err
                    "random_seed", "num_iters_per_step")
 
 
+class _State(Protocol):
+    """What :class:`StateCheckpoint`'s methods use of the ``PowerSGDState`` they are part of: its options,
+    counters, engine session, parameter keys and per-bucket memory."""
 
-class StateCheckpoint:
-    """The checkpoint half of :class:`~gradpress.PowerSGDState` (see the module docstring)."""
-
-    __slots__ = ()
+    process_group: dist.ProcessGroup | None
+    start_powerSGD_iter: int
+    compression_stats_logging_frequency: int
+    batch_tensors_with_same_shape: bool
+    comm_device: torch.device | None
+    approximation_error_every_n_iters: int | None
+    iter: int
+    next_stats_report: int
+    total_numel_before_compression: int
+    total_numel_after_compression: int
+    total_bytes_before_compression: int
+    total_bytes_after_compression: int
     _session: Any
     _params: Any
     _bucket_memory: Any
     _lr_iter: int
 
-    def state_dict(self) -> dict[str, Any]:
+    # Read-only: the engine configuration's (the memory's meaning depends on them) and the policies given.
+    @property
+    def matrix_approximation_rank(self) -> int: ...
+    @property
+    def min_compression_rate(self) -> float: ...
+    @property
+    def use_error_feedback(self) -> bool: ...
+    @property
+    def warm_start(self) -> bool: ...
+    @property
+    def orthogonalization_epsilon(self) -> float: ...
+    @property
+    def random_seed(self) -> int: ...
+    @property
+    def num_iters_per_step(self) -> int | None: ...
+    @property
+    def bytes_per_weight(self) -> int | None: ...
+    @property
+    def warm_up_bytes_per_weight(self) -> int | None: ...
+    @property
+    def feedback_every_n_iters(self) -> int: ...
+    @property
+    def warm_up_beta_factor(self) -> float | None: ...
+    @property
+    def rank_policy(self) -> RankRules | None: ...
+    @property
+    def adaptive_rank(self) -> AdaptiveRank | None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], *, allow_other_rank: bool = False) -> None: ...
+
+
+class StateCheckpoint:
+    """The checkpoint half of :class:`~gradpress.PowerSGDState` (see the module docstring)."""
+
+    __slots__ = ()
+    # Replaced whole by load_state_dict (a hook's per-bucket memory, or its checkpoint form).
+    _bucket_memory: Any
+
+    def state_dict(self: _State) -> dict[str, Any]:
         """Plain tensors and numbers: counters, options, and per-parameter error memory and Q.
 
         No process group, nothing tied to a device or to DDP's bucket layout. Call between iterations
@@ -87,7 +141,7 @@ class StateCheckpoint:
             "padded": dict(memory) if isinstance(memory := self._bucket_memory, dict) else memory.state_dict(),
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any], *, allow_other_rank: bool = False) -> None:
+    def load_state_dict(self: _State, state_dict: dict[str, Any], *, allow_other_rank: bool = False) -> None:
         """Restore what :meth:`state_dict` saved; tensors may come from another device.
 
         Raises ``ValueError`` if the checkpoint was made with different compression options, or on another
@@ -125,15 +179,15 @@ class StateCheckpoint:
         self._session.load_memory_state(state_dict["memory"])
         self._bucket_memory = dict(state_dict.get("padded") or {})
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self: _State) -> dict[str, Any]:
         state = self.state_dict()
         if self.rank_policy is not None:
             state["options"]["rank_policy"] = self.rank_policy
         return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self: _State, state: dict[str, Any]) -> None:
         options = dict(state["options"])
-        self.__init__(None, **options)  # type: ignore[misc]
+        self.__init__(None, **options)  # type: ignore[misc]  # re-runs PowerSGDState.__init__ on purpose
         self.load_state_dict(state, allow_other_rank=True)  # a copy, not a resume on a given rank
         if dist.is_available() and dist.is_initialized():
             logger.warning("PowerSGDState unpickled: process_group is the default group; set "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from torch import Tensor, nn
 
@@ -17,6 +17,28 @@ __all__ = ["StateReport"]
 
 # PowerSGDState's log lines keep the logger of the module users know it from.
 logger = logging.getLogger("gradpress.hooks.powersgd")
+
+
+class _State(Protocol):
+    """What :class:`StateReport`'s counting and logging methods use of the ``PowerSGDState`` they are part
+    of: its counters and options, and the report's own methods."""
+
+    iter: int
+    start_powerSGD_iter: int
+    next_stats_report: int
+    compression_stats_logging_frequency: int
+    approximation_error_every_n_iters: int | None
+    last_measured_iter: int | None
+    total_numel_before_compression: int
+    total_numel_after_compression: int
+    total_bytes_before_compression: int
+    total_bytes_after_compression: int
+
+    def compression_stats(self) -> tuple[float, int, int]: ...
+
+    def approximation_error_summary(self) -> ApproximationSummary | None: ...
+
+    def global_residual_summary(self) -> ApproximationSummary | None: ...
 
 
 class StateReport:
@@ -31,8 +53,9 @@ class StateReport:
     _session: Any
     _params: Any
     _bucket_memory: Any
+    last_measured_iter: int | None
 
-    def compression_stats(self) -> tuple[float, int, int]:
+    def compression_stats(self: _State) -> tuple[float, int, int]:
         """``(rate, numel before, numel after)`` summed over every compressed bucket step so far.
 
         ``rate = before / after``. Counts follow the plan: ``n*m`` before and ``(n+m)*r`` after for a
@@ -48,7 +71,7 @@ class StateReport:
         before, after = self.total_numel_before_compression, self.total_numel_after_compression
         return (before / after if after > 0 else 0, before, after)
 
-    def bytes_stats(self) -> tuple[float, int, int]:
+    def bytes_stats(self: _State) -> tuple[float, int, int]:
         """``(rate, bytes before, bytes after)``: like :meth:`compression_stats`, in bytes, counting the
         gradients' dtype before and ``bytes_per_weight`` (the wire dtype) after. The global-residual
         sketch that measured iterations all-reduce (:meth:`global_residual`) is a diagnostic and is not
@@ -125,14 +148,14 @@ class StateReport:
         name = self._params.namer()
         return dict(sorted((name(key), rank) for key, rank in self._session.store.ranks().items()))
 
-    def _measure(self) -> bool:
+    def _measure(self: _State) -> bool:
         """Whether this iteration measures (and, if so, note it in ``last_measured_iter``)."""
         measure = should_measure(self.approximation_error_every_n_iters, self.iter - self.start_powerSGD_iter)
         if measure:
             self.last_measured_iter = self.iter
         return measure
 
-    def _report_stats(self) -> None:
+    def _report_stats(self: _State) -> None:
         if self.iter >= self.next_stats_report:
             rate, before, after = self.compression_stats()
             logger.info("Compression stats: iter %s, total before compression %s, total after compression %s, "
