@@ -2,9 +2,10 @@
 
 While training, a :class:`Segment` holds the memory of one bucket in flat buffers laid out by its
 :class:`~gradpress.powersgd.plan.Plan` (one ``bmm`` per shape group). Checkpoints and layout changes go
-through :class:`ParamMemory` (the pool of :class:`~gradpress.powersgd.store.SegmentStore`), keyed by a stable per-parameter key, so state survives DDP rebuilding its
-buckets (which it does after the first iteration of every process: a state keyed by bucket index, as
-PyTorch's is, gets applied to the wrong parameters after a resume).
+through :class:`ParamMemory` (the pool of :class:`~gradpress.powersgd.store.SegmentStore`), keyed by a stable
+per-parameter key, so state survives DDP rebuilding its buckets (which it does after the first iteration of
+every process: a state keyed by bucket index, as PyTorch's is, gets applied to the wrong parameters after a
+resume).
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ from torch import Tensor
 
 from .config import EngineConfig
 from .plan import GroupPlan, Plan
-# Seeding has its own module; its names stay importable from here, where they used to live.
-from .seeding import P_DRAW, RESIZE_DRAW, SKETCH_COLUMNS, seeded_normal, seeded_sketch
+from .seeding import P_DRAW, seeded_normal
 
-__all__ = ["ALIGNMENT_BYTES", "RESIZE_DRAW", "SKETCH_COLUMNS", "Finiteness", "ParamMemory", "Segment",
-           "StagedFactors", "WireSpans", "Workspace", "seeded_normal", "seeded_sketch", "work_dtype_for"]
+__all__ = ["ALIGNMENT_BYTES", "Finiteness", "ParamMemory", "Segment", "StagedFactors", "WireSpans", "Workspace",
+           "work_dtype_for"]
 
 #: Every matrix's error memory starts at a multiple of this many bytes (PyTorch's CPU allocations are
 #: aligned the same way). BLAS rounds differently when an operand starts at another alignment (MKL's
@@ -303,8 +303,8 @@ class Segment:
         """``(C, 2)`` in the working dtype, on the segment's device: per compressed matrix (in the order of
         :attr:`compressed_order`), the sketched ``||mean_i M_i Omega||_F`` and ``||(mean_i M_i - P Q^T) Omega||_F``
         at the last step that measured them (M_i: worker i's compressed matrix; P Q^T: the approximation
-        every worker applied; Omega: :func:`seeded_sketch`), NaN before any. Allocated at the first call;
-        written on the device, never read here."""
+        every worker applied; Omega: :func:`~gradpress.powersgd.seeding.seeded_sketch`), NaN before any.
+        Allocated at the first call; written on the device, never read here."""
         if self.global_norms is None:
             self.global_norms = torch.full((len(self.error_views), 2), float("nan"), device=self.device,
                                            dtype=self.dtype)
@@ -404,8 +404,9 @@ class Segment:
             factors = [(entry.q, q_view, "Q")] if entry is not None else []
             if entry is not None and alternating:
                 factors.append((entry.p, self.p_views[position], "P"))
-            if entry is not None and config.warm_start and all(saved is not None for saved, _, _ in factors):
-                for saved, view, name in factors:
+            saved_factors = [(saved, view, name) for saved, view, name in factors if saved is not None]
+            if entry is not None and config.warm_start and len(saved_factors) == len(factors):
+                for saved, view, name in saved_factors:
                     if tuple(saved.shape) != tuple(view.shape):
                         raise ValueError(
                             f"PowerSGD warm-start {name} for parameter #{key} has shape {tuple(saved.shape)}, "

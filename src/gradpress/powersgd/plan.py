@@ -10,8 +10,6 @@ import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from .linalg import as_matrix_shape
 
 __all__ = ["GroupPlan", "Plan", "TensorPlan", "make_plan", "should_compress"]
@@ -127,7 +125,7 @@ class Plan:
         return tuple(t for t in self.tensors if t.compressed)
 
 
-def make_plan(shapes: Sequence[torch.Size | tuple[int, ...]], rank: int, min_compression_rate: float,
+def make_plan(shapes: Sequence[Sequence[int]], rank: int, min_compression_rate: float,
               ranks: Sequence[int | None] | None = None) -> Plan:
     """Plan a segment of tensors with the given shapes (in segment order).
 
@@ -144,20 +142,21 @@ def make_plan(shapes: Sequence[torch.Size | tuple[int, ...]], rank: int, min_com
     >>> [(g.members, g.rank) for g in plan.groups], plan.uncompressed
     ([((2,), 4)], (0, 1))
     """
-    shapes = list(_iterable(shapes, "shapes", "tensor shapes"))
-    per_tensor: list[int | None] = [_checked_rank(rank, "rank")] * len(shapes)
+    given_shapes = list(_iterable(shapes, "shapes", "tensor shapes"))
+    per_tensor: list[int | None] = [_checked_rank(rank, "rank")] * len(given_shapes)
     if ranks is not None:
-        per_tensor = list(_iterable(ranks, "ranks", "ranks (an int or None per tensor)"))
-        if len(per_tensor) != len(shapes):
-            raise ValueError(f"ranks has {len(per_tensor)} entries for {len(shapes)} tensors: give one per tensor")
-        per_tensor = [None if r is None else _checked_rank(r, f"ranks[{i}]") for i, r in enumerate(per_tensor)]
+        given_ranks = list(_iterable(ranks, "ranks", "ranks (an int or None per tensor)"))
+        if len(given_ranks) != len(given_shapes):
+            raise ValueError(f"ranks has {len(given_ranks)} entries for {len(given_shapes)} tensors: give one per "
+                             "tensor")
+        per_tensor = [None if r is None else _checked_rank(r, f"ranks[{i}]") for i, r in enumerate(given_ranks)]
     if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, numbers.Real) \
             or not min_compression_rate >= 0:
         raise ValueError(f"min_compression_rate must be a number >= 0, got {min_compression_rate!r}")
     tensors: list[TensorPlan] = []
     offset = 0
-    for index, (shape, wanted) in enumerate(zip(shapes, per_tensor)):
-        shape = _checked_shape(index, shape)
+    for index, (given, wanted) in enumerate(zip(given_shapes, per_tensor)):
+        shape = _checked_shape(index, given)
         numel = 1
         for size in shape:
             numel *= size
@@ -198,10 +197,11 @@ def _iterable(value: object, name: str, what: str) -> Iterable[object]:
 
 def _checked_shape(index: int, shape: object) -> tuple[int, ...]:
     """``shapes[index]`` as a tuple of ints; ``TypeError``/``ValueError`` naming it if it is not a shape."""
-    dims = tuple(_iterable(shape, f"shapes[{index}]", "ints (a torch.Size or a tuple)"))
-    for size in dims:
+    dims: list[int] = []
+    for size in _iterable(shape, f"shapes[{index}]", "ints (a torch.Size or a tuple)"):
         if isinstance(size, bool) or not isinstance(size, numbers.Integral):
             raise TypeError(f"shapes[{index}] must be a sequence of ints (a torch.Size or a tuple), got {shape!r}")
         if size < 0:
             raise ValueError(f"shapes[{index}] must have sizes >= 0, got {shape!r}")
-    return tuple(int(size) for size in dims)
+        dims.append(int(size))
+    return tuple(dims)

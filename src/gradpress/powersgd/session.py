@@ -44,10 +44,10 @@ class MemoryReport:
     """Bytes the engine holds, by purpose (what ``torch.cuda.memory_allocated`` would see of it).
 
     ``error_memory``: the residuals carried to the next step; ``p``: the first collective's buffer (P and
-    the tensors sent exactly); ``q``: the Q factors (the warm start); ``saved_factors``: the warm-start factors of the step in flight, put back if that step
-    is not finite; ``workspace``: the one scratch buffer the segments share; ``total``: their sum.
-    ``sent``, ``p_numel``, ``q_numel``: elements a compressed step sends, and of those the P and Q
-    factors, under the current plans.
+    the tensors sent exactly); ``q``: the Q factors (the warm start); ``saved_factors``: the warm-start
+    factors of the step in flight, put back if that step is not finite; ``workspace``: the one scratch
+    buffer the segments share; ``total``: their sum. ``sent``, ``p_numel``, ``q_numel``: elements a
+    compressed step sends, and of those the P and Q factors, under the current plans.
     """
 
     error_memory: int = 0

@@ -15,7 +15,8 @@ from .transport import Communicator, Handle
 from .linalg import orthogonalize_
 from .pipeline import Task
 from .config import EngineConfig
-from .memory import Finiteness, Segment, StagedFactors, seeded_sketch
+from .memory import Finiteness, Segment, StagedFactors
+from .seeding import seeded_sketch
 
 __all__ = ["StepCommit", "alternating_step", "average_step", "compress_step", "power_step", "step_wire_dtype"]
 
@@ -114,7 +115,8 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     """
     plan = segment.plan
     own = commit is None
-    commit = StepCommit() if own else commit
+    if commit is None:
+        commit = StepCommit()
     unsent_buffer = segment.phase1[plan.p_numel:]
     matrices, unsent = _views(segment, grads)
     with_memory = config.use_error_feedback and add_memory
@@ -180,7 +182,8 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
     iterations = config.num_iters_per_step
     assert iterations is not None
     own = commit is None
-    commit = StepCommit() if own else commit
+    if commit is None:
+        commit = StepCommit()
     p_end = plan.p_numel
     q_start = plan.p_numel + plan.uncompressed_numel
     unsent_buffer = segment.wire[p_end:q_start]
@@ -244,13 +247,14 @@ def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator,
     damping = None
     if config.warm_up_beta_factor is not None and compressed_step < config.warm_up_steps:
         damping = config.warm_up_beta_factor
-    options = {"commit": commit, "add_memory": add_memory, "damping": damping, "measure": measure, "track": track}
     if k is None:
-        task = power_step(segment, grads, comm, config, compressed_step, **options)
+        task = power_step(segment, grads, comm, config, compressed_step, commit=commit, add_memory=add_memory,
+                          damping=damping, measure=measure, track=track)
         sent = segment.plan.numel_sent
     else:
         first = compressed_step * k
-        task = alternating_step(segment, grads, comm, config, first, **options)
+        task = alternating_step(segment, grads, comm, config, first, commit=commit, add_memory=add_memory,
+                                damping=damping, measure=measure, track=track)
         sent = segment.plan.numel_sent_per_step(k, first)
     return task, sent
 
@@ -273,7 +277,8 @@ def average_step(tensors: Sequence[Tensor], comm: Communicator, commit: StepComm
     every rank) to ``commit``; ``None``: the task commits alone. Nothing else is written: there is no memory.
     """
     own = commit is None
-    commit = StepCommit() if own else commit
+    if commit is None:
+        commit = StepCommit()
     dtype = tensors[0].dtype
     wire_dtype = dtype if wire_dtype is None else wire_dtype
     if comm.world_size == 1 and wire_dtype == dtype:  # the mean of one worker: nothing to send
@@ -350,7 +355,8 @@ def _decompress(segment: Segment, matrices: list[Tensor], pieces: list[tuple[lis
             if fresh is None:
                 _write_output(matrix, pieces, i)
                 continue
-            residual = workspace.matrices(1, *matrix.shape, segment.device, segment.dtype)[0]
+            rows, cols = matrix.shape
+            residual = workspace.matrices(1, rows, cols, segment.device, segment.dtype)[0]
             residual.copy_(matrix)
             _write_output(matrix, pieces, i)
             fresh[i, 0] = torch.linalg.vector_norm(residual)
@@ -370,7 +376,8 @@ def _decompress(segment: Segment, matrices: list[Tensor], pieces: list[tuple[lis
                 if damping is not None:
                     memory.mul_(damping)
                 continue
-            residual = workspace.matrices(1, *memory.shape, segment.device, segment.dtype)[0]
+            rows, cols = memory.shape
+            residual = workspace.matrices(1, rows, cols, segment.device, segment.dtype)[0]
             residual.copy_(matrix)
             _write_output(matrix, pieces, i)
             if fresh is not None:
@@ -428,7 +435,7 @@ def _global_sketch(segment: Segment, matrices: list[Tensor], with_memory: bool, 
     """The global-residual diagnostic's phase: one all-reduce, whose ``(C, 2)`` result (per compressed
     matrix, group order) is the sketched ``||mean_i M_i Omega||`` and ``||(mean_i M_i - P Q^T) Omega||``.
 
-    Omega is :func:`~gradpress.powersgd.memory.seeded_sketch` of ``(seed, m, draw)``, drawn on the CPU
+    Omega is :func:`~gradpress.powersgd.seeding.seeded_sketch` of ``(seed, m, draw)``, drawn on the CPU
     (identical on every rank) and moved to the device, once per column count. M is built in the
     workspace exactly as the step compressed it (``with_memory``; chunked as in :func:`_products`), and
     only ``S_i = M_i Omega`` (``(n, k)``, k <= 16) is averaged: ``[S / W]`` of every matrix in one buffer of
@@ -503,10 +510,10 @@ def _send(segment: Segment, start: int, end: int, comm: Communicator, wire_dtype
 
     The buffer is divided by the world size first, so a sum of W terms is bounded by W times the largest
     term. For an fp16 wire each tensor span of the buffer (each P factor, each uncompressed tensor, each
-    Q factor: see :class:`~gradpress.powersgd.memory.WireSpans`) is scaled by its own power of two, the one that puts W times its
-    largest |value| over the workers at 2^14 (well inside fp16's 65504, and using its precision): no
-    overflow whatever the gradients' magnitude, and a value's scale depends on its own tensor only, never
-    on which tensors share its bucket (docs/design.md, "numbers that do not depend on the bucket layout").
+    Q factor: see :class:`~gradpress.powersgd.memory.WireSpans`) is scaled by its own power of two, the one
+    that puts W times its largest |value| over the workers at 2^14 (well inside fp16's 65504, and using its
+    precision): no overflow whatever the gradients' magnitude, and a value's scale depends on its own tensor
+    only, never on which tensors share its bucket (docs/design.md, "numbers that do not depend on the bucket layout").
     The maxima travel in one max-allreduce of one float per span before the sum (not counted as payload).
     A span that is all zero or holds a non-finite value keeps the scale 1 (a non-finite value stays so).
     bf16 has fp32's range and needs no scaling.

@@ -326,9 +326,9 @@ class StreamingDiLoCoAverager(ModelAverager):
             if self.first_sync == "outer":
                 raise ValueError(no_anchor_message(type(self).__name__, self.step))
             with torch.no_grad():
-                sent = average_tensors_(members, self.process_group, issuer=self._issuer())
+                bytes_sent = average_tensors_(members, self.process_group, issuer=self._issuer())
                 self._set_anchor(fr, [t.clone() for t in members])
-            self._count(fr, sent)
+            self._count(fr, bytes_sent)
             self.num_averages += 1
             return
         assert fr.anchor is not None and fr.transport is not None
@@ -430,6 +430,7 @@ class StreamingDiLoCoAverager(ModelAverager):
             fr.positions = [] if self._layout is None else [i for i, f in enumerate(self._layout) if f == fr.index]
         self._in_flight = [
             _InFlight(int(p["fragment"]), int(p["due"]),
-                      Sent([], [b.clone() for b in p["buffers"]], None if p["residual"] is None else p["residual"].clone(),
+                      Sent([], [b.clone() for b in p["buffers"]],
+                           None if p["residual"] is None else p["residual"].clone(),
                            finite=None if p.get("finite") is None else p["finite"].clone()))
             for p in state["in_flight"]]
