@@ -2,5 +2,5 @@
 ``bench``), ``check``'s measurements and advice, the overhead harness (``bench``), the demo's tasks and
 training loop (``workloads``), the model zoo (``zoo``) and local process helpers (``processes``).
 
-Nothing in the library imports from here (``tests/test_structure.py`` enforces the layers).
+Nothing in the library imports from here (``tests/package/test_structure.py`` enforces the layers).
 """

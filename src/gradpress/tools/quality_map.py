@@ -3,7 +3,7 @@
 Every :data:`MEASURED` entry is one row of BENCHMARKS.md ("Does PowerSGD train as well as allreduce?"):
 a PowerSGD configuration trained for 800 steps beside allreduce at allreduce's own tuned learning rate,
 with the same data order and initial weights, and how its final perplexity compared. PowerSGD's averaged
-update depends on the workers only through the global batch (``tests/test_linearity.py``), so a row is
+update depends on the workers only through the global batch (``tests/engine/test_linearity.py``), so a row is
 keyed by the model's width, the optimizer and the *tokens per step over all workers*, not by the worker
 count: 2 workers x 64 sequences stands for 8 workers x 16.
 

@@ -13,7 +13,7 @@ from gradpress.tools.cli.demo import report
 from gradpress.tools.cli.main import build_parser, main
 from gradpress.tools.workloads import parse_methods
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 NUMBERS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8, "nine": 9,
            "ten": 10}
 
@@ -129,7 +129,7 @@ def test_the_mark_falls_on_the_rows_that_move_between_machines() -> None:
     """Measured curves (tests/data/demo_curves.json): seed 0 on this machine and with the kernels' instruction
     sets changed, as on another CPU, and seeds 1-4. The rows whose accuracy moved between those "machines"
     are marked in every run, on every seed; the rows that did not move are marked in none."""
-    runs = json.loads((Path(__file__).parent / "data" / "demo_curves.json").read_text())["runs"]
+    runs = json.loads((Path(__file__).resolve().parents[1] / "data" / "demo_curves.json").read_text())["runs"]
     machines = [label for label in runs if label.startswith("seed 0")]
     assert len(machines) == 3
     moved = []

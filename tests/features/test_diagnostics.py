@@ -275,7 +275,7 @@ def test_the_tuning_guides_first_example_runs_and_reports_by_name(capsys):
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "tuning.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "tuning.md").read_text()
     snippet = re.findall(r"```python\n(.*?)```", text, re.S)[0]
     exec(compile(snippet, "docs/tuning.md", "exec"), {})
     out = capsys.readouterr().out

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "quality_study.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "quality_study.py"
 _SPEC = importlib.util.spec_from_file_location("quality_study", _PATH)
 qs = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(qs)

@@ -167,7 +167,7 @@ def test_the_example_runs_under_torchrun_and_tears_its_process_group_down(tmp_pa
     import subprocess
     import sys
 
-    example = Path(__file__).resolve().parent.parent / "examples" / "accelerate_powersgd.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "accelerate_powersgd.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     then_check = ("import runpy, sys, torch.distributed as dist; sys.argv[0] = sys.argv[1]; del sys.argv[1]; "
                   "runpy.run_path(sys.argv[0], run_name='__main__'); "

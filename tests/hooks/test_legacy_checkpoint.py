@@ -23,7 +23,7 @@ import torch.distributed as dist
 import gradpress
 from gradpress.hooks.bucket import DenseBucket
 
-DATA = Path(__file__).parent / "data" / "powersgd_checkpoints_v1.pt"
+DATA = Path(__file__).resolve().parents[1] / "data" / "powersgd_checkpoints_v1.pt"
 
 
 @contextlib.contextmanager

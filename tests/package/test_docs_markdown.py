@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from markdown_it import MarkdownIt
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
 HEADING = re.compile(r"^(#{1,6}) +(\S.*?)\s*#*\s*$")
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = "gradpress"
 
 COLLECTIVES = frozenset({
@@ -315,7 +315,7 @@ def layer_of(module: str) -> int:
     for index, prefixes in enumerate(LAYERS):
         if any(module == p or module.startswith(p + ".") for p in prefixes):
             return index
-    raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/test_structure.py")
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/package/test_structure.py")
 
 
 def upward_imports(infos: dict[str, ModuleInfo]) -> list[str]:

@@ -11,7 +11,7 @@ from gradpress.tools.check.advice import model_width, recipe_rule
 from gradpress.tools.quality_map import MEASURED, QUALITY_TARGET, advise, rank_for_width
 from gradpress.tools.workloads.tasks import SEQUENCE, get_task
 
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def _runs() -> list[dict]:
@@ -188,5 +188,5 @@ def test_check_reports_the_quality_map_for_a_demo_task(tmp_path: Path, capsys: p
 def test_the_tuning_guide_shows_the_maps_rows() -> None:
     from gradpress.tools.quality_map import markdown_table
 
-    guide = (Path(__file__).resolve().parent.parent / "docs" / "tuning.md").read_text()
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "tuning.md").read_text()
     assert markdown_table() in guide

@@ -16,7 +16,7 @@ from gradpress.tools.cli import bench
 from gradpress.tools.cli.main import main
 from gradpress.tools.zoo import build_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def stats(median: float | None, q1: float = 0.0, q3: float = 0.0) -> dict[str, Any]:

@@ -130,7 +130,7 @@ def test_check_advises_rank_16_on_the_width_128_transformer_and_22_on_wider_mode
 
 
 def test_tuning_doc_states_the_rule_the_code_applies():
-    text = (Path(__file__).resolve().parent.parent / "docs" / "tuning.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "tuning.md").read_text()
     (ratio, cap), = re.findall(r"rank = width / (\d+), at most (\d+)", text)
     rule = recipe_rule()
     assert (Fraction(1, int(ratio)), int(cap)) == (rule.ratio, rule.cap)

@@ -259,7 +259,7 @@ def test_command_line_smoke(capsys) -> None:
 
 
 def test_docs_example_is_what_the_command_prints(capsys) -> None:
-    docs = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     (example,) = re.findall(r"```\n\$ gradpress inspect --model lstm-wikitext2 --rank 4\n(.*?)```", docs, re.S)
     code, out, _ = run(capsys, "--model", "lstm-wikitext2", "--rank", "4")
     assert code == 0 and out == example
@@ -320,7 +320,7 @@ def test_bad_workers_per_node(capsys, argv: list[str], message: str) -> None:
 
 
 def test_docs_workers_per_node_example_is_what_the_command_prints(capsys) -> None:
-    docs = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     (tail,) = re.findall(r"```\n\$ gradpress inspect --model resnet18-cifar --rank 1 --workers 4 --workers-per-node 2\n"
                          r"\.\.\.\n(.*?)```", docs, re.S)
     code, out, _ = run(capsys, "--model", "resnet18-cifar", "--rank", "1", "--workers", "4", "--workers-per-node", "2")

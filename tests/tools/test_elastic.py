@@ -22,7 +22,7 @@ from distributed import run
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 METHODS = ["allreduce", "powersgd:2", "multi:2", "localsgd:4", "diloco:4"]
 
 

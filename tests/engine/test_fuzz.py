@@ -21,7 +21,7 @@ Runs are bounded and reproducible: ``derandomize=True`` and no example database 
 ``-p no:cacheprovider``), a fixed number of examples per property (the file takes seconds). For a longer
 local fuzz with fresh random examples, set ``GRADPRESS_FUZZ_EXAMPLES``::
 
-    GRADPRESS_FUZZ_EXAMPLES=2000 python3 -m pytest tests/test_fuzz.py -p no:cacheprovider
+    GRADPRESS_FUZZ_EXAMPLES=2000 python3 -m pytest tests/engine/test_fuzz.py -p no:cacheprovider
 
 (hypothesis then prints a ``@reproduce_failure`` blob / seed for any failure it finds).
 """

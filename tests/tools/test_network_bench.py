@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "network"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "network"))
 
 import netns  # noqa: E402
 import run  # noqa: E402

@@ -5,7 +5,7 @@ import io
 import pathlib
 import re
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 DOCUMENTS = [README, *sorted((README.parent / "docs").glob("*.md"))]   # snippets moved out of the README
 
 

@@ -324,7 +324,7 @@ def test_the_example_trains_on_two_processes_that_lightning_launches(tmp_path):
     import subprocess
     import sys
 
-    example = Path(__file__).resolve().parent.parent / "examples" / "lightning_powersgd.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "lightning_powersgd.py"
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, str(example), "--epochs", "2"], capture_output=True, text=True,

@@ -12,7 +12,7 @@ import venv
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SETUP = ROOT / "scripts" / "setup.sh"
 BASH = shutil.which("bash")
 pytestmark = pytest.mark.skipif(BASH is None or os.name != "posix", reason="needs bash on a POSIX system")

@@ -106,7 +106,7 @@ def test_the_example_runs_under_torchrun(tmp_path):
     import subprocess
     import sys
 
-    example = Path(__file__).resolve().parent.parent / "examples" / "trainer_powersgd.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "trainer_powersgd.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(example), "--output-dir", str(tmp_path / "out"), "--steps", "20"],

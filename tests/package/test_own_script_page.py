@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = (ROOT / "docs" / "own-script.md").read_text()
 TUNING = (ROOT / "docs" / "tuning.md").read_text()
 EXAMPLE = (ROOT / "examples" / "own_script.py").read_text()

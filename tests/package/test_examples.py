@@ -16,7 +16,7 @@ from gradpress.tools.workloads import get_task
 
 pytestmark = pytest.mark.slow
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 
 
 def test_example_runs_under_torchrun_and_matches_the_plan(tmp_path: Path) -> None:
