@@ -1,12 +1,12 @@
 """The one place that talks to a process group: every ``torch.distributed`` collective gradpress issues.
 
-The engine only sees its :class:`~gradpress.powersgd.transport.Communicator` protocol, so it can run under DDP hooks, under the
-standalone aggregator, or with no ``torch.distributed`` at all (:class:`LocalCommunicator`). The rest of
-the package calls the functions here: blocking collectives (:func:`all_reduce`, :func:`broadcast`,
-:func:`barrier`, the object collectives), asynchronous ones returning a :class:`Work` (whose ``wait()``
-describes a failure as a :class:`CollectiveError`), the one exact-average primitive (blocking
-:func:`average_tensors_`, asynchronous :func:`start_average`, the pipeline task :func:`average_task`) and
-:func:`broadcast_parameters`.
+The engine only sees its :class:`~gradpress.powersgd.transport.Communicator` protocol, so it can run under
+DDP hooks, under the standalone aggregator, or with no ``torch.distributed`` at all
+(:class:`LocalCommunicator`). The rest of the package calls the functions here: blocking collectives
+(:func:`all_reduce`, :func:`broadcast`, :func:`barrier`, the object collectives), asynchronous ones
+returning a :class:`Work` (whose ``wait()`` describes a failure as a :class:`CollectiveError`), the one
+exact-average primitive (blocking :func:`average_tensors_`, asynchronous :func:`start_average`, the
+pipeline task :func:`average_task`) and :func:`broadcast_parameters`.
 
 Modules: ``errors`` (:class:`CollectiveError` and how a collective is described), ``communicator`` (the
 engine's communicators), ``collectives`` (every ``torch.distributed`` collective, and

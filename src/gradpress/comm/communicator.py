@@ -75,7 +75,7 @@ class ProcessGroupCommunicator:
     def allreduce_max(self, buffer: Tensor) -> Work:
         return self._allreduce(buffer, dist.ReduceOp.MAX)
 
-    def _allreduce(self, buffer: Tensor, op: dist.ReduceOp) -> Work:
+    def _allreduce(self, buffer: Tensor, op: dist.ReduceOp.RedOpType) -> Work:
         staging = None
         if self.comm_device is not None and buffer.device != self.comm_device:
             staging = buffer.to(self.comm_device)
@@ -84,13 +84,14 @@ class ProcessGroupCommunicator:
                           group=self.process_group)
         return Work(work, buffer, describe, staging)
 
-    def _describe(self, op: dist.ReduceOp, buffer: Tensor) -> str:
+    def _describe(self, op: dist.ReduceOp.RedOpType, buffer: Tensor) -> str:
         name = f"allreduce ({'sum' if op == dist.ReduceOp.SUM else 'max'})"
         return describe_collective(name, buffer, self._world_size, self.issuer)
 
 
 def make_communicator(process_group: dist.ProcessGroup | None = None,
-                      comm_device: torch.device | str | None = None, issuer: str = "gradpress") -> ProcessGroupCommunicator | LocalCommunicator:
+                      comm_device: torch.device | str | None = None,
+                      issuer: str = "gradpress") -> ProcessGroupCommunicator | LocalCommunicator:
     """A :class:`ProcessGroupCommunicator` when ``torch.distributed`` is initialized, else local."""
     if dist.is_available() and dist.is_initialized():
         return ProcessGroupCommunicator(process_group, comm_device, issuer)

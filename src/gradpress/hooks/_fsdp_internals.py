@@ -12,11 +12,14 @@ release that renames one of them breaks here and nowhere else.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["check_replicate_group", "current_backward", "divide_factor", "layout", "on_backward_end",
            "trainable_units", "units"]
@@ -42,14 +45,14 @@ def divide_factor(param_group: Any) -> float | None:
     return param_group.gradient_divide_factor
 
 
-def units(module: nn.Module) -> list[tuple[str, nn.Module, Any]]:
+def units(module: nn.Module) -> list[tuple[str, FSDPModule, Any]]:
     """``(name, unit, FSDPParamGroup)`` for each ``fully_shard`` unit with parameters, in module order."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module containing fully_shard units, got {type(module).__name__}")
-    units = []
+    units: list[tuple[str, FSDPModule, Any]] = []
     for name, unit in module.named_modules():
         if not isinstance(unit, FSDPModule):
             continue

@@ -101,7 +101,9 @@ def initialize(zero: ZeroRedundancyOptimizer, params_per_bucket: Sequence[Sequen
     """
     info = zero._overlap_info
     info.shard_buckets = bool(shard_buckets)
-    info.total_size = sum(p.numel() for ps in params_per_bucket for p in ps) if shard_buckets else None
+    total_size = sum(p.numel() for ps in params_per_bucket for p in ps) if shard_buckets else None
+    # torch's stub says int; its source declares Optional[int] (None: buckets not sharded).
+    info.total_size = total_size  # type: ignore[assignment]
     info.params_per_bucket[:] = [list(ps) for ps in params_per_bucket]
     zero._init_zero_for_overlap()
     if getattr(info, "status", None) != _status_enum().INITIALIZED:

@@ -32,7 +32,7 @@ def bucket_gradient_views(buffer: Tensor, gradients: list[Tensor]) -> list[Tenso
     when the gradients are not views of the buffer's storage.
     """
     views = []
-    offset = 0
+    offset: int | torch.SymInt = 0
     same_storage = all(g.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
                        for g in gradients) if gradients else False
     for grad in gradients:

@@ -53,14 +53,16 @@ def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBuc
     return allreduce_mean_future(bucket.buffer(), process_group, issuer=f"allreduce_hook, bucket {bucket.index()}")
 
 
-def fp16_compress_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+def fp16_compress_hook(process_group: dist.ProcessGroup | None,
+                       bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """Average the bucket with half the bytes: cast to fp16, divide by the world size, sum, cast back."""
     _check_group(process_group, "fp16_compress_hook", "fp16_compress_wrapper")
     return allreduce_mean_future(bucket.buffer(), process_group, wire_dtype=torch.float16,
                                  issuer=f"fp16_compress_hook, bucket {bucket.index()}")
 
 
-def bf16_compress_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+def bf16_compress_hook(process_group: dist.ProcessGroup | None,
+                       bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """Like :func:`fp16_compress_hook` with bfloat16 (fp32's range, 8 bits of mantissa)."""
     _check_group(process_group, "bf16_compress_hook", "bf16_compress_wrapper")
     return allreduce_mean_future(bucket.buffer(), process_group, wire_dtype=torch.bfloat16,

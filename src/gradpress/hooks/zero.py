@@ -40,6 +40,7 @@ No ``from __future__ import annotations`` here: DDP checks the hook's ``bucket``
 import copy
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -201,7 +202,7 @@ class ZeroStepHook:
                                f"{len(self._record)} buckets; buckets must arrive in order 0, 1, ...")
         chained = self._ready and self.interleaved
         if chained and self._owns_any(bucket):
-            fut = fut.then(lambda f, b=bucket: self._step_in_callback(b, f))
+            fut = fut.then(partial(self._step_in_callback, bucket))
         self._record.append((bucket, fut))
         if bucket.is_last():
             if not self._ready:

@@ -1,5 +1,5 @@
 """The model side of the advice: its step time, and each hook's compute time (the model named by ``--model``
-comes from :func:`gradpress.tools.check.loader.load_model`, re-exported here).
+comes from :func:`gradpress.tools.check.loader.load_model`).
 
 Hook compute is timed with no network: every rank runs the real engine (the :class:`gradpress.PowerSGD`
 aggregator, which shares the hooks' engine) on random gradients of the model's shapes over a process
@@ -7,6 +7,7 @@ group holding only itself, so its collectives are local copies and what remains 
 The cast hooks' compute is the cast there and back, named by the wire's dtype
 (:func:`gradpress.tools.bytes.dtype_name`: ``fp16``, ``bf16``). Timings are medians over a few calls.
 
+>>> from gradpress.tools.check.loader import load_model
 >>> model, batch, loss = load_model("charlm", torch.device("cpu"))   # doctest: +SKIP
 >>> hook_compute_ms([tuple(p.shape) for p in model.parameters()], torch.device("cpu"))   # doctest: +SKIP
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,9 +26,9 @@ from torch import nn
 
 from ..bytes import dtype_name
 from .advice import powersgd_configs
-from .loader import Loss, load_model
+from .loader import Loss
 
-__all__ = ["hook_compute_ms", "load_model", "step_ms"]
+__all__ = ["hook_compute_ms", "step_ms"]
 
 
 def _median_ms(call: Callable[[], Any], device: torch.device, iters: int) -> float:
@@ -40,6 +42,11 @@ def _median_ms(call: Callable[[], Any], device: torch.device, iters: int) -> flo
             torch.cuda.synchronize(device)
         times.append(1000 * (time.perf_counter() - start))
     return statistics.median(times[2:])
+
+
+def _round_trip(flat: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    """What a cast hook computes: ``flat`` cast to the wire's dtype and back to fp32."""
+    return flat.to(wire).float()
 
 
 def step_ms(model: nn.Module, batch: Any, loss: Loss, device: torch.device, iters: int = 3) -> float:
@@ -76,7 +83,7 @@ def hook_compute_ms(shapes: Sequence[Sequence[int]], device: torch.device, power
     flat = torch.cat([g.reshape(-1) for g in grads])
     out = {"allreduce": _median_ms(lambda: flat.div(2), device, iters)}
     for wire in (torch.float16, torch.bfloat16):  # the cast hooks: there and back
-        out[dtype_name(wire)] = _median_ms(lambda wire=wire: flat.to(wire).float(), device, iters)
+        out[dtype_name(wire)] = _median_ms(partial(_round_trip, flat, wire), device, iters)
     for name, rank, bytes_per_weight, _ in powersgd_configs(shapes, powersgd_ranks):
         aggregator = PowerSGD(params, Config(rank=rank, bytes_per_weight=bytes_per_weight,
                                              start_compressing_after_num_steps=0), process_group=group)

@@ -50,8 +50,9 @@ class Link:
         if not self.latency_s >= 0 or not self.busbw > 0:
             raise ValueError(f"latency_s={self.latency_s} must be >= 0 and busbw={self.busbw} > 0 (bytes/s)")
 
-    def allreduce_seconds(self, nbytes: float, collectives: int = 1) -> float:
-        """Ring allreduce time of ``nbytes`` in ``collectives`` calls: ``latency 2(n-1)`` each + the bytes."""
+    def allreduce_seconds(self, nbytes: float, collectives: float = 1) -> float:
+        """Ring allreduce time of ``nbytes`` in ``collectives`` calls (a mean over steps may be fractional):
+        ``latency 2(n-1)`` each + the bytes."""
         n = self.world_size
         if n == 1:
             return 0.0
