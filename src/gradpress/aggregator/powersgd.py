@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -82,7 +82,7 @@ class PowerSGD(Aggregator):
             when they are already equal, or were loaded from per-worker checkpoints).
     """
 
-    def __init__(self, params: Iterable[Tensor], config: Config, *,
+    def __init__(self, params: Iterable[Tensor] | Iterable[tuple[str, Tensor]], config: Config, *,
                  process_group: dist.ProcessGroup | None = None,
                  comm_device: torch.device | str | None = None,
                  lr_scheduler: Any = None, init_sync: bool = True, rank_policy: RankRules | None = None) -> None:
@@ -92,10 +92,11 @@ class PowerSGD(Aggregator):
         if lr_scheduler is not None and not callable(getattr(lr_scheduler, "get_last_lr", None)):
             raise TypeError(f"lr_scheduler must be None or have a get_last_lr() method (a "
                             f"torch.optim.lr_scheduler.LRScheduler), got {type(lr_scheduler).__name__}")
-        items = list(params)
-        named = bool(items) and all(isinstance(item, tuple) for item in items)
-        self.params: list[Tensor] = [item[1] for item in items] if named else items  # type: ignore[index]
-        self._names: dict[int, str] = parameter_names(items, "PowerSGD") if named else {}
+        items: list[Any] = list(params)
+        pairs = [item for item in items if isinstance(item, tuple)]
+        named = bool(items) and len(pairs) == len(items)
+        self.params: list[Tensor] = [param for _, param in pairs] if named else items
+        self._names: dict[int, str] = parameter_names(pairs, "PowerSGD") if named else {}
         self._policy = None if rank_policy is None else RankPolicy(rank_policy, config.rank, "PowerSGD")
         self._ranks: list[int | None] | None = None
         if self._policy is not None and not named:
@@ -307,7 +308,7 @@ class PowerSGD(Aggregator):
             "memory": self._session.memory_state(),
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any], *, allow_other_rank: bool = False) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any], *, allow_other_rank: bool = False) -> None:
         """Restore :meth:`state_dict`'s output (tensors may come from another device).
 
         Raises ``ValueError`` if it was saved for other parameter shapes, another compression setting, or

@@ -136,16 +136,18 @@ def hierarchical_traffic(shapes: list[tuple[int, ...]], rank: int, min_compressi
                 "powersgd": powersgd_bytes(*part, rank, min_compression_rate, bytes_per_weight).bytes_sent}
 
     shares = []
+    share_bytes: list[dict[str, int]] = []  # each share's bytes_per_step
     for local_rank, share in enumerate(assign_shares([t.numel for t in plan.tensors], workers_per_node)):
+        share_bytes.append(sent(share))
         shares.append({"local_rank": local_rank, "tensors": share,
-                       "numel": sum(plan.tensors[i].numel for i in share), "bytes_per_step": sent(share)})
+                       "numel": sum(plan.tensors[i].numel for i in share), "bytes_per_step": share_bytes[-1]})
     flat = sent(list(range(len(shapes))))
-    busiest = {k: max(s["bytes_per_step"][k] for s in shares) for k in flat}
+    busiest = {k: max(b[k] for b in share_bytes) for k in flat}
     return {
         "workers_per_node": workers_per_node, "nodes": workers // workers_per_node, "shares": shares,
         "per_rank": {"flat": flat, "hierarchical_busiest": busiest},
         "per_node": {"flat": {k: v * workers_per_node for k, v in flat.items()},
-                     "hierarchical": {k: sum(s["bytes_per_step"][k] for s in shares) for k in flat}},
+                     "hierarchical": {k: sum(b[k] for b in share_bytes) for k in flat}},
     }
 
 
