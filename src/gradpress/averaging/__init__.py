@@ -30,15 +30,14 @@ warning and the step counter at 0.
 
 Modules: ``tensors`` (what is averaged), ``averagers`` (periodic and hierarchical), ``outer`` (the
 outer step, shared with :mod:`gradpress.streaming`, and the outer-optimizer averager), ``optimizer``
-(the optimizer wrapper). The collectives themselves (:func:`broadcast_parameters`,
-:func:`average_tensors_`) live in :mod:`gradpress.comm` and are re-exported here.
+(the optimizer wrapper). The collectives themselves (:func:`~gradpress.comm.broadcast_parameters`,
+:func:`~gradpress.comm.average_tensors_`) live in :mod:`gradpress.comm`.
 """
 
-from ..comm import all_reduce, average_tensors_, broadcast_parameters, flat_groups
 from .averagers import HierarchicalModelAverager, ModelAverager, PeriodicModelAverager
 from .optimizer import PostLocalSGDOptimizer
 from .outer import OuterOptimizerAverager, OuterStep
-from .tensors import Params, average_parameters, tensors_to_average
+from .tensors import average_parameters
 
 __all__ = ["HierarchicalModelAverager", "ModelAverager", "OuterOptimizerAverager", "OuterStep", "PeriodicModelAverager",
-           "PostLocalSGDOptimizer", "average_parameters", "broadcast_parameters"]
+           "PostLocalSGDOptimizer", "average_parameters"]

@@ -22,10 +22,11 @@ The family (:func:`transport_for` turns every accepted ``compression=`` value in
 
 >>> transport_for("bf16")
 Exact(wire_dtype=torch.bfloat16)
->>> transport_for("int8")
+>>> transport_for("int8")  # doctest: +NORMALIZE_WHITESPACE
 Traceback (most recent call last):
 ...
-ValueError: compression must be None (exact), 'fp16', 'bf16', a gradpress.Config (PowerSGD), QuantizeInt8(...), QuantizeInt4(...), TopK(...) or an OuterTransport, got 'int8'
+ValueError: compression must be None (exact), 'fp16', 'bf16', a gradpress.Config (PowerSGD), QuantizeInt8(...),
+QuantizeInt4(...), TopK(...) or an OuterTransport, got 'int8'
 """
 
 from __future__ import annotations

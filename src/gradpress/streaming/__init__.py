@@ -11,12 +11,10 @@ int8/int4/top-k compressed outer gradients and error feedback (:class:`Streaming
 Modules: ``fragments`` (split and schedule), ``averager`` (the rest). The payload codecs
 (:mod:`gradpress.averaging.compress`) and the transports that send outer gradients
 (:mod:`gradpress.averaging.transport`) live in :mod:`gradpress.averaging`, one layer down, since
-:class:`gradpress.OuterOptimizerAverager` accepts them too; they are re-exported here.
+:class:`gradpress.OuterOptimizerAverager` accepts them too; the package root exports the codecs.
 """
 
-from ..averaging.compress import Compressor, QuantizeInt4, QuantizeInt8, TopK
 from .averager import StreamingDiLoCoAverager
 from .fragments import fragment_offsets, split_by_size
 
-__all__ = ["Compressor", "QuantizeInt4", "QuantizeInt8", "StreamingDiLoCoAverager", "TopK", "fragment_offsets",
-           "split_by_size"]
+__all__ = ["StreamingDiLoCoAverager", "fragment_offsets", "split_by_size"]

@@ -10,9 +10,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..aggregator import Config
-from ..averaging import ModelAverager, OuterStep, Params, tensors_to_average
+from ..averaging import ModelAverager, OuterStep
 from ..averaging.compress import Compressor
 from ..averaging.outer import check_first_sync, no_anchor_message, take_anchor, takes_anchor
+from ..averaging.tensors import Params, tensors_to_average
 from ..averaging.transport import Link, OuterTransport, Sent, transport_for
 from ..checkpoint import check_placement, placement
 from ..validation import check_int, check_number

@@ -21,7 +21,8 @@ from typing import Any
 from ... import checkpoint
 from ...comm import all_gather_objects
 
-__all__ = ["checkpoint_path", "load", "load_everywhere", "newest_common_step", "prune", "run_directory", "save", "steps_saved"]
+__all__ = ["checkpoint_path", "load", "load_everywhere", "newest_common_step", "prune", "run_directory", "save",
+           "steps_saved"]
 
 _FILE = re.compile(r"^step-(\d+)\.rank-(\d+)\.pt$")
 

@@ -19,16 +19,17 @@ from typing import Any, Literal
 import torch
 
 from ...averaging import ModelAverager, OuterOptimizerAverager, PeriodicModelAverager
+from ...averaging.compress import QuantizeInt4, QuantizeInt8, TopK
 from ...hooks import (PostLocalSGDState, PowerSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook,
                      post_localSGD_hook, powerSGD_hook)
 from ...powersgd import Plan
-from ...streaming import QuantizeInt4, QuantizeInt8, StreamingDiLoCoAverager, TopK
+from ...streaming import StreamingDiLoCoAverager
 from .. import bytes as model_bytes
 from .config import DemoConfig
 
-__all__ = ["DEFAULT_PERIOD", "METHOD_KINDS", "METHOD_REGISTRY", "RECOMMENDED", "SPARSELOCO", "STREAMING_ALPHA", "STREAMING_DELAY",
-           "STREAMING_FRAGMENTS", "Method", "MethodKind", "bytes_schedule", "method_kind", "parse_methods",
-           "warm_up_wire", "wire_bytes"]
+__all__ = ["DEFAULT_PERIOD", "METHOD_KINDS", "METHOD_REGISTRY", "RECOMMENDED", "SPARSELOCO", "STREAMING_ALPHA",
+           "STREAMING_DELAY", "STREAMING_FRAGMENTS", "Method", "MethodKind", "bytes_schedule", "method_kind",
+           "parse_methods", "warm_up_wire", "wire_bytes"]
 
 #: Fragments, overlap (inner steps) and local share of ``streaming``: (F, tau, alpha), F and tau capped by H.
 STREAMING_FRAGMENTS, STREAMING_DELAY, STREAMING_ALPHA = 4, 1, 0.5

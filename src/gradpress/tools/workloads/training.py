@@ -4,6 +4,7 @@ Used by ``gradpress demo`` (which spawns the workers) and by ``examples/train.py
 the same code path. Every run with the same :class:`DemoConfig` sees the same data in the same order
 and starts from the same weights, so methods differ only in how gradients are communicated.
 
+>>> from gradpress.tools.workloads import DemoConfig, parse_methods, train      # doctest: +SKIP
 >>> # inside each worker, after dist.init_process_group(...)                     # doctest: +SKIP
 >>> result = train(rank, world_size, parse_methods("powersgd", [2])[0], DemoConfig(steps=100))
 """
@@ -23,21 +24,16 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ... import comm
-from ...averaging import ModelAverager, PostLocalSGDOptimizer, average_tensors_, tensors_to_average
+from ...averaging import ModelAverager, PostLocalSGDOptimizer
+from ...averaging.tensors import tensors_to_average
 from ...hooks import PowerSGDState
 from ...powersgd import make_plan
 from . import checkpoints
-from .config import ADAMW_BETAS, FAIL_KINDS, DemoConfig, default_start_iter
-from .methods import (DEFAULT_PERIOD, METHOD_KINDS, METHOD_REGISTRY, SPARSELOCO, STREAMING_ALPHA, STREAMING_DELAY,
-                      STREAMING_FRAGMENTS, Method, MethodKind, anchor_bytes, bytes_schedule, method_kind,
-                      parse_methods, warm_up_wire)
+from .config import ADAMW_BETAS, DemoConfig
+from .methods import Method, anchor_bytes, bytes_schedule, method_kind, warm_up_wire
 from .tasks import get_task
 
-# The configuration and the methods live in .config and .methods; this module re-exports them, so
-# ``from gradpress.tools.workloads.training import DemoConfig, parse_methods, SPARSELOCO`` keeps working.
-__all__ = ["DEFAULT_PERIOD", "DemoConfig", "FAIL_KINDS", "METHOD_KINDS", "METHOD_REGISTRY", "Method", "MethodKind",
-           "ProgressFn", "SPARSELOCO", "STREAMING_ALPHA", "STREAMING_DELAY", "STREAMING_FRAGMENTS", "bytes_schedule",
-           "default_start_iter", "make_optimizer", "param_checksum", "parse_methods", "train"]
+__all__ = ["ProgressFn", "make_optimizer", "param_checksum", "train"]
 
 #: ``on_progress(label, step, steps, loss)``: called on rank 0 at every logged step.
 ProgressFn = Callable[[str, int, int, float], None]
@@ -106,7 +102,8 @@ def _data_parallel(model: nn.Module, state_and_hook: tuple[Any, Any], config: De
     ``config.clip_before_averaging`` the hook first clips this worker's gradient, all of it in one bucket."""
     state, hook = state_and_hook
     numel = sum(p.numel() for p in model.parameters())
-    one_bucket = {"bucket_cap_mb": _bucket_cap_mb(numel)} if config.clip_before_averaging else {}
+    # Passed only when wanted: DDP's own default applies otherwise.
+    one_bucket: dict[str, Any] = {"bucket_cap_mb": _bucket_cap_mb(numel)} if config.clip_before_averaging else {}
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **one_bucket)
     if config.clip_before_averaging:
         assert config.clip_grad_norm is not None  # DemoConfig checks it
@@ -181,8 +178,9 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
     set (``rank::world_size``), reshuffled every epoch from the seed; the test metric is over the whole
     test set (sharded, summed across workers). ``wall_time_s`` is the training loop without the
     evaluations, slowest worker; each point of ``curve`` has this worker's training time so far
-    (``time_s``, evaluations excluded: time-to-accuracy). Bytes are the payload one worker sends (:func:`bytes_schedule`);
-    for PowerSGD they are cross-checked against ``PowerSGDState.bytes_stats()``.
+    (``time_s``, evaluations excluded: time-to-accuracy). Bytes are the payload one worker sends
+    (:func:`~gradpress.tools.workloads.methods.bytes_schedule`); for PowerSGD they are cross-checked
+    against ``PowerSGDState.bytes_stats()``.
 
     ``checkpoint_dir``: every ``checkpoint_every`` steps and at the end, each rank saves atomically the
     model, the optimizer (with the averager), the hook's state, its data position, the RNG and the
@@ -288,7 +286,8 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
                 "progress": {"running": running, "running_n": running_n, "sent": sent, "curve": curve,
                              "train_time": train_time},
             })
-            comm.barrier(issuer="the demo's checkpoint")  # every rank holds this step: the older files are no longer needed
+            # Every rank holds this step: the older files are no longer needed.
+            comm.barrier(issuer="the demo's checkpoint")
             checkpoints.prune(run_dir, rank, keep_from=step)
 
     syncs = config.steps
@@ -298,7 +297,7 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
         # final_average: streaming's fragments are never all in step at once).
         if payload[-1] == 0 or kind.final_average:
             start = time.perf_counter()
-            sent += average_tensors_(tensors_to_average(model.parameters()))
+            sent += comm.average_tensors_(tensors_to_average(model.parameters()))
             train_time += time.perf_counter() - start  # part of making the model: counted as training
             syncs += 1
             test_loss, metric = _evaluate(task, model, x_test, y_test, device)
@@ -333,7 +332,8 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
         "total_ratio": allreduce_step * config.steps / sent if sent else None,
         "synchronizations": syncs,
         # Mean over the run's measurements of this worker's overall approximation error (PowerSGD only).
-        "approximation_error": _mean([p["approximation_error"] for p in curve if p.get("approximation_error") is not None]),
+        "approximation_error": _mean([p["approximation_error"] for p in curve
+                                      if p.get("approximation_error") is not None]),
         "approximation_errors": state.approximation_error() if isinstance(state, PowerSGDState) else None,
         # The same for the global residual (of the workers' mean; sketched), and its last values by parameter.
         "global_residual": _mean([p["global_residual"] for p in curve if p.get("global_residual") is not None]),

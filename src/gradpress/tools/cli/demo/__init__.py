@@ -45,21 +45,19 @@ from typing import Any
 
 from ....hooks import PowerSGDState
 from ...check.advice import model_width
-from ...processes import free_port, usable_cores
+from ...processes import usable_cores
 from ...quality_map import advise
 from ...workloads.config import ADAMW_LR, OPTIMIZERS, DemoConfig, default_start_iter
 from ...workloads.methods import METHOD_KINDS, METHOD_REGISTRY, RECOMMENDED, Method, parse_methods
 from ...workloads.tasks import SEQUENCE, TASKS, Task, get_task
 from ..args import int_at_least, int_list, positive_float
-from .plot import make_figure, plot
-from .report import format_markdown, format_rate, format_report, plural, settled, summarize
-from .report import notes as _notes  # noqa: F401  (the README's tests read the notes and the table here)
-from .report import table as _table  # noqa: F401
-from .supervisor import (DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_TIMEOUT, Interrupted, StoppedEarly, WorkerFailure, mp,
+from .plot import plot
+from .report import format_markdown, format_report, plural, summarize
+from .supervisor import (DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_TIMEOUT, Interrupted, StoppedEarly, WorkerFailure,
                          run_workers)
 
-__all__ = ["Interrupted", "Resolved", "StoppedEarly", "WorkerFailure", "format_report", "free_port", "parse_bandwidth",
-           "register", "resolve", "run", "run_workers", "summarize"]
+__all__ = ["Interrupted", "Resolved", "StoppedEarly", "WorkerFailure", "format_report", "parse_bandwidth", "register",
+           "resolve", "run", "run_workers", "summarize"]
 
 
 _DEFAULTS = DemoConfig()
@@ -330,9 +328,13 @@ def resolve(args: argparse.Namespace) -> Resolved:
     details: list[str] = []
     if recipe is not None and rank is None and parse_methods(names, []) != methods:
         details.append(f"rank {recipe.rank}")  # some PowerSGD method took the default rank
-    if options is None and powersgd and (recipe is not None or recommended is not None):
-        options = dict(recipe.powersgd_options if recipe is not None else recommended["powersgd_options"])
-        details.append(f"with {_describe_options(options)}")
+    if options is None and powersgd:
+        if recipe is not None:
+            options = dict(recipe.powersgd_options)
+        elif recommended is not None:
+            options = dict(recommended["powersgd_options"])
+        if options is not None:
+            details.append(f"with {_describe_options(options)}")
     if details:
         applied.append(" ".join(["PowerSGD", *details]))
     note = f"the measured recipe (docs/tuning.md): {', '.join(applied)}" if applied else None

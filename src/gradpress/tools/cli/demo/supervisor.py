@@ -22,10 +22,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from ...processes import free_port
-from ...workloads.training import DemoConfig, Method, ProgressFn
+from ...workloads.config import DemoConfig
+from ...workloads.methods import Method
+from ...workloads.training import ProgressFn
 
 #: Seconds without a report from any worker (a step, an evaluation, a result) after which the run is stopped.
 DEFAULT_TIMEOUT = 600.0
@@ -147,7 +149,7 @@ def _worker(rank: int, world_size: int, port: int, config: dict[str, Any], metho
         import torch.distributed as dist
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        from ...workloads.training import DemoConfig, train
+        from ...workloads.training import train
 
         torch.set_num_threads(1)
         use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
@@ -341,7 +343,8 @@ def _read(channels: dict[Connection, int], ledger: Ledger, wait_s: float,
     if not channels:
         time.sleep(wait_s)
         return
-    for conn in wait(list(channels), timeout=wait_s):
+    # wait() returns the objects it was given (typeshed types them as any waitable).
+    for conn in cast("list[Connection]", wait(list(channels), timeout=wait_s)):
         try:
             msg = conn.recv()
         except (EOFError, OSError):
@@ -457,11 +460,12 @@ def run_workers(config: DemoConfig, workers: int, *, timeout: float = DEFAULT_TI
 
     ``timeout`` is a stall timeout: the run is stopped when no worker has reported anything (an
     optimizer step, an evaluation, a result) for that many seconds, however long the whole run takes;
-    starting the workers, until the first report, may take the collective timeout more. Raises :class:`WorkerFailure` (after stopping every worker) if a worker
-    raises or dies, or the run stalls, and :class:`Interrupted` on Ctrl-C; both carry the results of the
-    methods every worker had finished (:class:`StoppedEarly`). No worker process outlives this call. A
-    collective waits ``collective_timeout`` seconds (at most ``timeout``) for a dead or stuck peer; the
-    report then names the worker that was stuck.
+    starting the workers, until the first report, may take the collective timeout more. Raises
+    :class:`WorkerFailure` (after stopping every worker) if a worker raises or dies, or the run stalls, and
+    :class:`Interrupted` on Ctrl-C; both carry the results of the methods every worker had finished
+    (:class:`StoppedEarly`). No worker process outlives this call. A collective waits
+    ``collective_timeout`` seconds (at most ``timeout``) for a dead or stuck peer; the report then names
+    the worker that was stuck.
     """
     ctx = mp.get_context("spawn")
     joining = min(timeout, collective_timeout)
