@@ -5,7 +5,7 @@ streamed and compressed variants at 8, 16 or 32 replicas on a machine with 2 cor
 number of replicas (not only on the global batch, as PowerSGD's do), and 32 processes do not fit 2 cores.
 Here ``--replicas W`` runs ``gradpress.tools.workloads.training.train`` for every rank as a thread of this
 process (``gradpress.tools.workloads.replicas.train_replicas``: torch's threaded process group, the demo's
-code path unchanged; ``tests/test_replicas.py`` checks it equals gloo processes). One run per call, one JSON
+code path unchanged; ``tests/tools/test_replicas.py`` checks it equals gloo processes). One run per call, one JSON
 per run in ``--out`` with quality_study's fields (``workers`` is W), so both scripts' runs share a table::
 
     python3 benchmarks/replica_study.py --task charlm --replicas 16 --steps 800 --start-iter 80 --evals 20 \\

@@ -9,7 +9,7 @@ rank a thread and a member of an in-memory process group (PyTorch's threaded gro
 hooks, the averagers, the outer step and the compressors runs as it does on W real workers: nothing of
 their arithmetic is re-derived here.
 
-What equals real workers (``tests/test_replicas.py`` checks against W gloo processes): each replica's data
+What equals real workers (``tests/tools/test_replicas.py`` checks against W gloo processes): each replica's data
 shard and order, the initial weights (rank 0's, broadcast by DDP), the warm-up, the optimizer and its
 learning-rate schedule, every collective in the same order, and so the curve, the bytes and the final
 parameters. A sum over ranks is taken in rank order (``((x0 + x1) + x2) + ...``) where gloo's ring adds in
