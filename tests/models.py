@@ -69,3 +69,11 @@ def floats_sent_by_hand(shapes, rank, min_rate: float = 2.0) -> int:
         r = min(n, m, r)
         total += (n + m) * r if (n + m) * r * min_rate < n * m else numel
     return total
+
+
+def matrix_with_spectrum(n, m, singular_values, seed=0):
+    """An ``n x m`` float64 matrix with exactly these singular values (random singular vectors from ``seed``)."""
+    g = torch.Generator().manual_seed(seed)
+    u, _ = torch.linalg.qr(torch.randn(n, len(singular_values), generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(m, len(singular_values), generator=g, dtype=torch.float64))
+    return u @ torch.diag(torch.tensor(singular_values, dtype=torch.float64)) @ v.T

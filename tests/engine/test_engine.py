@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+
+from models import matrix_with_spectrum
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,13 +20,6 @@ def make_segment(shapes, config, dtype=torch.float32):
     from gradpress.powersgd.memory import work_dtype_for
     plan = make_plan(shapes, config.rank, config.min_compression_rate)
     return Segment(plan, list(range(len(shapes))), torch.device("cpu"), work_dtype_for(dtype))
-
-
-def matrix_with_spectrum(n, m, singular_values, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    u, _ = torch.linalg.qr(torch.randn(n, len(singular_values), generator=g, dtype=torch.float64))
-    v, _ = torch.linalg.qr(torch.randn(m, len(singular_values), generator=g, dtype=torch.float64))
-    return u @ torch.diag(torch.tensor(singular_values, dtype=torch.float64)) @ v.T
 
 
 @pytest.mark.parametrize("rank", [1, 2, 4])

@@ -16,10 +16,9 @@ import contextlib
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-import gradpress.powersgd.step as step_module
 from distributed import run
+from host_reads import CountSyncingOps, ForbidSyncingOps, HostRead, as_on_an_accelerator, no_host_reads
 import gradpress
 from gradpress import Config, PowerSGD
 from gradpress.comm import LocalCommunicator
@@ -43,69 +42,6 @@ CONFIGS = {
     "three-iterations": {"num_iters_per_step": 3},
     "three-iterations-fp16-wire": {"num_iters_per_step": 3, "bytes_per_weight": 2},
 }
-
-#: ATen ops that read device values on the host (a stream sync on an accelerator).
-SYNCING_OPS = frozenset({"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.equal",
-                         "aten.is_nonzero", "aten._unique2", "aten.unique_dim", "aten.unique_consecutive"})
-#: Indexing ops that turn a boolean mask into indices (by a ``nonzero`` in C++ that is never dispatched).
-INDEXING_OPS = frozenset({"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"})
-#: Python methods that read values (``tolist``/``numpy`` never reach the dispatcher).
-READING_METHODS = ("__bool__", "item", "tolist", "nonzero", "__int__", "__float__", "__index__", "numpy")
-
-
-class HostRead(AssertionError):
-    pass
-
-
-def _syncs(func, args) -> bool:
-    name = str(func.overloadpacket)
-    if name in INDEXING_OPS and len(args) > 1:
-        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
-    return name in SYNCING_OPS
-
-
-class _ForbidSyncingOps(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _syncs(func, args):
-            raise HostRead(f"{func} reads a tensor's value on the host (a stream sync on a GPU)")
-        return func(*args, **(kwargs or {}))
-
-
-class _CountSyncingOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += _syncs(func, args)
-        return func(*args, **(kwargs or {}))
-
-
-def _forbidden(name):
-    def method(self, *args, **kwargs):
-        raise HostRead(f"Tensor.{name} reads a tensor's value on the host (a stream sync on a GPU)")
-    return method
-
-
-@contextlib.contextmanager
-def no_host_reads():
-    """Raise :class:`HostRead` on any read of a tensor's value inside the block."""
-    with pytest.MonkeyPatch.context() as patch:
-        for name in READING_METHODS:
-            patch.setattr(torch.Tensor, name, _forbidden(name))
-        with _ForbidSyncingOps():
-            yield
-
-
-@contextlib.contextmanager
-def as_on_an_accelerator():
-    """Run the engine's CPU tensors down the path it takes where reading a value waits for the device.
-
-    ``raising=False``: code without the guard has no such switch, and then fails on its reads."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(step_module, "_reading_waits", lambda device: True, raising=False)
-        yield
-
 
 def _gradients(step, bad, dtype=torch.float32, device="cpu"):
     generator = torch.Generator().manual_seed(100 + step)
@@ -145,9 +81,9 @@ def test_the_guard_catches_reads_python_and_aten_alike():
             read()
     # C++ calls that no Python method sees: boolean-mask assignment (the pre-15.4 engine zeroed
     # error memory this way) and torch.equal.
-    with pytest.raises(HostRead), _ForbidSyncingOps():
+    with pytest.raises(HostRead), ForbidSyncingOps():
         x[~x.isfinite()] = 0
-    with pytest.raises(HostRead), _ForbidSyncingOps():
+    with pytest.raises(HostRead), ForbidSyncingOps():
         torch.equal(x, x)
     with no_host_reads():  # and what the engine does instead passes
         finite = x.isfinite().all(dim=0, keepdim=True)
@@ -220,7 +156,7 @@ def test_on_the_cpu_a_step_reads_one_flag_and_writes_the_memory_in_place():
     _run(segment, _gradients(0, False), config, 0)
     memory = segment.error_memory.data_ptr()
     before = [w.clone() for w in segment.error_views]
-    counter = _CountSyncingOps()
+    counter = CountSyncingOps()
     with counter:
         _run(segment, _gradients(1, False), config, 1)
     assert counter.count == 1  # the step's all-finite flag: free on the CPU, and it saves a full pass

@@ -370,7 +370,7 @@ def _equal_lists(a, b) -> bool:
 @pytest.mark.parametrize("name", list(ENGINE_CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_engine_non_finite_step_restores_every_segment_bitwise(name, path, dtype):
-    from test_host_sync import as_on_an_accelerator, no_host_reads
+    from host_reads import as_on_an_accelerator, no_host_reads
 
     config = gradpress.powersgd.EngineConfig(rank=2, min_compression_rate=0, random_seed=5, **ENGINE_CONFIGS[name])
     with_p = config.num_iters_per_step is not None
@@ -409,7 +409,7 @@ def test_engine_non_finite_step_restores_every_segment_bitwise(name, path, dtype
 
 
 def test_engine_reads_one_flag_per_step_on_the_cpu_and_keeps_no_second_memory():
-    from test_host_sync import _CountSyncingOps
+    from host_reads import CountSyncingOps
     from gradpress.powersgd.memory import ALIGNMENT_BYTES, Workspace
 
     config = gradpress.powersgd.EngineConfig(rank=2, min_compression_rate=0)
@@ -418,7 +418,7 @@ def test_engine_reads_one_flag_per_step_on_the_cpu_and_keeps_no_second_memory():
     for segment in segments:  # as the segments of one state share it
         segment.workspace = workspace
     _engine_step(segments, _engine_grads(0, False, torch.float32), config, 0)
-    counter = _CountSyncingOps()
+    counter = CountSyncingOps()
     with counter:
         _engine_step(segments, _engine_grads(1, False, torch.float32), config, 1)
     assert counter.count == 1  # one flag for the whole step (two segments), read where reading is free

@@ -18,7 +18,7 @@ from gradpress import Config, PowerSGD
 from gradpress.comm import LocalCommunicator
 from gradpress.powersgd import EngineConfig, Segment, make_plan
 from gradpress.powersgd.step import compress_step
-from test_host_sync import as_on_an_accelerator, no_host_reads
+from host_reads import as_on_an_accelerator, no_host_reads
 
 WORLD = 2
 SHAPES = [(12, 9), (12, 9), (7, 10), (5,), (6, 2, 2, 2)]

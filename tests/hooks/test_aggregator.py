@@ -14,7 +14,7 @@ from gradpress import AllReduce, Config, PowerSGD, optimizer_step
 from gradpress.comm import LocalCommunicator
 from gradpress.powersgd import EngineConfig, Segment, make_plan
 from gradpress.powersgd.step import alternating_step, compress_step
-from test_engine import matrix_with_spectrum
+from models import matrix_with_spectrum
 
 WORLD = 2
 

@@ -1,0 +1,74 @@
+"""Guards the tests share: fail on any read of a tensor's value on the host (a stream sync on an
+accelerator), count such reads, and run the engine's CPU tensors down its accelerator path."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gradpress.powersgd.step as step_module
+
+#: ATen ops that read device values on the host (a stream sync on an accelerator).
+SYNCING_OPS = frozenset({"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.equal",
+                         "aten.is_nonzero", "aten._unique2", "aten.unique_dim", "aten.unique_consecutive"})
+#: Indexing ops that turn a boolean mask into indices (by a ``nonzero`` in C++ that is never dispatched).
+INDEXING_OPS = frozenset({"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"})
+#: Python methods that read values (``tolist``/``numpy`` never reach the dispatcher).
+READING_METHODS = ("__bool__", "item", "tolist", "nonzero", "__int__", "__float__", "__index__", "numpy")
+
+
+class HostRead(AssertionError):
+    pass
+
+
+def _syncs(func, args) -> bool:
+    name = str(func.overloadpacket)
+    if name in INDEXING_OPS and len(args) > 1:
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    return name in SYNCING_OPS
+
+
+class ForbidSyncingOps(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _syncs(func, args):
+            raise HostRead(f"{func} reads a tensor's value on the host (a stream sync on a GPU)")
+        return func(*args, **(kwargs or {}))
+
+
+class CountSyncingOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += _syncs(func, args)
+        return func(*args, **(kwargs or {}))
+
+
+def _forbidden(name):
+    def method(self, *args, **kwargs):
+        raise HostRead(f"Tensor.{name} reads a tensor's value on the host (a stream sync on a GPU)")
+    return method
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Raise :class:`HostRead` on any read of a tensor's value inside the block."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in READING_METHODS:
+            patch.setattr(torch.Tensor, name, _forbidden(name))
+        with ForbidSyncingOps():
+            yield
+
+
+@contextlib.contextmanager
+def as_on_an_accelerator():
+    """Run the engine's CPU tensors down the path it takes where reading a value waits for the device.
+
+    ``raising=False``: code without the guard has no such switch, and then fails on its reads."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(step_module, "_reading_waits", lambda device: True, raising=False)
+        yield
