@@ -23,8 +23,8 @@ import models
 from gradpress.tools.cli import demo
 from gradpress.tools.cli.demo import WorkerFailure, run_workers
 from gradpress.tools.cli.demo.plot import make_figure
-from gradpress.tools.cli.demo.supervisor import (Ledger, StepReporter, WorkerError, failure_report, is_peer_loss,
-                                                 supervise)
+from gradpress.tools.cli.demo.failures import WorkerError, failure_report, is_peer_loss
+from gradpress.tools.cli.demo.supervisor import Ledger, StepReporter, supervise
 from gradpress.comm import CollectiveError
 from gradpress.tools.cli.main import build_parser, main
 from gradpress.tools.workloads import DemoConfig, default_start_iter, get_task, parse_methods

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import re
 import signal
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol, cast
@@ -28,6 +26,7 @@ from ...processes import free_port
 from ...workloads.config import DemoConfig
 from ...workloads.methods import Method
 from ...workloads.training import ProgressFn
+from .failures import WorkerError, failure_report, is_peer_loss, root_cause_line
 
 #: Seconds without a report from any worker (a step, an evaluation, a result) after which the run is stopped.
 DEFAULT_TIMEOUT = 600.0
@@ -81,38 +80,6 @@ class Interrupted(StoppedEarly, KeyboardInterrupt):
 
 
 # --- workers ------------------------------------------------------------------------------------------
-
-#: What gloo and NCCL say when a peer's connection went away (not every backend raises a DistError for
-#: it), and how a CollectiveError reads once DDP has re-raised it from a comm hook's future as a plain
-#: RuntimeError ("Got the following error when running the callback: CollectiveError: ...").
-_PEER_LOSS_WORDS = ("collectiveerror:", "connection closed by peer", "connection reset by peer", "broken pipe",
-                    "communicator was aborted")
-
-
-def is_peer_loss(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective that failed because a peer died, hung or left, and so a
-    consequence of another worker's failure rather than a failure of this worker's own: a
-    :class:`gradpress.comm.CollectiveError` or a ``torch.distributed.DistError`` anywhere in its chain
-    of causes, an error whose text carries a CollectiveError (a comm hook's, re-raised by DDP), or a
-    backend error saying that a peer's connection is gone."""
-    kinds: list[type] = []
-    try:
-        from ....comm.errors import CollectiveError
-        kinds.append(CollectiveError)
-    except Exception:  # noqa: BLE001 - a worker that failed to import torch has no collective to blame
-        pass
-    dist_error = getattr(sys.modules.get("torch.distributed"), "DistError", None)
-    if isinstance(dist_error, type):
-        kinds.append(dist_error)
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, tuple(kinds)) or any(word in str(current).lower() for word in _PEER_LOSS_WORDS):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
-
 
 class StepReporter:
     """A global optimizer step post-hook (``torch.optim.optimizer.register_optimizer_step_post_hook``):
@@ -183,16 +150,6 @@ def _worker(rank: int, world_size: int, port: int, config: dict[str, Any], metho
 
 # --- what the supervisor heard ------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class WorkerError:
-    """A worker's traceback. ``consequence``: its exception is a collective that lost a peer
-    (:func:`is_peer_loss`), so another worker caused it."""
-
-    method: str | None
-    traceback: str
-    consequence: bool
-
-
 class Ledger:
     """What the supervisor has heard from the workers: their results, their errors, and when any of
     them last made progress. Pure bookkeeping, fed one message at a time (:meth:`receive`)."""
@@ -247,82 +204,6 @@ class Ledger:
     def stopped(self) -> str | None:
         """The label of the first method that not every worker finished (the one running), if any."""
         return next((m.label for m in self.methods if len(self.results[m.spec]) < self.workers), None)
-
-
-# --- the failure report -------------------------------------------------------------------------------
-
-def _stuck_line(rank: int) -> str:
-    return (f"worker rank {rank} was still running and reported no error: it is probably stuck (the others' "
-            "collectives timed out waiting for it)")
-
-
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Warning)\b")
-
-
-def _exception_line(tb: str, limit: int = 240) -> str:
-    """The last ``SomeError: message`` line of a traceback (shortened), or its last line."""
-    lines = [line for line in tb.strip().splitlines() if line.strip()]
-    fallback = lines[-1] if lines else "?"
-    found = next((line for line in reversed(lines) if _EXCEPTION_LINE.match(line)), fallback)
-    return found if len(found) <= limit else found[: limit - 3] + "..."
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "was still running"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def _during(method: str | None) -> str:
-    return f" during {method}" if method else ""
-
-
-def root_causes(errors: dict[int, WorkerError], exit_codes: Sequence[int | None]) -> list[int]:
-    """The ranks that failed on their own, in rank order: a worker whose exception is not a collective
-    that lost a peer, and a worker that died (non-zero exit code, a signal) without a traceback. Which
-    message arrived first plays no part: a crashed worker is often heard from after the peers whose
-    collectives its exit broke."""
-    own = {rank for rank, error in errors.items() if not error.consequence}
-    silent = {rank for rank, code in enumerate(exit_codes) if code not in (None, 0) and rank not in errors}
-    return sorted(own | silent)
-
-
-def failure_report(errors: dict[int, WorkerError], exit_codes: Sequence[int | None], reason: str | None = None) -> str:
-    """What to print when the workers failed: each root cause (:func:`root_causes`: the traceback of a
-    worker that raised on its own, or how a worker died without one); without one, the workers still
-    running while the others' collectives failed (probably stuck); then the other workers' errors, one
-    line each, as consequences. ``exit_codes`` are taken before the survivors were stopped (``None``:
-    still running)."""
-    lines: list[str] = []
-    roots = root_causes(errors, exit_codes)
-    consequences = sorted(rank for rank, error in errors.items() if error.consequence)
-    for rank in roots:
-        if rank in errors:
-            lines.append(f"worker rank {rank} failed{_during(errors[rank].method)}:")
-            lines.append(errors[rank].traceback.rstrip())
-        else:
-            lines.append(f"worker rank {rank} {_describe_exit(exit_codes[rank])} without a traceback "
-                         "(any output it printed is above)")
-    if not roots and consequences:
-        stuck = [rank for rank, code in enumerate(exit_codes) if code is None and rank not in errors]
-        lines += [_stuck_line(rank) for rank in stuck]
-        if not stuck:  # every worker's collective failed, none on its own: show one in full
-            first = consequences.pop(0)
-            lines.append(f"every worker failed in a collective (none on its own: a network problem, or a "
-                         f"worker stopped from outside?); worker rank {first} failed{_during(errors[first].method)}:")
-            lines.append(errors[first].traceback.rstrip())
-    for rank in consequences:
-        lines.append(f"worker rank {rank} also failed{_during(errors[rank].method)}, as a consequence (its "
-                     f"collective lost a peer): {_exception_line(errors[rank].traceback)}")
-    if reason:
-        lines.append(reason)
-    lines.append("stopped all workers")
-    return "\n".join(lines)
 
 
 # --- supervising --------------------------------------------------------------------------------------
@@ -392,7 +273,8 @@ def supervise(ledger: Ledger, channels: dict[Connection, int], procs: Sequence[_
             last = ledger.last_evaluation
             if last is not None and last[0] == running:
                 stall += f" (the last evaluation was at step {last[1]} of {last[2]})"
-            reason = (f"the run stalled{_during(running)}: {stall}; --timeout {timeout:g} stops a run after that "
+            where = f" during {running}" if running else ""
+            reason = (f"the run stalled{where}: {stall}; --timeout {timeout:g} stops a run after that "
                       "long without progress (raise it if a step or an evaluation can take longer on this machine)")
             break
         if not ledger.heard and ledger.idle() > timeout + startup:
@@ -409,16 +291,10 @@ def supervise(ledger: Ledger, channels: dict[Connection, int], procs: Sequence[_
             proc.join(timeout=1)
     codes = [proc.exitcode for proc in procs]
     report = failure_report(ledger.errors, codes, reason)
-    roots = root_causes(ledger.errors, codes)
     if kind == "stalled":
         summary = stall
-    elif not roots:
-        summary = reason or report.splitlines()[0]
-    elif roots[0] in ledger.errors:
-        error = ledger.errors[roots[0]]
-        summary = f"worker rank {roots[0]} failed{_during(error.method)}: {_exception_line(error.traceback)}"
     else:
-        summary = f"worker rank {roots[0]} {_describe_exit(codes[roots[0]])}"
+        summary = root_cause_line(ledger.errors, codes) or reason or report.splitlines()[0]
     raise WorkerFailure(report, ledger.completed(), ledger.stopped(), kind, summary)
 
 
