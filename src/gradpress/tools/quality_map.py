@@ -190,8 +190,8 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
         return Advice("fp16", None, {}, "measured to fall behind",
                       f"{words} {where}: PowerSGD was measured behind allreduce at {worst.tokens_per_step:,} "
                       f"tokens/step (rank {worst.rank}: best {worst.best_vs_allreduce:+.1f}%, over the "
-                      f"{QUALITY_TARGET}% target) and yours is {tokens_per_step:,}: the fp16 hook halves the bytes and keeps "
-                      "allreduce's steps",
+                      f"{QUALITY_TARGET}% target) and yours is {tokens_per_step:,}: the fp16 hook halves the "
+                      "bytes and keeps allreduce's steps",
                       lr, tuple(failed))
     held = sorted((m for m in rows if m.holds), key=lambda m: m.tokens_per_step)
     covering = [m for m in held if m.tokens_per_step >= tokens_per_step]
