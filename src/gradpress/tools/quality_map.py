@@ -91,7 +91,8 @@ def _row(task: str, width: int, optimizer: Literal["sgd", "adamw"], sequences: i
 
 #: The measured rows, each with an fp16 wire and compression from step 80 of 800 (BENCHMARKS.md).
 #: SGD: momentum 0.9, 16 sequences per worker, 2 and 4 workers. AdamW: nanoGPT's (betas 0.9/0.95,
-#: weight decay 0.1, warm-up then cosine), 2 workers x 16, 64 or 128 sequences.
+#: weight decay 0.1, warm-up then cosine), 2 workers x 16, 64 or 128 sequences (2, 8 and 16 workers' worth
+#: of 16).
 MEASURED: tuple[Measured, ...] = (
     _row("charlm", 256, "sgd", 32, 22, 0.97, 0.97, 10.58, 2.0, "quality/study-charlm-w2-powersgd22-half-lr2.0"),
     _row("charlm", 256, "sgd", 64, 22, 0.23, 1.06, 10.58, 2.0, "quality/study-charlm-w4-powersgd22-half-lr2.0"),
@@ -106,6 +107,8 @@ MEASURED: tuple[Measured, ...] = (
     _row("gpt", 128, "adamw", 32, 16, 1.23, 1.23, 11.25, 3e-3, "quality-adamw/adamw-gpt-w2b16-powersgd16-fp16-lr3e-3"),
     _row("gpt", 128, "adamw", 128, 16, -1.52, -0.38, 11.25, 3e-3,
          "quality-adamw/adamw-gpt-w2b64-powersgd16-fp16-lr3e-3"),
+    _row("gpt", 128, "adamw", 256, 16, -11.31, -0.25, 11.25, 3e-3,
+         "quality-adamw/adamw-gpt-w2b128-powersgd16-fp16-lr3e-3"),
 )
 
 
@@ -153,8 +156,10 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
     trained with ``optimizer`` (``"sgd"`` or ``"adamw"``) at ``tokens_per_step`` over all workers. With
     ``task`` (a demo task) the task's own rows (``"not measured"`` for a task the map does not have, such
     as the digits CNN); without it (a user's model), the rows of the nearest measured width.
-    The rank is :func:`rank_for_width`'s; the learning rate, where the same task was measured with this
-    optimizer, the tuned allreduce's at the nearest measured batch.
+    The rank is the smallest measured rank, from :func:`rank_for_width`'s up, that was not measured behind
+    allreduce at this batch or a smaller one (a wider model may need more than the rule's cap); the
+    learning rate, where the same task was measured with this optimizer, the tuned allreduce's at the
+    nearest measured batch.
     """
     if optimizer not in _OPTIMIZER_WORDS:
         raise ValueError(f"optimizer must be one of {', '.join(_OPTIMIZER_WORDS)}, got {optimizer!r}")
@@ -183,26 +188,46 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
     lr = None
     if same_task:
         lr = min(rows, key=lambda m: (abs(math.log(m.tokens_per_step / tokens_per_step)), m.tokens_per_step)).lr
-    failed = sorted((m for m in rows if not m.holds and m.tokens_per_step <= tokens_per_step),
-                    key=lambda m: m.tokens_per_step)
-    if failed:
-        worst = failed[0]
+    beyond: Advice | None = None
+    failures: list[Measured] = []
+    for r in sorted({rank} | {m.rank for m in rows if m.rank > rank}):  # never below the rule's rank
+        at_rank = [m for m in rows if m.rank == r]
+        failed = sorted((m for m in at_rank if not m.holds and m.tokens_per_step <= tokens_per_step),
+                        key=lambda m: m.tokens_per_step)
+        if failed:  # behind at this batch or a smaller one: try a higher measured rank
+            failures.append(failed[0])
+            continue
+        held = sorted((m for m in at_rank if m.holds), key=lambda m: m.tokens_per_step)
+        covering = [m for m in held if m.tokens_per_step >= tokens_per_step]
+        if covering:
+            row = covering[0]
+            return Advice("powersgd", r, dict(FP16_WIRE), "measured",
+                          f"{words} {where}: {row.describe()} (target {QUALITY_TARGET}%)" + _after(failures),
+                          lr, (row, *failures))
+        if held and beyond is None:
+            row = held[-1]
+            beyond = Advice("powersgd", r, dict(FP16_WIRE), "beyond the map",
+                            f"{words} {where}: the largest measured batch, {row.describe()}; yours, "
+                            f"{tokens_per_step:,} tokens/step, is beyond it: read the global residual "
+                            "(docs/tuning.md)" + _after(failures), lr, (row, *failures))
+    if beyond is not None:
+        return beyond
+    if failures:
+        worst = failures[0]
         return Advice("fp16", None, {}, "measured to fall behind",
                       f"{words} {where}: PowerSGD was measured behind allreduce at {worst.tokens_per_step:,} "
                       f"tokens/step (rank {worst.rank}: best {worst.best_vs_allreduce:+.1f}%, over the "
                       f"{QUALITY_TARGET}% target) and yours is {tokens_per_step:,}: the fp16 hook halves the "
-                      "bytes and keeps allreduce's steps",
-                      lr, tuple(failed))
-    held = sorted((m for m in rows if m.holds), key=lambda m: m.tokens_per_step)
-    covering = [m for m in held if m.tokens_per_step >= tokens_per_step]
-    if covering:
-        row = covering[0]
-        return Advice("powersgd", rank, dict(FP16_WIRE), "measured",
-                      f"{words} {where}: {row.describe()} (target {QUALITY_TARGET}%)", lr, (row,))
-    row = held[-1]
-    return Advice("powersgd", rank, dict(FP16_WIRE), "beyond the map",
-                  f"{words} {where}: the largest measured batch, {row.describe()}; yours, {tokens_per_step:,} "
-                  "tokens/step, is beyond it: read the global residual (docs/tuning.md)", lr, (row,))
+                      "bytes and keeps allreduce's steps", lr, tuple(failures))
+    return Advice("powersgd", rank, dict(FP16_WIRE), "not measured",
+                  f"PowerSGD was not measured with {words} {where} at rank {rank} or above: rank {rank} (width "
+                  f"{width} / 8) with an fp16 wire is the rule of the measured recipes; watch the global residual "
+                  "(docs/tuning.md)", lr)
+
+
+def _after(failures: list[Measured]) -> str:
+    """What the advice passed over: the lower ranks measured behind allreduce."""
+    return "".join(f"; rank {m.rank} was behind ({m.describe()})" for m in failures)
 
 
 def markdown_table() -> str:
