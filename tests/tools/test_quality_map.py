@@ -192,3 +192,25 @@ def test_the_tuning_guide_shows_the_maps_rows() -> None:
 
     guide = (Path(__file__).resolve().parents[2] / "docs" / "tuning.md").read_text()
     assert markdown_table() in guide
+
+
+def test_a_higher_measured_rank_that_held_is_advised_over_the_rules_rank_that_fell_behind(monkeypatch) -> None:
+    from gradpress.tools import quality_map
+    from gradpress.tools.quality_map import Measured
+
+    def row(rank: int, tokens: int, best: float) -> Measured:
+        return Measured("wide", 256, "adamw", tokens, rank, best, best, 10.0, 1e-3, f"r{rank}-t{tokens}")
+
+    monkeypatch.setattr(quality_map, "MEASURED", (row(22, 2048, 2.9), row(32, 2048, 1.1)))
+    advice = advise(256, "adamw", 2048, task="wide")
+    assert (advice.method, advice.rank, advice.status) == ("powersgd", 32, "measured")
+    assert [m.label for m in advice.evidence] == ["r32-t2048", "r22-t2048"] and "rank 22 was behind" in advice.reason
+    # Larger than the batch where 32 held: still 32, beyond the map. Smaller: 32 too, the rank measured to
+    # hold at a larger batch (22 fell behind at that batch, and nothing says it holds at this one).
+    assert (advise(256, "adamw", 8192, task="wide").rank, advise(256, "adamw", 8192, task="wide").status) == (
+        32, "beyond the map")
+    assert (advise(256, "adamw", 1024, task="wide").rank, advise(256, "adamw", 1024, task="wide").status) == (
+        32, "measured")
+    # Every measured rank behind at this batch: the fp16 hook.
+    monkeypatch.setattr(quality_map, "MEASURED", (row(22, 2048, 2.9), row(32, 2048, 1.9)))
+    assert advise(256, "adamw", 2048, task="wide").method == "fp16"
