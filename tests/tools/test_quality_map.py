@@ -48,7 +48,8 @@ def test_rows_carry_the_tasks_width_and_the_rank_rule(task: str) -> None:
     width = model_width([tuple(p.shape) for p in get_task(task).build().parameters()])
     rows = [m for m in MEASURED if m.task == task]
     assert {m.width for m in rows} == {width}
-    assert {m.rank for m in rows} == {rank_for_width(width)} == {recipe_rule().rank(width)}
+    # the rule's rank, and higher ones where the rule's fell behind
+    assert min(m.rank for m in rows) == rank_for_width(width) == recipe_rule().rank(width)
     recipe = get_task(task).recipe
     assert recipe is not None and recipe.rank == rank_for_width(width)
 
@@ -74,7 +75,8 @@ def test_advice_follows_the_rows() -> None:
     assert (advice.method, advice.status) == ("powersgd", "beyond the map")
     # Another model: the nearest measured width's rows, the rank from its own width, no lr.
     advice = advise(768, "adamw", _tokens(64))
-    assert advice.rank == 22 and advice.lr is None and "width 128" in advice.reason
+    assert (advice.rank, advice.status, advice.lr) == (32, "beyond the map", None)
+    assert "width 256 (the nearest measured to 768)" in advice.reason
     advice = advise(200, "sgd", _tokens(64))
     assert advice.method == "fp16" and "width 256" in advice.reason
 
