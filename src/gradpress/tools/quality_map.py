@@ -109,6 +109,8 @@ MEASURED: tuple[Measured, ...] = (
          "quality-adamw/adamw-gpt-w2b64-powersgd16-fp16-lr3e-3"),
     _row("gpt", 128, "adamw", 256, 16, -11.31, -0.25, 11.25, 3e-3,
          "quality-adamw/adamw-gpt-w2b128-powersgd16-fp16-lr3e-3"),
+    _row("gpt-wide", 256, "adamw", 32, 22, 2.18, 2.18, 16.45, 1.5e-3,
+         "quality-adamw/adamw-gpt-wide-w2b16-powersgd22-fp16-lr1.5e-3"),
     _row("gpt-wide", 256, "adamw", 32, 32, 1.30, 1.30, 11.31, 1.5e-3,
          "quality-adamw/adamw-gpt-wide-w2b16-powersgd32-fp16-lr1.5e-3"),
 )
