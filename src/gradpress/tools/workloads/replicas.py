@@ -34,7 +34,6 @@ import torch.distributed as dist
 
 from .config import DemoConfig
 from .methods import Method
-from .tasks import Task
 from .training import ProgressFn, train
 
 __all__ = ["DEFAULT_TIMEOUT_S", "train_replicas"]
@@ -74,26 +73,6 @@ def _threaded_world() -> Iterator[Any]:
         isolation(False)
 
 
-@contextlib.contextmanager
-def _one_model_build_at_a_time() -> Iterator[None]:
-    """``Task.model`` seeds torch's process-wide generator, builds, and restores it: two threads building at
-    once would draw from each other's seeds, and rank 0's initial weights (the ones DDP broadcasts) would
-    not be a worker's. Builds take turns while the replicas run; nothing else changes."""
-    build = Task.model
-
-    def model(self: Task, seed: int) -> torch.nn.Module:
-        with lock:
-            return build(self, seed)
-
-    lock = threading.Lock()
-    model.__doc__ = build.__doc__
-    Task.model = model  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        Task.model = build  # type: ignore[method-assign]
-
-
 def _check(method: Method, config: DemoConfig, replicas: int) -> None:
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
@@ -123,7 +102,7 @@ def train_replicas(method: Method, config: DemoConfig, replicas: int, *, on_prog
     if dist.is_available() and dist.is_initialized():
         raise ValueError("train_replicas runs its own process group: call it outside torch.distributed "
                          "(this thread already has a default process group)")
-    with _RUNNING, _threaded_world() as group_class, _one_model_build_at_a_time():
+    with _RUNNING, _threaded_world() as group_class:
         store = dist.HashStore()
         results: list[dict[str, Any] | None] = [None] * replicas
         errors: dict[int, BaseException] = {}

@@ -24,6 +24,7 @@ wire precision); only ``gradpress demo`` applies it, and ``Task.lr`` stays the t
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -166,6 +167,10 @@ class Recipe:
 _FP16_WIRE = {"bytes_per_weight": 2}
 
 
+#: One model build at a time in a process (:meth:`Task.model`).
+_BUILDING = threading.Lock()
+
+
 @dataclass(frozen=True)
 class Task:
     """A demo task: how to load its data, build its model, and score it.
@@ -187,13 +192,16 @@ class Task:
     recipe: Recipe | None = None
 
     def model(self, seed: int) -> nn.Module:
-        """The model, initialised from ``seed`` only (the same on every worker and for every method)."""
-        state = torch.random.get_rng_state()
-        try:
-            torch.manual_seed(seed)
-            return self.build()
-        finally:
-            torch.random.set_rng_state(state)
+        """The model, initialised from ``seed`` only (the same on every worker and for every method). It
+        seeds torch's process-wide generator, so builds take turns: replicas simulated as threads of one
+        process (:mod:`.replicas`) would otherwise draw from each other's seeds."""
+        with _BUILDING:
+            state = torch.random.get_rng_state()
+            try:
+                torch.manual_seed(seed)
+                return self.build()
+            finally:
+                torch.random.set_rng_state(state)
 
     def loss(self, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
         """Mean cross-entropy of the batch."""
