@@ -300,7 +300,9 @@ def resolve(args: argparse.Namespace) -> Resolved:
     (:class:`~gradpress.tools.workloads.Recipe`), what ``--lr``, ``--rank`` and ``--powersgd-options`` leave out
     comes from it: its lr for every method (the allreduce baseline is the tuned one too), its rank for the
     PowerSGD methods given without ``:R``, its options for the PowerSGD methods; elsewhere the task's lr
-    and :data:`DEFAULT_RANKS`. ``ValueError`` for an unknown task or a bad ``--methods``.
+    and :data:`DEFAULT_RANKS`. With AdamW the lr comes from the quality map where it has the task. The
+    method ``recommended`` is replaced by what :func:`recommendation` advises (``Resolved.recommended``
+    says what and why). ``ValueError`` for an unknown task or a bad ``--methods``.
     """
     recipe = get_task(args.task).recipe
     rank = args.rank
