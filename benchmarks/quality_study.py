@@ -278,10 +278,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> Non
           f"than allreduce)", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_arguments(parser: argparse.ArgumentParser, per: str) -> None:
+    """The training arguments this script shares with ``replica_study.py`` (``per``: what one
+    ``--batch-size`` is for, a worker or a replica)."""
     parser.add_argument("--task", default="charlm")
-    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--start-iter", type=int, default=80)
     parser.add_argument("--evals", type=int, default=20)
@@ -290,7 +290,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
                         help="adamw: nanoGPT's (betas 0.9/0.95, weight decay 0.1 on matrices, warm-up, cosine)")
-    parser.add_argument("--batch-size", type=int, default=None, help="per worker per step (default: the task's)")
+    parser.add_argument("--batch-size", type=int, default=None, help=f"per {per} per step (default: the task's)")
+
+
+def command_line(script: str, argv: list[str]) -> str:
+    """The command that reproduces a run, recorded in its JSON (arguments with shell characters quoted).
+
+    >>> print(command_line("quality_study.py", ["--lr", "0.1", "--powersgd-options", '{"a": 1}']))
+    python3 benchmarks/quality_study.py --lr 0.1 --powersgd-options '{"a": 1}'
+    """
+    return f"python3 benchmarks/{script} " + " ".join(
+        a if a.replace("-", "").replace(".", "").replace("_", "").replace(":", "").replace("/", "").isalnum()
+        else "'" + a + "'" for a in argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=2)
+    add_run_arguments(parser, "worker")
     parser.add_argument("--methods", "--method", default="allreduce", help="one method, e.g. allreduce or powersgd:4")
     parser.add_argument("--powersgd-options", "--options", default=None,
                         help='JSON object of further PowerSGDState arguments, e.g. \'{"num_iters_per_step": 2}\'')
@@ -322,9 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--clip-grad-norm must be > 0, got {args.clip_grad_norm}")
     if args.clip_before_averaging and args.clip_grad_norm is None:
         parser.error("--clip-before-averaging needs --clip-grad-norm (the norm to clip to)")
-    command = "python3 benchmarks/quality_study.py " + " ".join(
-        a if a.replace("-", "").replace(".", "").replace("_", "").replace(":", "").replace("/", "").isalnum()
-        else "'" + a + "'" for a in (argv if argv is not None else sys.argv[1:]))
+    command = command_line("quality_study.py", argv if argv is not None else sys.argv[1:])
     import torch.multiprocessing as mp
 
     mp.start_processes(_worker, args=(args, _free_port(), command), nprocs=args.workers, start_method="spawn")

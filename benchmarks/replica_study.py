@@ -31,7 +31,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from quality_study import DEFAULT_OUT, load, metric_at, powersgd_options, table  # noqa: E402  (after the path)
+from quality_study import (DEFAULT_OUT, add_run_arguments, command_line, load, metric_at, powersgd_options,  # noqa: E402
+                           table)
 
 
 def record_of(result: dict[str, Any], args: argparse.Namespace, config: Any, command: str,
@@ -55,25 +56,10 @@ def record_of(result: dict[str, Any], args: argparse.Namespace, config: Any, com
             "checksum": result["checksum"], "digest": result["digest"], "curve": curve}
 
 
-def _command(argv: list[str]) -> str:
-    return "python3 benchmarks/replica_study.py " + " ".join(
-        a if a.replace("-", "").replace(".", "").replace("_", "").replace(":", "").replace("/", "").isalnum()
-        else "'" + a + "'" for a in argv)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=8, help="W, the simulated workers")
-    parser.add_argument("--task", default="charlm")
-    parser.add_argument("--steps", type=int, default=800)
-    parser.add_argument("--start-iter", type=int, default=80)
-    parser.add_argument("--evals", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=None, help="default: the task's")
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
-                        help="adamw: nanoGPT's (betas 0.9/0.95, weight decay 0.1 on matrices, warm-up, cosine)")
-    parser.add_argument("--batch-size", type=int, default=None, help="per replica per step (default: the task's)")
+    add_run_arguments(parser, "replica")
     parser.add_argument("--methods", "--method", default="diloco", help="one method, e.g. localsgd:8 or diloco-int4:8")
     parser.add_argument("--outer-lr", type=float, default=None, help="diloco's outer lr (default: DemoConfig's)")
     parser.add_argument("--outer-momentum", type=float, default=None,
@@ -101,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         options = powersgd_options(args.powersgd_options)
     except (ValueError, TypeError) as exc:
         parser.error(f"--powersgd-options: {exc}")
-    command = _command(argv if argv is not None else sys.argv[1:])
+    command = command_line("replica_study.py", argv if argv is not None else sys.argv[1:])
 
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
