@@ -216,3 +216,52 @@ def test_a_higher_measured_rank_that_held_is_advised_over_the_rules_rank_that_fe
     # Every measured rank behind at this batch: the fp16 hook.
     monkeypatch.setattr(quality_map, "MEASURED", (row(22, 2048, 2.9), row(32, 2048, 1.9)))
     assert advise(256, "adamw", 2048, task="wide").method == "fp16"
+
+
+# --- when to start compressing ---------------------------------------------------------------------------
+
+def test_the_start_rule_states_the_warm_up_lengths_measured() -> None:
+    import re
+
+    from gradpress.tools.quality_map import START_RULE
+
+    def end_vs_allreduce(label: str) -> float:
+        run = json.loads((RESULTS / "quality-adamw" / f"{label}.json").read_text())
+        base = json.loads((RESULTS / "quality-adamw" / "adamw-gpt-w2b16-allreduce-lr3e-3.json").read_text())
+        assert _setting(run) == _setting(base) and run["config"]["lr"] == base["config"]["lr"]
+        return 100 * (run["ppl_end"] / base["ppl_end"] - 1)
+
+    starts = [int(s) for s in re.search(r"step (\d+), (\d+) or (\d+)", START_RULE).groups()]
+    stated = [float(s) for s in re.findall(r"\+(\d+\.\d)%", START_RULE)]
+    measured = [end_vs_allreduce(f"adamw-gpt-w2b16-powersgd16-fp16-start{s}-lr3e-3") for s in starts]
+    measured.append(end_vs_allreduce("adamw-gpt-w2b16-powersgd16-fp16-lr3e-3"))  # from step 80
+    assert stated == [round(m, 1) for m in measured]
+    assert all(m > QUALITY_TARGET for m in measured[:-1]) and measured[-1] <= QUALITY_TARGET
+    for label in (f"adamw-gpt-w2b16-powersgd16-fp16-start{s}-lr3e-3" for s in starts):
+        config = json.loads((RESULTS / "quality-adamw" / f"{label}.json").read_text())["config"]
+        assert config["start_iter"] in starts and config["steps"] == 800
+
+
+def test_an_early_start_is_warned_about_only_with_a_learning_rate_warm_up() -> None:
+    from gradpress.tools.quality_map import early_start_warning
+
+    assert early_start_warning(80, 80, "adamw") is None and early_start_warning(100, 80, "adamw") is None
+    assert early_start_warning(2, 80, "sgd") is None  # a constant rate has no warm-up to wait for
+    warning = early_start_warning(20, 80, "adamw")
+    assert warning is not None and "step 20" in warning and "step 80" in warning and "+2.2%" in warning
+    assert advise(128, "adamw", 2048, task="gpt").start is not None
+    assert advise(128, "sgd", 4 * 16 * SEQUENCE, task="gpt").start is None  # the fp16 hook: no warm-up
+
+
+@pytest.mark.slow
+def test_the_demo_warns_when_recommended_starts_before_adamws_warm_up_ends(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gradpress.tools.cli.main import main
+
+    out = tmp_path / "out"
+    assert main(["demo", "--task", "gpt", "--optimizer", "adamw", "--workers", "2", "--batch-size", "2",
+                 "--steps", "30", "--start-iter", "2", "--methods", "recommended", "--out", str(out)]) == 0
+    rec = json.loads((out / "demo.json").read_text())["recommended"]
+    assert rec["method"] == "powersgd:16"
+    assert "step 2, before the learning-rate warm-up ends at step 3" in rec["warning"]
+    assert "leave --start-iter out" in capsys.readouterr().err

@@ -32,13 +32,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["FP16_WIRE", "MEASURED", "QUALITY_TARGET", "Advice", "Measured", "advise", "markdown_table",
-           "rank_for_width"]
+__all__ = ["FP16_WIRE", "MEASURED", "QUALITY_TARGET", "START_RULE", "Advice", "Measured", "advise",
+           "early_start_warning", "markdown_table", "rank_for_width"]
 
 #: The quality target, in percent of allreduce's final perplexity.
 QUALITY_TARGET = 1.5
 #: The PowerSGD options every measured recipe uses: P, Q and the uncompressed tensors in fp16 on the wire.
 FP16_WIRE: dict[str, Any] = {"bytes_per_weight": 2}
+#: When every measured row starts compressing, and what starting sooner measured (BENCHMARKS.md, "The
+#: warm-up's length"): a tenth of the run, which with AdamW is the end of its learning-rate warm-up.
+START_RULE = ("start compressing when the learning-rate warm-up ends (start_powerSGD_iter; every measured row "
+              "started at step 80 of 800; on gpt with AdamW, starting at step 2, 20 or 40 ended +3.5%, +2.2% "
+              "and +2.2% from allreduce instead of +1.2%)")
 #: Characters per sequence in the demo's text tasks (``gradpress.tools.workloads.tasks.SEQUENCE``).
 _SEQUENCE = 64
 
@@ -146,9 +151,16 @@ class Advice:
         """The demo's ``--methods`` spelling: ``"powersgd:16"`` or ``"fp16"``."""
         return "fp16" if self.method == "fp16" else f"powersgd:{self.rank}"
 
+    @property
+    def start(self) -> str | None:
+        """When to start compressing (:data:`START_RULE`; ``None`` for the fp16 hook, which needs no
+        warm-up)."""
+        return START_RULE if self.method == "powersgd" else None
+
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.spec, "powersgd_options": dict(self.powersgd_options), "status": self.status,
-                "reason": self.reason, "lr": self.lr, "evidence": [m.label for m in self.evidence]}
+                "reason": self.reason, "start": self.start, "lr": self.lr,
+                "evidence": [m.label for m in self.evidence]}
 
 
 def _nearest_width(rows: list[Measured], width: int) -> int:
@@ -227,6 +239,22 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
                   f"PowerSGD was not measured with {words} {where} at rank {rank} or above: rank {rank} (width "
                   f"{width} / 8) with an fp16 wire is the rule of the measured recipes; watch the global residual "
                   "(docs/tuning.md)", lr)
+
+
+def early_start_warning(start_iter: int, lr_warmup_steps: int, optimizer: str) -> str | None:
+    """A warning when PowerSGD would start compressing (``start_iter``) before the learning-rate
+    warm-up ends (``lr_warmup_steps``), which every measured row avoided (:data:`START_RULE`); ``None``
+    otherwise (SGD at a constant rate has no such warm-up).
+
+    >>> early_start_warning(80, 80, "adamw") is None
+    True
+    >>> early_start_warning(20, 80, "adamw").split(":")[0]
+    'compression starts at step 20, before the learning-rate warm-up ends at step 80'
+    """
+    if optimizer == "sgd" or start_iter >= lr_warmup_steps:
+        return None
+    return (f"compression starts at step {start_iter}, before the learning-rate warm-up ends at step "
+            f"{lr_warmup_steps}: measured behind allreduce ({START_RULE.split('; ', 1)[1]}")
 
 
 def _after(failures: list[Measured]) -> str:

@@ -165,6 +165,7 @@ def format_report(report: dict[str, Any]) -> str:
         head = "quality map" + (f" ({q['optimizer']}, {q['tokens_per_step']:,} tokens/step from {q['tokens_source']})"
                                 if q["status"] != "not asked" else "")
         lines += ["", f"{head}: {q['status']}" + (f", {q['method']}" if "method" in q else ""), f"  {q['reason']}"]
+        lines += [f"  {q['start']}"] if q.get("start") else []
     rec = report["recommendation"]
     lines += ["", f"recommended: {rec['method']} = {rec['config']}", f"  because {rec['reason']}",
               "", "all correctness checks passed" if report["ok"] else "SOME CORRECTNESS CHECKS FAILED"]

@@ -24,7 +24,8 @@ The method ``recommended`` is the configuration the quality map advises for this
 global batch (``--workers`` x ``--batch-size`` sequences): PowerSGD at the task's rank with an fp16 wire
 where it was measured within 1.5% of allreduce (or beyond the largest measured batch, with no failure
 measured), the fp16 hook where PowerSGD was measured to fall behind. ``demo.json`` says what it resolved
-to and why, under ``"recommended"``.
+to and why, under ``"recommended"`` (with a ``"warning"`` where ``--start-iter`` starts PowerSGD before
+AdamW's learning-rate warm-up ends, which the measured rows did not).
 
 This module holds the arguments, the progress bars and the command; :mod:`.supervisor` the worker
 processes, :mod:`.report` the summary and tables, :mod:`.plot` the figure.
@@ -46,7 +47,7 @@ from typing import Any
 from ....hooks import PowerSGDState
 from ...check.advice import model_width
 from ...processes import usable_cores
-from ...quality_map import advise
+from ...quality_map import advise, early_start_warning
 from ...workloads.config import ADAMW_LR, OPTIMIZERS, DemoConfig, default_start_iter
 from ...workloads.methods import METHOD_KINDS, METHOD_REGISTRY, RECOMMENDED, Method, parse_methods
 from ...workloads.tasks import SEQUENCE, TASKS, Task, get_task
@@ -385,6 +386,13 @@ def run(args: argparse.Namespace) -> int:
     start_iter = _start_iter(args, methods)
     if isinstance(start_iter, str):
         return _fail(start_iter)
+    if resolved.recommended is not None and resolved.recommended["start"] is not None:
+        lr_warmup = DemoConfig(steps=args.steps).lr_warmup_steps()
+        warning = early_start_warning(start_iter, lr_warmup, resolved.recommended["optimizer"])
+        if warning is not None:
+            resolved.recommended["warning"] = warning
+            _warn(f"recommended: {warning}; leave --start-iter out (default: a tenth of --steps, where AdamW's "
+                  "warm-up ends)")
     out: Path = args.out
     if out.exists() and not out.is_dir():
         return _fail(f"--out: {str(out)!r} exists and is not a folder")
