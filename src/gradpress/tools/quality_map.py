@@ -97,7 +97,7 @@ def _row(task: str, width: int, optimizer: Literal["sgd", "adamw"], sequences: i
 #: The measured rows, each with an fp16 wire and compression from step 80 of 800 (BENCHMARKS.md).
 #: SGD: momentum 0.9, 16 sequences per worker, 2 and 4 workers. AdamW: nanoGPT's (betas 0.9/0.95,
 #: weight decay 0.1, warm-up then cosine), 2 workers x 16, 64 or 128 sequences (2, 8 and 16 workers' worth
-#: of 16).
+#: of 16; gpt-wide at 2 and 8).
 MEASURED: tuple[Measured, ...] = (
     _row("charlm", 256, "sgd", 32, 22, 0.97, 0.97, 10.58, 2.0, "quality/study-charlm-w2-powersgd22-half-lr2.0"),
     _row("charlm", 256, "sgd", 64, 22, 0.23, 1.06, 10.58, 2.0, "quality/study-charlm-w4-powersgd22-half-lr2.0"),
@@ -118,6 +118,8 @@ MEASURED: tuple[Measured, ...] = (
          "quality-adamw/adamw-gpt-wide-w2b16-powersgd22-fp16-lr1.5e-3"),
     _row("gpt-wide", 256, "adamw", 32, 32, 1.30, 1.30, 11.31, 1.5e-3,
          "quality-adamw/adamw-gpt-wide-w2b16-powersgd32-fp16-lr1.5e-3"),
+    _row("gpt-wide", 256, "adamw", 128, 32, -4.98, 0.10, 11.31, 1.5e-3,
+         "quality-adamw/adamw-gpt-wide-w2b64-powersgd32-fp16-lr1.5e-3"),
 )
 
 
