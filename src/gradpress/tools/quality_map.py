@@ -41,9 +41,9 @@ QUALITY_TARGET = 1.5
 FP16_WIRE: dict[str, Any] = {"bytes_per_weight": 2}
 #: When every measured row starts compressing, and what starting sooner measured (BENCHMARKS.md, "The
 #: warm-up's length"): a tenth of the run, which with AdamW is the end of its learning-rate warm-up.
-START_RULE = ("start compressing when the learning-rate warm-up ends (start_powerSGD_iter; every measured row "
-              "started at step 80 of 800; on gpt with AdamW, starting at step 2, 20 or 40 ended +3.5%, +2.2% "
-              "and +2.2% from allreduce instead of +1.2%)")
+_START_EVIDENCE = ("every measured row started at step 80 of 800; on gpt with AdamW, starting at step 2, 20 or 40 "
+                   "ended +3.5%, +2.2% and +2.2% from allreduce instead of +1.2%")
+START_RULE = f"start compressing when the learning-rate warm-up ends (start_powerSGD_iter; {_START_EVIDENCE})"
 #: Characters per sequence in the demo's text tasks (``gradpress.tools.workloads.tasks.SEQUENCE``).
 _SEQUENCE = 64
 
@@ -256,7 +256,7 @@ def early_start_warning(start_iter: int, lr_warmup_steps: int, optimizer: str) -
     if optimizer == "sgd" or start_iter >= lr_warmup_steps:
         return None
     return (f"compression starts at step {start_iter}, before the learning-rate warm-up ends at step "
-            f"{lr_warmup_steps}: measured behind allreduce ({START_RULE.split('; ', 1)[1]}")
+            f"{lr_warmup_steps}: measured behind allreduce ({_START_EVIDENCE})")
 
 
 def _after(failures: list[Measured]) -> str:

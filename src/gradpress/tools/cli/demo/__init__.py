@@ -386,13 +386,6 @@ def run(args: argparse.Namespace) -> int:
     start_iter = _start_iter(args, methods)
     if isinstance(start_iter, str):
         return _fail(start_iter)
-    if resolved.recommended is not None and resolved.recommended["start"] is not None:
-        lr_warmup = DemoConfig(steps=args.steps).lr_warmup_steps()
-        warning = early_start_warning(start_iter, lr_warmup, resolved.recommended["optimizer"])
-        if warning is not None:
-            resolved.recommended["warning"] = warning
-            _warn(f"recommended: {warning}; leave --start-iter out (default: a tenth of --steps, where AdamW's "
-                  "warm-up ends)")
     out: Path = args.out
     if out.exists() and not out.is_dir():
         return _fail(f"--out: {str(out)!r} exists and is not a folder")
@@ -408,6 +401,12 @@ def run(args: argparse.Namespace) -> int:
                         evals=min(15, args.steps), warm_up_beta=args.warm_up_beta,
                         powersgd_options=resolved.powersgd_options, optimizer=args.optimizer,
                         batch_size=args.batch_size)
+    if resolved.recommended is not None and resolved.recommended["start"] is not None:
+        warning = early_start_warning(config.start_iter, config.lr_warmup_steps(), config.optimizer)
+        if warning is not None:
+            resolved.recommended["warning"] = warning
+            _warn(f"recommended: {warning}; leave --start-iter out (default: a tenth of --steps, where AdamW's "
+                  "warm-up ends)")
     argv = getattr(args, "argv", None)
     command = " ".join(["gradpress", "demo", *map(shlex.quote, argv or [])])
     print(f"gradpress demo: {task.name} ({task.description}), {plural(args.workers, 'worker')}, "
