@@ -184,11 +184,11 @@ def table(runs: list[dict[str, Any]], baseline: str | None = None) -> str:
                          f"{base_steps:.1f}), {base['final']:.2f} at the end; within 1.5%: <= "
                          f"{1.015 * base['final']:.4f}.")
         reach = steps_to_reach(run["curve"], target)
-        ratio = "never" if reach is None else f"{reach / base_steps:.3f}"
+        ratio = "never" if reach is None else _ratio(reach, base_steps)
         smooth_target = metric_at(smoothed(base["curve"]), mid)
         smooth_reach = steps_to_reach(smoothed(run["curve"]), smooth_target)
         smooth_base = steps_to_reach(smoothed(base["curve"]), smooth_target)
-        smooth_ratio = "never" if smooth_reach is None else f"{smooth_reach / smooth_base:.3f}"
+        smooth_ratio = "never" if smooth_reach is None or smooth_base is None else _ratio(smooth_reach, smooth_base)
         fewer = run["bytes_allreduce_per_step"] / run["bytes_per_step"]
         start = min(run["start_iter"], run["steps"])
         total = (start * run["bytes_allreduce_per_step"] + (run["steps"] - start) * run["bytes_per_step"]
@@ -204,6 +204,11 @@ def table(runs: list[dict[str, Any]], baseline: str | None = None) -> str:
                     f"{run['final']:.2f} | {ratio} | {smooth_ratio} | {end_vs_base:+.2f}% | "
                     f"{100 * tail:+.2f}% | {best_vs_base:+.2f}% | {fewer:.2f}x | {whole_run_fewer:.2f}x |")
     return "\n".join(lines + [""] + rows)
+
+
+def _ratio(steps: float, base_steps: float) -> str:
+    """``steps / base_steps``; "-" when the baseline starts at its target (a run too short to learn)."""
+    return f"{steps / base_steps:.3f}" if base_steps > 0 else "-"
 
 
 def load(folder: Path) -> list[dict[str, Any]]:
@@ -256,26 +261,34 @@ def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> Non
     dist.destroy_process_group()
     if rank != 0:
         return
-    counted = result.get("counted") or {}
-    if counted.get("compressed_steps"):  # PowerSGD: what PowerSGDState handed to the collectives
-        per_step = counted["bytes_after"] / counted["compressed_steps"]
-    else:
-        per_step = result["bytes_per_step"]
-    curve = result["curve"]
-    record = {"label": args.label, "command": command, "workers": args.workers, "method": result["method"],
-              "config": config.to_dict() | {"lr": config.resolved_lr()},
-              "ppl_mid": metric_at(curve, args.steps // 2), "ppl_end": curve[-1]["metric"],
-              "bytes_per_step": per_step, "bytes_allreduce_per_step": result["bytes_allreduce_per_step"],
-              "bytes_per_step_predicted": result["bytes_per_step"], "counted": counted,
-              "time_per_step_s": result["time_per_step_s"], "approximation_error": result["approximation_error"],
-              "global_residual": result.get("global_residual"), "global_residuals": result.get("global_residuals"),
-              "checksum": result["checksum"], "digest": result["digest"], "curve": curve}
+    record = run_record(result, config, label=args.label, command=command, workers=args.workers)
+    per_step = record["bytes_per_step"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.label}.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"{args.label}: ppl {record['ppl_mid']:.2f} at step {args.steps // 2}, {record['ppl_end']:.2f} at the "
           f"end, {per_step:,.0f} B/step after warm-up ({record['bytes_allreduce_per_step'] / per_step:.2f}x fewer "
           f"than allreduce)", flush=True)
+
+
+def run_record(result: dict[str, Any], config: Any, *, label: str, command: str, workers: int,
+               **extra: Any) -> dict[str, Any]:
+    """Rank 0's ``train()`` result as this script's JSON record: the fields ``--table`` reads (``extra``:
+    what a caller adds, e.g. replica_study's ``replicas``; keys after ``method``)."""
+    counted = result.get("counted") or {}
+    if counted.get("compressed_steps"):  # PowerSGD: what PowerSGDState handed to the collectives
+        per_step = counted["bytes_after"] / counted["compressed_steps"]
+    else:
+        per_step = result["bytes_per_step"]
+    curve = result["curve"]
+    return {"label": label, "command": command, "workers": workers, "method": result["method"], **extra,
+            "config": config.to_dict() | {"lr": config.resolved_lr()},
+            "ppl_mid": metric_at(curve, config.steps // 2), "ppl_end": curve[-1]["metric"],
+            "bytes_per_step": per_step, "bytes_allreduce_per_step": result["bytes_allreduce_per_step"],
+            "bytes_per_step_predicted": result["bytes_per_step"], "counted": counted,
+            "time_per_step_s": result["time_per_step_s"], "approximation_error": result["approximation_error"],
+            "global_residual": result.get("global_residual"), "global_residuals": result.get("global_residuals"),
+            "checksum": result["checksum"], "digest": result["digest"], "curve": curve}
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, per: str) -> None:

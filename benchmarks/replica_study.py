@@ -26,34 +26,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from quality_study import (DEFAULT_OUT, add_run_arguments, command_line, load, metric_at, powersgd_options,  # noqa: E402
-                           table)
-
-
-def record_of(result: dict[str, Any], args: argparse.Namespace, config: Any, command: str,
-              elapsed_s: float) -> dict[str, Any]:
-    """Rank 0's ``train()`` result as quality_study's JSON record (the fields its ``--table`` reads)."""
-    counted = result.get("counted") or {}
-    if counted.get("compressed_steps"):  # PowerSGD: what PowerSGDState handed to the collectives
-        per_step = counted["bytes_after"] / counted["compressed_steps"]
-    else:
-        per_step = result["bytes_per_step"]
-    curve = result["curve"]
-    return {"label": args.label, "command": command, "workers": args.replicas, "replicas": args.replicas,
-            "simulated": "threads", "method": result["method"],
-            "config": config.to_dict() | {"lr": config.resolved_lr()},
-            "ppl_mid": metric_at(curve, args.steps // 2), "ppl_end": curve[-1]["metric"],
-            "bytes_per_step": per_step, "bytes_allreduce_per_step": result["bytes_allreduce_per_step"],
-            "bytes_per_step_predicted": result["bytes_per_step"], "counted": counted,
-            "time_per_step_s": result["time_per_step_s"], "elapsed_s": elapsed_s,
-            "approximation_error": result["approximation_error"],
-            "global_residual": result.get("global_residual"), "global_residuals": result.get("global_residuals"),
-            "checksum": result["checksum"], "digest": result["digest"], "curve": curve}
+from quality_study import (DEFAULT_OUT, add_run_arguments, command_line, load, powersgd_options,  # noqa: E402
+                           run_record, table)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     results = train_replicas(methods[0], config, args.replicas, on_progress=progress)
-    record = record_of(results[0], args, config, command, time.perf_counter() - start)
+    record = run_record(results[0], config, label=args.label, command=command, workers=args.replicas,
+                        replicas=args.replicas, simulated="threads", elapsed_s=time.perf_counter() - start)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.label}.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -62,3 +62,45 @@ def test_each_optimizer_and_batch_size_has_its_own_baseline() -> None:
     assert "Baseline sgd-ar" in text and "Baseline adamw-ar (charlm, 2 workers, adamw, lr 0.003)" in text
     row = next(line for line in text.splitlines() if line.startswith("| adamw-psgd "))
     assert "| adamw | 32 |" in row and "| +1.00% |" in row  # against the AdamW baseline, not SGD's 4.0
+
+
+def test_a_baseline_at_its_target_from_the_start_gives_no_steps_ratio() -> None:
+    """A baseline whose first evaluation is already at its mid-run metric (a run too short to learn)
+    reached it at step 0: the steps ratio is "-", not a division by zero."""
+    text = qs.table([_run("ar", "allreduce", 1.0, [5.0, 5.0, 5.0], 1000.0),
+                     _run("psgd", "powersgd:4", 1.0, [6.0, 5.5, 5.0], 50.0)])
+    row = next(line for line in text.splitlines() if line.startswith("| psgd "))
+    assert "| 5.50 | 5.00 | - | never | +0.00% |" in row  # smoothed, the run stays above 5.0
+
+
+def test_both_study_scripts_write_the_same_record(tmp_path: Path) -> None:
+    """quality_study.py (gloo processes) and replica_study.py (threads) build their JSON with one function:
+    the same fields, and on 2 workers of allreduce the same training; ``--table`` reads both."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    common = ["--task", "charlm", "--steps", "6", "--start-iter", "2", "--evals", "2", "--methods", "allreduce",
+              "--out", str(tmp_path)]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    bench = _PATH.parent
+    for script, extra, label in (("quality_study.py", ["--workers", "2"], "processes"),
+                                 ("replica_study.py", ["--replicas", "2"], "threads")):
+        done = subprocess.run([sys.executable, str(bench / script), *common, *extra, "--label", label], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    processes = json.loads((tmp_path / "processes.json").read_text())
+    threads = json.loads((tmp_path / "threads.json").read_text())
+    assert set(threads) - set(processes) == {"replicas", "simulated", "elapsed_s"}
+    assert set(processes) <= set(threads)
+    assert (threads["replicas"], threads["workers"], threads["simulated"]) == (2, 2, "threads")
+    assert threads["config"] == processes["config"]
+    assert threads["digest"] == processes["digest"]  # the same data order and initial weights
+    assert [p["step"] for p in threads["curve"]] == [p["step"] for p in processes["curve"]]
+    assert processes["ppl_end"] == processes["curve"][-1]["metric"]
+    assert processes["bytes_per_step"] == processes["bytes_allreduce_per_step"] > 0
+    printed = subprocess.run([sys.executable, str(bench / "quality_study.py"), "--table", "--out", str(tmp_path)],
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    assert "processes" in printed.stdout and "threads" in printed.stdout
