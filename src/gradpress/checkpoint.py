@@ -132,6 +132,16 @@ def check_placement(saved: Any, current: dict[str, int], owner: str, allow_other
                 f"rank: load each rank's own file, or pass allow_other_rank=True to load it anyway")
 
 
+def check_saved_options(saved: Mapping[str, Any], current: Mapping[str, Any], owner: str, remedy: str) -> None:
+    """Refuse a checkpoint whose options that shape the saved state (``saved``) differ from this
+    object's (``current``, by name): ``ValueError`` naming the first that differs, its two values and
+    ``remedy``."""
+    for name, value in current.items():
+        if saved.get(name) != value:
+            raise ValueError(f"checkpoint was saved with {name}={saved.get(name)!r} but this {owner} has "
+                             f"{name}={value!r}; {remedy}")
+
+
 #: ``format`` of what :func:`gather_state` returns on its destination rank.
 GATHERED_FORMAT = "gradpress.gathered_state"
 

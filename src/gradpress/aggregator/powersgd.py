@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..checkpoint import check_placement, placement, reject_gathered
+from ..checkpoint import check_placement, check_saved_options, placement, reject_gathered
 from ..comm import broadcast_parameters, check_process_group, make_communicator
 from ..diagnostics import (ApproximationSummary, captured_energies, parameter_names, relative_errors,
                            should_measure, summarize)
@@ -319,11 +319,8 @@ class PowerSGD(Aggregator):
         if state_dict.get("version") != _STATE_DICT_VERSION:
             raise ValueError(f"unsupported PowerSGD state_dict version {state_dict.get('version')!r}; "
                              f"expected {_STATE_DICT_VERSION}")
-        saved = state_dict["config"]
-        for name in _MEMORY_FIELDS:
-            if saved.get(name) != getattr(self.config, name):
-                raise ValueError(f"checkpoint was saved with {name}={saved.get(name)!r} but this PowerSGD has "
-                                 f"{name}={getattr(self.config, name)!r}; use the same Config to resume")
+        check_saved_options(state_dict["config"], {name: getattr(self.config, name) for name in _MEMORY_FIELDS},
+                            "PowerSGD", "use the same Config to resume")
         shapes = [tuple(int(d) for d in s) for s in state_dict["param_shapes"]]
         current = [tuple(p.shape) for p in self.params]
         if len(shapes) != len(current):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..adaptive import AdaptiveRank
-from ..checkpoint import check_placement, placement, reject_gathered
+from ..checkpoint import check_placement, check_saved_options, placement, reject_gathered
 from ..policy import RankRules
 
 __all__ = ["StateCheckpoint"]
@@ -152,17 +152,10 @@ class StateCheckpoint:
         if state_dict.get("version") != _STATE_DICT_VERSION:
             raise ValueError(f"unsupported PowerSGDState state_dict version {state_dict.get('version')!r}; "
                              f"expected {_STATE_DICT_VERSION}")
-        options = state_dict["options"]
-        for name in _MEMORY_OPTIONS:
-            if options.get(name) != getattr(self, name):
-                raise ValueError(
-                    f"checkpoint was saved with {name}={options.get(name)!r} but this PowerSGDState has "
-                    f"{name}={getattr(self, name)!r}; construct the state with the same value to resume")
         adaptive = None if self.adaptive_rank is None else self.adaptive_rank.to_dict()
-        if options.get("adaptive_rank") != adaptive:
-            raise ValueError(f"checkpoint was saved with adaptive_rank={options.get('adaptive_rank')!r} but this "
-                             f"PowerSGDState has adaptive_rank={adaptive!r}; construct the state with the same "
-                             "value to resume")
+        check_saved_options(state_dict["options"], {name: getattr(self, name) for name in _MEMORY_OPTIONS} |
+                            {"adaptive_rank": adaptive}, "PowerSGDState",
+                            "construct the state with the same value to resume")
         check_placement(state_dict.get("placement"), placement(self.process_group), "PowerSGDState",
                         allow_other_rank)
         if self._session.in_flight():
