@@ -9,13 +9,14 @@ count: 2 workers x 64 sequences stands for 8 workers x 16.
 
 :func:`advise` reads the map for a setting (the demo's ``recommended`` method, ``gradpress check``):
 
-* PowerSGD at :func:`~gradpress.tools.check.advice.recipe_rule`'s rank for the width, with an fp16
-  wire, where the map has its lowest perplexity within :data:`QUALITY_TARGET` of allreduce's at this
-  many tokens per step or
-  more (``"measured"``), or at fewer tokens with no failure measured (``"beyond the map"``: the
-  largest measured batch held; read the global residual, docs/tuning.md);
-* the fp16 allreduce hook (half the bytes, the same steps) where PowerSGD was measured to fall behind at
-  this many tokens per step or fewer (``"measured to fall behind"``);
+* PowerSGD with an fp16 wire at the smallest measured rank, from
+  :func:`~gradpress.tools.check.advice.recipe_rule`'s rank for the width up, that held at the nearest
+  measured batches on both sides of yours: its lowest perplexity within :data:`QUALITY_TARGET` of
+  allreduce's (the mean over seeds where a setting was run with several) at the nearest measured batch
+  at least as large as yours and at the nearest one smaller (``"measured"``); or, past the largest
+  measured batch, where that one held (``"beyond the map"``: read the global residual, docs/tuning.md);
+* the fp16 allreduce hook (half the bytes, the same steps) where every measured rank fell behind at one
+  of the batches nearest yours (``"measured to fall behind"``);
 * PowerSGD with the rule's rank where nothing was measured for the optimizer or the task (``"not
   measured"``).
 
@@ -61,7 +62,8 @@ class Measured:
     allreduce's bytes per step over PowerSGD's after the warm-up.
     ``lr``: the learning rate PowerSGD ran at (allreduce's best of those tried at momentum 0.9 for SGD, at
     this batch for AdamW). ``label``: the run's JSON in
-    ``benchmarks/results/``.
+    ``benchmarks/results/``. ``seed``: the data order and initial weights both runs shared; a setting
+    measured with several seeds has one row per seed, and :func:`advise` reads their mean.
     """
 
     task: str
@@ -74,6 +76,7 @@ class Measured:
     bytes_ratio: float
     lr: float
     label: str
+    seed: int = 0
 
     @property
     def holds(self) -> bool:
@@ -90,8 +93,51 @@ _OPTIMIZER_WORDS = {"sgd": "SGD", "adamw": "AdamW"}
 
 
 def _row(task: str, width: int, optimizer: Literal["sgd", "adamw"], sequences: int, rank: int, end: float,
-         best: float, bytes_ratio: float, lr: float, label: str) -> Measured:
-    return Measured(task, width, optimizer, sequences * _SEQUENCE, rank, end, best, bytes_ratio, lr, label)
+         best: float, bytes_ratio: float, lr: float, label: str, seed: int = 0) -> Measured:
+    return Measured(task, width, optimizer, sequences * _SEQUENCE, rank, end, best, bytes_ratio, lr, label, seed)
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """One measured setting (task, optimizer, rank, tokens per step) over the seeds it was run with: it
+    holds when the mean of their ``best_vs_allreduce`` is within :data:`QUALITY_TARGET`."""
+
+    runs: tuple[Measured, ...]
+
+    @property
+    def rank(self) -> int:
+        return self.runs[0].rank
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.runs[0].tokens_per_step
+
+    @property
+    def best_vs_allreduce(self) -> float:
+        return sum(m.best_vs_allreduce for m in self.runs) / len(self.runs)
+
+    @property
+    def holds(self) -> bool:
+        return self.best_vs_allreduce <= QUALITY_TARGET
+
+    def describe(self) -> str:
+        """One run's :meth:`Measured.describe`, or every seed's figures and their mean."""
+        if len(self.runs) == 1:
+            return self.runs[0].describe()
+        m = self.runs[0]
+        ends = ", ".join(f"{r.end_vs_allreduce:+.2f}%" for r in self.runs)
+        seeds = ", ".join(str(r.seed) for r in self.runs)
+        return (f"{m.task}, {_OPTIMIZER_WORDS[m.optimizer]}, {m.tokens_per_step:,} tokens/step: rank {m.rank} ended "
+                f"{ends} with seeds {seeds} (best {self.best_vs_allreduce:+.2f}% on average) at "
+                f"{m.bytes_ratio:.1f}x fewer bytes")
+
+
+def _settings(rows: list[Measured]) -> dict[int, _Setting]:
+    """``rows`` (one rank's) by tokens per step, each batch's seeds together."""
+    grouped: dict[int, list[Measured]] = {}
+    for m in rows:
+        grouped.setdefault(m.tokens_per_step, []).append(m)
+    return {tokens: _Setting(tuple(sorted(runs, key=lambda m: m.seed))) for tokens, runs in grouped.items()}
 
 
 #: The measured rows, each with an fp16 wire and compression from step 80 of 800 (BENCHMARKS.md).
@@ -110,6 +156,14 @@ MEASURED: tuple[Measured, ...] = (
     _row("gpt-wide", 256, "sgd", 32, 22, 1.18, 1.18, 16.45, 0.05, "quality/study-gpt-wide-w2-powersgd22-half-lr0.05"),
     _row("gpt-wide", 256, "sgd", 64, 22, 6.16, 6.16, 16.45, 0.05, "quality/study-gpt-wide-w4-powersgd22-half-lr0.05"),
     _row("gpt", 128, "adamw", 32, 16, 1.23, 1.23, 11.25, 3e-3, "quality-adamw/adamw-gpt-w2b16-powersgd16-fp16-lr3e-3"),
+    _row("gpt", 128, "adamw", 32, 16, 2.68, 2.68, 11.25, 3e-3,
+         "quality-adamw/adamw-gpt-w2b16-powersgd16-fp16-lr3e-3-seed1", seed=1),
+    _row("gpt", 128, "adamw", 32, 24, 0.97, 0.97, 7.50, 3e-3, "quality-adamw/adamw-gpt-w2b16-powersgd24-fp16-lr3e-3"),
+    _row("gpt", 128, "adamw", 32, 24, 1.24, 1.24, 7.50, 3e-3,
+         "quality-adamw/adamw-gpt-w2b16-powersgd24-fp16-lr3e-3-seed1", seed=1),
+    _row("gpt", 128, "adamw", 32, 32, 0.58, 0.58, 5.05, 3e-3, "quality-adamw/adamw-gpt-w2b16-powersgd32-fp16-lr3e-3"),
+    _row("gpt", 128, "adamw", 32, 32, 0.33, 0.32, 5.05, 3e-3,
+         "quality-adamw/adamw-gpt-w2b16-powersgd32-fp16-lr3e-3-seed1", seed=1),
     _row("gpt", 128, "adamw", 128, 16, -1.52, -0.38, 11.25, 3e-3,
          "quality-adamw/adamw-gpt-w2b64-powersgd16-fp16-lr3e-3"),
     _row("gpt", 128, "adamw", 256, 16, -11.31, -0.25, 11.25, 3e-3,
@@ -118,6 +172,8 @@ MEASURED: tuple[Measured, ...] = (
          "quality-adamw/adamw-gpt-wide-w2b16-powersgd22-fp16-lr1.5e-3"),
     _row("gpt-wide", 256, "adamw", 32, 32, 1.30, 1.30, 11.31, 1.5e-3,
          "quality-adamw/adamw-gpt-wide-w2b16-powersgd32-fp16-lr1.5e-3"),
+    _row("gpt-wide", 256, "adamw", 32, 32, 1.20, 1.20, 11.31, 1.5e-3,
+         "quality-adamw/adamw-gpt-wide-w2b16-powersgd32-fp16-lr1.5e-3-seed1", seed=1),
     _row("gpt-wide", 256, "adamw", 128, 32, -4.98, 0.10, 11.31, 1.5e-3,
          "quality-adamw/adamw-gpt-wide-w2b64-powersgd32-fp16-lr1.5e-3"),
 )
@@ -175,7 +231,8 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
     ``task`` (a demo task) the task's own rows (``"not measured"`` for a task the map does not have, such
     as the digits CNN); without it (a user's model), the rows of the nearest measured width.
     The rank is the smallest measured rank, from :func:`rank_for_width`'s up, that was not measured behind
-    allreduce at this batch or a smaller one (a wider model may need more than the rule's cap); the
+    allreduce at the nearest measured batch on either side of this one (a wider model may need more than
+    the rule's cap; with SGD larger batches fell behind, with AdamW on gpt the smallest did); the
     learning rate, where the same task was measured with this optimizer, the tuned allreduce's at the
     nearest measured batch.
     """
@@ -207,36 +264,36 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
     if same_task:
         lr = min(rows, key=lambda m: (abs(math.log(m.tokens_per_step / tokens_per_step)), m.tokens_per_step)).lr
     beyond: Advice | None = None
-    failures: list[Measured] = []
+    failures: list[_Setting] = []
     for r in sorted({rank} | {m.rank for m in rows if m.rank > rank}):  # never below the rule's rank
-        at_rank = [m for m in rows if m.rank == r]
-        failed = sorted((m for m in at_rank if not m.holds and m.tokens_per_step <= tokens_per_step),
-                        key=lambda m: m.tokens_per_step)
-        if failed:  # behind at this batch or a smaller one: try a higher measured rank
-            failures.append(failed[0])
+        settings = _settings([m for m in rows if m.rank == r])
+        below = max((t for t in settings if t <= tokens_per_step), default=None)
+        above = min((t for t in settings if t >= tokens_per_step), default=None)
+        behind = [settings[t] for t in (below, above) if t is not None and not settings[t].holds]
+        if behind:  # behind at the nearest measured batch on either side: try a higher measured rank
+            failures.append(behind[0])
             continue
-        held = sorted((m for m in at_rank if m.holds), key=lambda m: m.tokens_per_step)
-        covering = [m for m in held if m.tokens_per_step >= tokens_per_step]
-        if covering:
-            row = covering[0]
+        if above is not None:
+            held = settings[above]
             return Advice("powersgd", r, dict(FP16_WIRE), "measured",
-                          f"{words} {where}: {row.describe()} (target {QUALITY_TARGET}%)" + _after(failures),
-                          lr, (row, *failures))
-        if held and beyond is None:
-            row = held[-1]
+                          f"{words} {where}: {held.describe()} (target {QUALITY_TARGET}%)" + _after(failures),
+                          lr, _evidence(held, *failures))
+        if below is not None and beyond is None:
+            held = settings[below]
             beyond = Advice("powersgd", r, dict(FP16_WIRE), "beyond the map",
-                            f"{words} {where}: the largest measured batch, {row.describe()}; yours, "
+                            f"{words} {where}: the largest measured batch, {held.describe()}; yours, "
                             f"{tokens_per_step:,} tokens/step, is beyond it: read the global residual "
-                            "(docs/tuning.md)" + _after(failures), lr, (row, *failures))
+                            "(docs/tuning.md)" + _after(failures), lr, _evidence(held, *failures))
     if beyond is not None:
         return beyond
     if failures:
         worst = failures[0]
+        seeds = "" if len(worst.runs) == 1 else f", the mean of {len(worst.runs)} seeds"
         return Advice("fp16", None, {}, "measured to fall behind",
                       f"{words} {where}: PowerSGD was measured behind allreduce at {worst.tokens_per_step:,} "
-                      f"tokens/step (rank {worst.rank}: best {worst.best_vs_allreduce:+.1f}%, over the "
+                      f"tokens/step (rank {worst.rank}: best {worst.best_vs_allreduce:+.1f}%{seeds}, over the "
                       f"{QUALITY_TARGET}% target) and yours is {tokens_per_step:,}: the fp16 hook halves the "
-                      "bytes and keeps allreduce's steps", lr, tuple(failures))
+                      "bytes and keeps allreduce's steps", lr, _evidence(*failures))
     return Advice("powersgd", rank, dict(FP16_WIRE), "not measured",
                   f"PowerSGD was not measured with {words} {where} at rank {rank} or above: rank {rank} (width "
                   f"{width} / 8) with an fp16 wire is the rule of the measured recipes; watch the global residual "
@@ -259,18 +316,22 @@ def early_start_warning(start_iter: int, lr_warmup_steps: int, optimizer: str) -
             f"{lr_warmup_steps}: measured behind allreduce ({_START_EVIDENCE})")
 
 
-def _after(failures: list[Measured]) -> str:
+def _after(failures: list[_Setting]) -> str:
     """What the advice passed over: the lower ranks measured behind allreduce."""
     return "".join(f"; rank {m.rank} was behind ({m.describe()})" for m in failures)
 
 
+def _evidence(*settings: _Setting) -> tuple[Measured, ...]:
+    return tuple(m for setting in settings for m in setting.runs)
+
+
 def markdown_table() -> str:
     """:data:`MEASURED` as the markdown table docs/tuning.md shows (rows that miss the target in bold)."""
-    lines = ["| task (width) | optimizer | tokens/step (sequences of 64) | rank | final perplexity vs allreduce "
-             "| best vs allreduce's best | bytes/step fewer |", "|---|---|---|---|---|---|---|"]
+    lines = ["| task (width) | optimizer | tokens/step (sequences of 64) | rank | seed | final perplexity vs "
+             "allreduce | best vs allreduce's best | bytes/step fewer |", "|---|---|---|---|---|---|---|---|"]
     for m in MEASURED:
         best = f"{m.best_vs_allreduce:+.2f}%"
         lines.append(f"| {m.task} ({m.width}) | {_OPTIMIZER_WORDS[m.optimizer]} | {m.tokens_per_step:,} "
-                     f"({m.tokens_per_step // _SEQUENCE}) | {m.rank} | {m.end_vs_allreduce:+.2f}% | "
+                     f"({m.tokens_per_step // _SEQUENCE}) | {m.rank} | {m.seed} | {m.end_vs_allreduce:+.2f}% | "
                      f"{best if m.holds else f'**{best}**'} | {m.bytes_ratio:.1f}x |")
     return "\n".join(lines)
