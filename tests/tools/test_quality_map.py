@@ -83,10 +83,10 @@ def test_advice_follows_the_rows() -> None:
     advice = advise(128, "adamw", _tokens(1024), task="gpt")
     assert (advice.method, advice.status) == ("powersgd", "beyond the map")
     # Another model: the nearest measured width's rows, the rank from its own width, no lr.
-    advice = advise(768, "adamw", _tokens(256))
+    advice = advise(768, "adamw", _tokens(1024))
     assert (advice.rank, advice.status, advice.lr) == (32, "beyond the map", None)
     assert "width 256 (the nearest measured to 768)" in advice.reason
-    assert advise(768, "adamw", _tokens(64)).status == "measured"  # rank 32 held at 128 sequences
+    assert advise(768, "adamw", _tokens(64)).status == "measured"  # rank 32 held at 32 and 128 sequences
     advice = advise(200, "sgd", _tokens(64))
     assert advice.method == "fp16" and "width 256" in advice.reason
 

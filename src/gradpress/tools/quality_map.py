@@ -143,7 +143,7 @@ def _settings(rows: list[Measured]) -> dict[int, _Setting]:
 #: The measured rows, each with an fp16 wire and compression from step 80 of 800 (BENCHMARKS.md).
 #: SGD: momentum 0.9, 16 sequences per worker, 2 and 4 workers. AdamW: nanoGPT's (betas 0.9/0.95,
 #: weight decay 0.1, warm-up then cosine), 2 workers x 16, 64 or 128 sequences (2, 8 and 16 workers' worth
-#: of 16; gpt-wide at 2 and 8).
+#: of 16), seeds 0 and 1 at 2 x 16.
 MEASURED: tuple[Measured, ...] = (
     _row("charlm", 256, "sgd", 32, 22, 0.97, 0.97, 10.58, 2.0, "quality/study-charlm-w2-powersgd22-half-lr2.0"),
     _row("charlm", 256, "sgd", 64, 22, 0.23, 1.06, 10.58, 2.0, "quality/study-charlm-w4-powersgd22-half-lr2.0"),
@@ -176,6 +176,8 @@ MEASURED: tuple[Measured, ...] = (
          "quality-adamw/adamw-gpt-wide-w2b16-powersgd32-fp16-lr1.5e-3-seed1", seed=1),
     _row("gpt-wide", 256, "adamw", 128, 32, -4.98, 0.10, 11.31, 1.5e-3,
          "quality-adamw/adamw-gpt-wide-w2b64-powersgd32-fp16-lr1.5e-3"),
+    _row("gpt-wide", 256, "adamw", 256, 32, -20.10, -1.47, 11.31, 1.5e-3,
+         "quality-adamw/adamw-gpt-wide-w2b128-powersgd32-fp16-lr1.5e-3"),
 )
 
 
