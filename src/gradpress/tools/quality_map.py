@@ -13,7 +13,7 @@ count: 2 workers x 64 sequences stands for 8 workers x 16.
   :func:`~gradpress.tools.check.advice.recipe_rule`'s rank for the width up, that held at the nearest
   measured batches on both sides of yours: its lowest perplexity within :data:`QUALITY_TARGET` of
   allreduce's (the mean over seeds where a setting was run with several) at the nearest measured batch
-  at least as large as yours and at the nearest one smaller (``"measured"``); or, past the largest
+  at least as large as yours and at the nearest no larger (``"measured"``); or, past the largest
   measured batch, where that one held (``"beyond the map"``: read the global residual, docs/tuning.md);
 * the fp16 allreduce hook (half the bytes, the same steps) where every measured rank fell behind at one
   of the batches nearest yours (``"measured to fall behind"``);
@@ -143,7 +143,7 @@ def _settings(rows: list[Measured]) -> dict[int, _Setting]:
 #: The measured rows, each with an fp16 wire and compression from step 80 of 800 (BENCHMARKS.md).
 #: SGD: momentum 0.9, 16 sequences per worker, 2 and 4 workers. AdamW: nanoGPT's (betas 0.9/0.95,
 #: weight decay 0.1, warm-up then cosine), 2 workers x 16, 64 or 128 sequences (2, 8 and 16 workers' worth
-#: of 16), seeds 0 and 1 at 2 x 16.
+#: of 16), seeds 0, 1 and 2 at 2 x 16.
 MEASURED: tuple[Measured, ...] = (
     _row("charlm", 256, "sgd", 32, 22, 0.97, 0.97, 10.58, 2.0, "quality/study-charlm-w2-powersgd22-half-lr2.0"),
     _row("charlm", 256, "sgd", 64, 22, 0.23, 1.06, 10.58, 2.0, "quality/study-charlm-w4-powersgd22-half-lr2.0"),
@@ -158,12 +158,18 @@ MEASURED: tuple[Measured, ...] = (
     _row("gpt", 128, "adamw", 32, 16, 1.23, 1.23, 11.25, 3e-3, "quality-adamw/adamw-gpt-w2b16-powersgd16-fp16-lr3e-3"),
     _row("gpt", 128, "adamw", 32, 16, 2.68, 2.68, 11.25, 3e-3,
          "quality-adamw/adamw-gpt-w2b16-powersgd16-fp16-lr3e-3-seed1", seed=1),
+    _row("gpt", 128, "adamw", 32, 16, 2.85, 2.85, 11.25, 3e-3,
+         "quality-adamw/adamw-gpt-w2b16-powersgd16-fp16-lr3e-3-seed2", seed=2),
     _row("gpt", 128, "adamw", 32, 24, 0.97, 0.97, 7.50, 3e-3, "quality-adamw/adamw-gpt-w2b16-powersgd24-fp16-lr3e-3"),
     _row("gpt", 128, "adamw", 32, 24, 1.24, 1.24, 7.50, 3e-3,
          "quality-adamw/adamw-gpt-w2b16-powersgd24-fp16-lr3e-3-seed1", seed=1),
+    _row("gpt", 128, "adamw", 32, 24, 1.52, 1.52, 7.50, 3e-3,
+         "quality-adamw/adamw-gpt-w2b16-powersgd24-fp16-lr3e-3-seed2", seed=2),
     _row("gpt", 128, "adamw", 32, 32, 0.58, 0.58, 5.05, 3e-3, "quality-adamw/adamw-gpt-w2b16-powersgd32-fp16-lr3e-3"),
     _row("gpt", 128, "adamw", 32, 32, 0.33, 0.32, 5.05, 3e-3,
          "quality-adamw/adamw-gpt-w2b16-powersgd32-fp16-lr3e-3-seed1", seed=1),
+    _row("gpt", 128, "adamw", 32, 32, 0.38, 0.38, 5.05, 3e-3,
+         "quality-adamw/adamw-gpt-w2b16-powersgd32-fp16-lr3e-3-seed2", seed=2),
     _row("gpt", 128, "adamw", 128, 16, -1.52, -0.38, 11.25, 3e-3,
          "quality-adamw/adamw-gpt-w2b64-powersgd16-fp16-lr3e-3"),
     _row("gpt", 128, "adamw", 256, 16, -11.31, -0.25, 11.25, 3e-3,
