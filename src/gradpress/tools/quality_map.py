@@ -84,9 +84,13 @@ class Measured:
 
     def describe(self) -> str:
         """``"gpt, AdamW, 2,048 tokens/step: rank 16 ended +1.23% (best +1.23%) at 11.2x fewer bytes"``."""
-        return (f"{self.task}, {_OPTIMIZER_WORDS[self.optimizer]}, {self.tokens_per_step:,} tokens/step: rank "
-                f"{self.rank} ended {self.end_vs_allreduce:+.2f}% (best {self.best_vs_allreduce:+.2f}%) at "
-                f"{self.bytes_ratio:.1f}x fewer bytes")
+        return _describe(self, f"{self.end_vs_allreduce:+.2f}% (best {self.best_vs_allreduce:+.2f}%)")
+
+
+def _describe(m: Measured, ended: str) -> str:
+    """``m``'s setting, rank and bytes around ``ended``, the figures of one run or of its seeds."""
+    return (f"{m.task}, {_OPTIMIZER_WORDS[m.optimizer]}, {m.tokens_per_step:,} tokens/step: rank {m.rank} ended "
+            f"{ended} at {m.bytes_ratio:.1f}x fewer bytes")
 
 
 _OPTIMIZER_WORDS = {"sgd": "SGD", "adamw": "AdamW"}
@@ -124,12 +128,9 @@ class _Setting:
         """One run's :meth:`Measured.describe`, or every seed's figures and their mean."""
         if len(self.runs) == 1:
             return self.runs[0].describe()
-        m = self.runs[0]
         ends = ", ".join(f"{r.end_vs_allreduce:+.2f}%" for r in self.runs)
         seeds = ", ".join(str(r.seed) for r in self.runs)
-        return (f"{m.task}, {_OPTIMIZER_WORDS[m.optimizer]}, {m.tokens_per_step:,} tokens/step: rank {m.rank} ended "
-                f"{ends} with seeds {seeds} (best {self.best_vs_allreduce:+.2f}% on average) at "
-                f"{m.bytes_ratio:.1f}x fewer bytes")
+        return _describe(self.runs[0], f"{ends} with seeds {seeds} (best {self.best_vs_allreduce:+.2f}% on average)")
 
 
 def _settings(rows: list[Measured]) -> dict[int, _Setting]:
