@@ -1,5 +1,6 @@
 """Guards the tests share: fail on any read of a tensor's value on the host (a stream sync on an
-accelerator), count such reads, and run the engine's CPU tensors down its accelerator path."""
+accelerator), count such reads, fail on a blocking copy from the host to a device (also a stream sync
+on a GPU), and run the engine's CPU tensors down its accelerator path."""
 
 from __future__ import annotations
 
@@ -46,6 +47,23 @@ class CountSyncingOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += _syncs(func, args)
         return func(*args, **(kwargs or {}))
+
+
+class ForbidBlockingUploads(TorchDispatchMode):
+    """Raise :class:`HostRead` on a copy of a host tensor to another device that is not ``non_blocking``:
+    from pageable memory to a GPU such a copy waits for the stream (run the engine on ``meta`` to see them)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func.overloadpacket)
+        if name == "aten._to_copy" and args[0].device.type == "cpu":
+            target = kwargs.get("device")
+            if target is not None and torch.device(target).type != "cpu" and not kwargs.get("non_blocking"):
+                raise HostRead(f"{func} copies a host tensor to {target} blocking (a stream sync on a GPU)")
+        if name == "aten.copy_" and args[0].device.type != "cpu" and args[1].device.type == "cpu":
+            if not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)):
+                raise HostRead(f"{func} copies a host tensor into {args[0].device} blocking (a stream sync on a GPU)")
+        return func(*args, **kwargs)
 
 
 def _forbidden(name):

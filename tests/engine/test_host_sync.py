@@ -18,13 +18,15 @@ import pytest
 import torch
 
 from distributed import run
-from host_reads import CountSyncingOps, ForbidSyncingOps, HostRead, as_on_an_accelerator, no_host_reads
+from host_reads import (CountSyncingOps, ForbidBlockingUploads, ForbidSyncingOps, HostRead, as_on_an_accelerator,
+                        no_host_reads)
 import gradpress
 from gradpress import Config, PowerSGD
 from gradpress.comm import LocalCommunicator
 from gradpress.hooks.batched import PaddedBuckets
 from gradpress.powersgd import EngineConfig, Segment, make_plan
-from gradpress.powersgd.step import compress_step
+from gradpress.powersgd.seeding import upload
+from gradpress.powersgd.step import average_step, compress_step
 
 WORLD = 2
 
@@ -138,16 +140,42 @@ def test_aggregator_steps_read_nothing_on_the_host(num_iters):
 def test_engine_runs_on_a_device_without_values(name, measure):
     # On "meta" every read of a value raises, in Python and in C++: no mock needed, and the engine
     # takes the accelerator path because reading there is not free.
+    # Nor is anything copied from the host blocking: the seeded factors of the first step, the fp16 wire's
+    # span tables and the residual's sketch go up asynchronously (a blocking upload waits for a GPU's stream).
     config = EngineConfig(rank=2, min_compression_rate=0, **CONFIGS[name])
     segment = _segment(config, device="meta")
     for compressed_step in range(3):
-        _run(segment, _gradients(compressed_step, False, device="meta"), config, compressed_step, measure)
+        grads = _gradients(compressed_step, False, device="meta")
+        with ForbidBlockingUploads():
+            _run(segment, grads, config, compressed_step, measure)
     if measure:
         assert segment.global_residual_norms().device.type == "meta"
     # The device-side commit ran (there is no value to read on "meta"): its candidate memory was built
     # in the workspace, on that device.
     assert segment.workspace.nbytes > 0
     assert all(flat.device.type == "meta" for flat in segment.workspace._buffers.values())
+
+
+@pytest.mark.parametrize("wire", [None, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_exact_averaging_uploads_nothing_blocking(wire):
+    # The iterations before compression and the tensors no plan compresses: an fp16 wire builds its span
+    # tables on the host each step and must not wait for the device to move them.
+    tensors = [torch.empty(shape, device="meta") for shape in [(8, 6), (3,), (5, 7)]]
+    with ForbidBlockingUploads():
+        for handle in average_step(tensors, LocalCommunicator(), wire_dtype=wire):
+            handle.wait()
+
+
+def test_the_upload_guard_catches_blocking_copies():
+    host = torch.ones(3)
+    with pytest.raises(HostRead), ForbidBlockingUploads():
+        host.to("meta")
+    with pytest.raises(HostRead), ForbidBlockingUploads():
+        torch.empty(3, device="meta").copy_(host)
+    with ForbidBlockingUploads():  # what the engine does instead passes
+        upload(host, torch.device("meta"))
+        torch.empty(3, device="meta").copy_(host, non_blocking=True)
+        assert upload(host, torch.device("cpu")) is host
 
 
 def test_on_the_cpu_a_step_reads_one_flag_and_writes_the_memory_in_place():

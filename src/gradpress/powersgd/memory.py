@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .config import EngineConfig
 from .plan import GroupPlan, Plan
-from .seeding import P_DRAW, seeded_normal
+from .seeding import P_DRAW, seeded_normal, upload
 
 __all__ = ["ALIGNMENT_BYTES", "Finiteness", "ParamMemory", "Segment", "StagedFactors", "WireSpans", "Workspace",
            "work_dtype_for"]
@@ -102,7 +102,7 @@ class ParamMemory:
                 setattr(self, name, factor[:, :rank].clone())
                 continue
             extra = seeded_normal((factor.shape[0], rank - factor.shape[1]), seed, key, offset | draw)
-            setattr(self, name, torch.cat([factor, extra.to(device=factor.device, dtype=factor.dtype)], dim=1))
+            setattr(self, name, torch.cat([factor, upload(extra, factor.device).to(factor.dtype)], dim=1))
 
 
 def _aligned_stride(numel: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -177,8 +177,8 @@ class WireSpans:
                       segment.wire.numel(): len(spans)}
         lengths = torch.tensor(spans, dtype=torch.int64)
         index = torch.repeat_interleave(torch.arange(len(spans), dtype=torch.int32), lengths)
-        self.lengths = lengths.to(segment.device)
-        self.index = index.to(segment.device)
+        self.lengths = upload(lengths, segment.device)
+        self.index = upload(index, segment.device)
 
 
 class Segment:
@@ -369,10 +369,10 @@ class Segment:
         for position in positions:
             key = self.keys[order[position]]
             view = q_views[position].t()
-            view.copy_(seeded_normal(view.shape, seed, key, draw))
+            view.copy_(upload(seeded_normal(view.shape, seed, key, draw), view.device))
             if p_views is not None:
                 view = p_views[position]
-                view.copy_(seeded_normal(view.shape, seed, key, P_DRAW | draw))
+                view.copy_(upload(seeded_normal(view.shape, seed, key, P_DRAW | draw), view.device))
 
     def load(self, memory: Mapping[int, ParamMemory], config: EngineConfig) -> None:
         """Fill the buffers from per-parameter memory (missing keys: zero error, Q drawn at first use)."""

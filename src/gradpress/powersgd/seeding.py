@@ -4,7 +4,8 @@ randomness), independent of the bucket layout and of the user's global RNG.
 Every draw is a pure function of ``(random_seed, key, draw)``: ``key`` a parameter's stable key (or a
 sketch's column count), ``draw`` what distinguishes draws of one key (the step number without warm start,
 :data:`P_DRAW` for P factors, :data:`RESIZE_DRAW` for the columns an adaptive rank adds). Values are drawn
-on the CPU from a private generator seeded by SplitMix64 of the triple, then moved by the caller.
+on the CPU from a private generator seeded by SplitMix64 of the triple, then moved by the caller with
+:func:`upload` (as are the other small tables the engine builds on the host).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["P_DRAW", "RESIZE_DRAW", "SKETCH_COLUMNS", "seeded_normal", "seeded_sketch"]
+__all__ = ["P_DRAW", "RESIZE_DRAW", "SKETCH_COLUMNS", "seeded_normal", "seeded_sketch", "upload"]
 
 _MASK64 = (1 << 64) - 1
 P_DRAW = 1 << 40  # draw numbers of P factors, disjoint from those of Q
@@ -61,3 +62,21 @@ def seeded_sketch(m: int, seed: int, draw: int) -> Tensor:
     if m <= SKETCH_COLUMNS:
         return torch.eye(m, dtype=torch.float32)
     return seeded_normal((m, SKETCH_COLUMNS), seed, _SKETCH_KEY | m, draw)
+
+
+def upload(tensor: Tensor, device: torch.device) -> Tensor:
+    """``tensor`` (built on the host) on ``device``, without making the host wait for the device.
+
+    A plain copy from pageable host memory to a GPU synchronises the stream: the first compressed step
+    (the seeded factors) and every step with an fp16 wire (its span tables) would stall on it. On CUDA
+    the copy goes through pinned memory, asynchronously (the caching host allocator keeps the pinned
+    block until the copy has run); elsewhere it is a non-blocking ``to``. On the CPU: ``tensor`` itself.
+
+    >>> upload(torch.ones(2), torch.device("cpu"))
+    tensor([1., 1.])
+    """
+    if device.type == "cpu":
+        return tensor
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)

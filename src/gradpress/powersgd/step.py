@@ -16,7 +16,7 @@ from .linalg import orthogonalize_
 from .pipeline import Task
 from .config import EngineConfig
 from .memory import Finiteness, Segment, StagedFactors
-from .seeding import seeded_sketch
+from .seeding import seeded_sketch, upload
 
 __all__ = ["StepCommit", "alternating_step", "average_step", "compress_step", "power_step", "step_wire_dtype"]
 
@@ -290,7 +290,7 @@ def average_step(tensors: Sequence[Tensor], comm: Communicator, commit: StepComm
         if wire_dtype == torch.float16 and dtype != torch.float16:
             lengths = torch.tensor([t.numel() for t in tensors if t.numel()], dtype=torch.int64)
             index = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)
-            spans = (lengths.to(flat.device), index.to(flat.device), 0)
+            spans = (upload(lengths, flat.device), upload(index, flat.device), 0)
         yield from _mean(flat, comm, wire_dtype, spans)
         if not alone:
             torch._foreach_copy_([t.view(-1) for t in tensors], list(flat.split([t.numel() for t in tensors])))
@@ -449,10 +449,7 @@ def _global_sketch(segment: Segment, matrices: list[Tensor], with_memory: bool, 
     omegas: dict[int, Tensor] = {}
     for group, _, _, _ in segment.group_views:
         if group.m not in omegas:
-            omega = seeded_sketch(group.m, seed, draw).to(dtype)
-            if device.type == "cuda":  # a pinned, asynchronous copy: no wait for the stream
-                omega = omega.pin_memory().to(device, non_blocking=True)
-            omegas[group.m] = omega.to(device)
+            omegas[group.m] = upload(seeded_sketch(group.m, seed, draw).to(dtype), device)
     sizes = [group.batch * group.n * omegas[group.m].shape[1] for group, _, _, _ in segment.group_views]
     sketch = torch.empty(sum(sizes), device=device, dtype=dtype)
     sketches = [view.view(group.batch, group.n, -1)
