@@ -156,6 +156,18 @@ def test_engine_runs_on_a_device_without_values(name, measure):
     assert all(flat.device.type == "meta" for flat in segment.workspace._buffers.values())
 
 
+@pytest.mark.parametrize("num_iters", [None, 2])
+@pytest.mark.parametrize("bytes_per_weight", [4, 2])
+def test_aggregator_uploads_nothing_blocking(num_iters, bytes_per_weight):
+    params = [torch.zeros(shape, device="meta") for shape in SHAPES]
+    powersgd = PowerSGD(params, Config(rank=2, min_compression_rate=0, num_iters_per_step=num_iters,
+                                       start_compressing_after_num_steps=1, bytes_per_weight=bytes_per_weight))
+    grads = [[torch.empty(shape, device="meta") for shape in SHAPES] for _ in range(4)]
+    with ForbidBlockingUploads():
+        for step_grads in grads:
+            powersgd.aggregate_(step_grads)
+
+
 @pytest.mark.parametrize("wire", [None, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_exact_averaging_uploads_nothing_blocking(wire):
     # The iterations before compression and the tensors no plan compresses: an fp16 wire builds its span
