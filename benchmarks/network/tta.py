@@ -55,9 +55,12 @@ def worker(args: argparse.Namespace) -> None:
                         seed=args.seed, lr=args.lr, momentum=args.momentum, optimizer=args.optimizer,
                         batch_size=args.batch_size,
                         powersgd_options=json.loads(args.powersgd_options) if args.powersgd_options else None)
+    # Every rank on a GPU shares the machine's GPUs round-robin (gloo moves CUDA tensors through the host).
+    device = (torch.device("cuda", args.rank % torch.cuda.device_count()) if args.device == "cuda"
+              else torch.device("cpu"))
     results = []
     for method in parse_methods(args.methods, [1]):
-        result = train(args.rank, args.world_size, method, config)
+        result = train(args.rank, args.world_size, method, config, device=device)
         results.append({key: result[key] for key in ("method", "label", "metric_name", "metric", "wall_time_s",
                                                      "time_per_step_s", "bytes_per_step", "curve")})
         if args.rank == 0:
@@ -68,9 +71,11 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps(results))
 
 
-def time_to_target(curve: list[dict[str, Any]], target: float, lower_is_better: bool) -> float | None:
-    """Training seconds at which the metric first reaches ``target``, interpolated linearly between the
-    evaluations on either side of the crossing; ``None`` if it never does.
+def time_to_target(curve: list[dict[str, Any]], target: float, lower_is_better: bool,
+                   key: str = "time_s") -> float | None:
+    """Training seconds (or another ``key`` of the curve: ``"step"``) at which the metric first reaches
+    ``target``, interpolated linearly between the evaluations on either side of the crossing; ``None`` if
+    it never does.
 
     >>> curve = [{"time_s": 0.0, "metric": 10.0}, {"time_s": 2.0, "metric": 6.0}, {"time_s": 4.0, "metric": 4.0}]
     >>> time_to_target(curve, 5.0, lower_is_better=True)
@@ -84,8 +89,74 @@ def time_to_target(curve: list[dict[str, Any]], target: float, lower_is_better: 
             span = after["metric"] - before["metric"]
             share = 1.0 if span == 0 else (target - before["metric"]) / span
             share = min(1.0, max(0.0, share))
-            return before["time_s"] + share * (after["time_s"] - before["time_s"])
+            return before[key] + share * (after[key] - before[key])
     return None
+
+
+def step_times(curve: list[dict[str, Any]], start_iter: int) -> tuple[float, float]:
+    """``(seconds per warm-up step, seconds per step after it)`` from a short run's curve that has an
+    evaluation at ``start_iter``: the warm-up's mean, and the median over the later evaluation intervals
+    but the first (whose first step builds the method's state; a closing point adds no steps).
+
+    >>> curve = [{"step": s, "time_s": t} for s, t in [(0, 0.0), (4, 4.0), (8, 5.0), (12, 5.4), (16, 5.8)]]
+    >>> [round(x, 3) for x in step_times(curve, 4)]
+    [1.0, 0.1]
+    """
+    times = {point["step"]: point["time_s"] for point in curve if point["step"] <= start_iter}
+    if start_iter not in times or start_iter < 1:
+        raise ValueError(f"the short run has no evaluation at its warm-up's end (step {start_iter}): "
+                         "give it --start-iter and --evals so that one falls there")
+    later = [(a, b) for a, b in zip(curve, curve[1:]) if a["step"] >= start_iter and b["step"] > a["step"]]
+    rates = sorted((b["time_s"] - a["time_s"]) / (b["step"] - a["step"]) for a, b in later[1:] or later)
+    return times[start_iter] / start_iter, rates[len(rates) // 2]
+
+
+def report_start_iter(report: dict[str, Any]) -> int:
+    """The warm-up length a report's run used (``start_iter``; older reports: from their command).
+
+    >>> report_start_iter({"command": "python3 benchmarks/network/tta.py --steps 24 --start-iter 4"})
+    4
+    """
+    if "start_iter" in report:
+        return int(report["start_iter"])
+    words = report["command"].split()
+    if "--start-iter" not in words:
+        raise ValueError("the report names no --start-iter")
+    return int(words[words.index("--start-iter") + 1])
+
+
+def composed_markdown(short: dict[str, Any], full: dict[str, Any], target: float) -> str:
+    """Seconds to ``target`` on each rate of ``short`` (a few steps per method, for their times), composed
+    from the steps each method took to reach it in ``full`` (the same methods run to the end at another
+    rate: the steps do not depend on the link) and the full run's warm-up, ``w`` steps:
+    ``w x warm-up step + (steps to target - w) x step after it``."""
+    start_iter, short_start = report_start_iter(full), report_start_iter(short)
+    full_rate, full_rows = next(iter(full["rates"].items()))
+    lower = full_rows[0]["metric_name"] != "accuracy"
+    steps = {row["method"]: time_to_target(row["curve"], target, lower, key="step") for row in full_rows}
+    lines = []
+    for rate, rows in short["rates"].items():
+        seconds: dict[str, float | None] = {}
+        cells = {}
+        for row in rows:
+            warm, after = step_times(row["curve"], short_start)
+            needed = steps.get(row["method"])
+            seconds[row["method"]] = (None if needed is None
+                                      else min(needed, start_iter) * warm + max(0.0, needed - start_iter) * after)
+            cells[row["method"]] = (row["label"], warm, after, needed)
+        base = seconds.get("allreduce")
+        lines += ["", f"{short['task']}, {short['world_size']} ranks, {rate}: seconds to {full_rows[0]['metric_name']} "
+                      f"{'<=' if lower else '>='} {target:g}, composed from this rate's step times and the "
+                      f"steps to the target at {full_rate}:", "",
+                  "| method | ms/step, warm-up | ms/step, after | steps to target | seconds to target | vs allreduce |",
+                  "|---|---|---|---|---|---|"]
+        for method, (label, warm, after, needed) in cells.items():
+            time = seconds[method]
+            speedup = f"{base / time:.2f}x" if base and time else "n/a"
+            lines.append(f"| {label} | {1000 * warm:.1f} | {1000 * after:.1f} | "
+                         f"{'not reached' if needed is None else f'{needed:.1f}'} | "
+                         f"{'n/a' if time is None else f'{time:.1f}'} | {speedup} |")
+    return "\n".join(lines)
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -162,10 +233,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="further PowerSGDState arguments for the PowerSGD methods, "
                              'e.g. \'{"bytes_per_weight": 2}\'')
     parser.add_argument("--target", type=float, required=True, help="the metric value to reach")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where each rank trains; cuda: the GPUs round-robin, the links still gloo over "
+                             "the shaped veths (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--from-json", type=Path, default=None, help="only print/plot a previous --json")
+    parser.add_argument("--steps-from", type=Path, default=None, metavar="JSON",
+                        help="with --from-json of a short run: compose each method's seconds to --target from "
+                             "the short run's step times and the steps this full run's JSON took to it "
+                             "(with the full run's warm-up)")
     # worker mode (started by run_workers inside a namespace)
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
@@ -176,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         args.start_iter = default_start_iter(args.steps)
     if args.rank is not None:
         worker(args)
+        return 0
+    if args.steps_from is not None:
+        if args.from_json is None:
+            parser.error("--steps-from needs --from-json (the short run whose step times it reads)")
+        print(composed_markdown(json.loads(args.from_json.read_text()), json.loads(args.steps_from.read_text()),
+                                args.target))
         return 0
     if args.from_json is not None:
         report = json.loads(args.from_json.read_text())
@@ -193,10 +277,12 @@ def main(argv: list[str] | None = None) -> int:
             parse_rate(rate)
         started = time.time()
         report = {"command": " ".join(["python3", "benchmarks/network/tta.py", *(argv or sys.argv[1:])]),
-                  "task": args.task, "world_size": args.world_size, "target": args.target, "rates": {}}
+                  "task": args.task, "device": args.device, "world_size": args.world_size, "target": args.target,
+                  "start_iter": args.start_iter, "rates": {}}
         forwarded = ["--task", args.task, "--methods", args.methods, "--steps", str(args.steps), "--start-iter",
                      str(args.start_iter), "--evals", str(args.evals), "--seed", str(args.seed),
-                     "--target", str(args.target), "--momentum", str(args.momentum), "--optimizer", args.optimizer]
+                     "--target", str(args.target), "--momentum", str(args.momentum), "--optimizer", args.optimizer,
+                     "--device", args.device]
         forwarded += ["--batch-size", str(args.batch_size)] if args.batch_size is not None else []
         forwarded += ["--lr", str(args.lr)] if args.lr is not None else []
         forwarded += ["--powersgd-options", args.powersgd_options] if args.powersgd_options else []

@@ -97,3 +97,26 @@ def test_ranks_of_one_node_share_its_namespace_and_address() -> None:
     assert netns.Network(2, "1gbit").namespace(1) == "gpnet-r1"
     with pytest.raises(ValueError, match="ranks_per_node must be a positive divisor of world_size=4, got 3"):
         netns.Network(4, "1gbit", ranks_per_node=3)
+
+
+def test_composed_time_to_target_is_warm_up_steps_plus_later_steps_at_the_short_runs_step_times() -> None:
+    import tta
+
+    def row(method: str, points: list[tuple[int, float, float]]) -> dict:
+        return {"method": method, "label": method, "metric_name": "perplexity",
+                "curve": [{"step": s, "time_s": t, "metric": m} for s, t, m in points]}
+    # The full run: allreduce reaches 5.0 at step 30, powersgd at step 40 (interpolated), warm-up 10 steps.
+    full = {"command": "tta.py --start-iter 10", "rates": {"1gbit": [
+        row("allreduce", [(0, 0.0, 90.0), (20, 1.0, 7.0), (40, 2.0, 3.0)]),
+        row("powersgd:4", [(0, 0.0, 90.0), (20, 1.0, 7.0), (40, 2.0, 5.0)])]}}
+    # The short run (warm-up 2 steps): allreduce 1 s a step throughout; powersgd 1 s in its warm-up, then
+    # 0.1 s (its first interval, 0.3 s a step, builds its state and is left out).
+    short = {"task": "gpt-wide", "world_size": 2, "start_iter": 2, "rates": {"100mbit": [
+        row("allreduce", [(0, 0.0, 90.0), (2, 2.0, 80.0), (4, 4.0, 70.0), (6, 6.0, 60.0)]),
+        row("powersgd:4", [(0, 0.0, 90.0), (2, 2.0, 80.0), (4, 2.6, 70.0), (6, 2.8, 60.0), (8, 3.0, 50.0)])]}}
+    lines = tta.composed_markdown(short, full, 5.0).splitlines()
+    assert "| allreduce | 1000.0 | 1000.0 | 30.0 | 30.0 | 1.00x |" in lines
+    # 10 warm-up steps at 1 s, then 30 steps at 0.1 s: 13 s.
+    assert "| powersgd:4 | 1000.0 | 100.0 | 40.0 | 13.0 | 2.31x |" in lines
+    with pytest.raises(ValueError, match="no evaluation at its warm-up's end"):
+        tta.composed_markdown({**short, "start_iter": 3}, full, 5.0)
