@@ -135,7 +135,17 @@ def test_the_advice_at_a_measured_batch_is_the_lowest_rank_whose_seeds_held_ther
         # every lower rank measured here fell behind here or at the nearest smaller batch
         assert all(not ok(r) for r in ranks if r < chosen)
     else:
-        assert advice.method == "fp16" and advice.status == "measured to fall behind", advice.reason
+        def untried(rank: int) -> bool:
+            """Held at the nearest measured batch below this one, never measured at or above it."""
+            batches = [m.tokens_per_step for m in rows if m.rank == rank]
+            below = max((t for t in batches if t <= tokens), default=None)
+            return max(batches) < tokens and below is not None and held(rank, below) is True
+
+        if any(untried(r) for r in ranks):  # a rank that held below and is untried here: beyond the map
+            assert (advice.method, advice.rank, advice.status) == (
+                "powersgd", min(r for r in ranks if untried(r)), "beyond the map"), advice.reason
+        else:
+            assert advice.method == "fp16" and advice.status == "measured to fall behind", advice.reason
 
 
 def test_seeds_of_one_setting_are_read_by_their_mean(monkeypatch) -> None:

@@ -143,8 +143,8 @@ def _settings(rows: list[Measured]) -> dict[int, _Setting]:
 
 #: The measured rows, each with an fp16 wire and compression from step 80 of 800 (BENCHMARKS.md).
 #: SGD: momentum 0.9, 16 sequences per worker, 2 and 4 workers. AdamW: nanoGPT's (betas 0.9/0.95,
-#: weight decay 0.1, warm-up then cosine), 2 workers x 16, 64 or 128 sequences (2, 8 and 16 workers' worth
-#: of 16), seeds 0, 1 and 2 at 2 x 16.
+#: weight decay 0.1, warm-up then cosine), 2 workers x 16, 32, 64 or 128 sequences (2, 4, 8 and 16
+#: workers' worth of 16), seeds 0, 1 and 2 at 2 x 16.
 MEASURED: tuple[Measured, ...] = (
     _row("charlm", 256, "sgd", 32, 22, 0.97, 0.97, 10.58, 2.0, "quality/study-charlm-w2-powersgd22-half-lr2.0"),
     _row("charlm", 256, "sgd", 64, 22, 0.23, 1.06, 10.58, 2.0, "quality/study-charlm-w4-powersgd22-half-lr2.0"),
@@ -171,6 +171,7 @@ MEASURED: tuple[Measured, ...] = (
          "quality-adamw/adamw-gpt-w2b16-powersgd32-fp16-lr3e-3-seed1", seed=1),
     _row("gpt", 128, "adamw", 32, 32, 0.38, 0.38, 5.05, 3e-3,
          "quality-adamw/adamw-gpt-w2b16-powersgd32-fp16-lr3e-3-seed2", seed=2),
+    _row("gpt", 128, "adamw", 64, 16, 1.79, 1.79, 11.25, 3e-3, "quality-adamw/adamw-gpt-w2b32-powersgd16-fp16-lr3e-3"),
     _row("gpt", 128, "adamw", 128, 16, -1.52, -0.38, 11.25, 3e-3,
          "quality-adamw/adamw-gpt-w2b64-powersgd16-fp16-lr3e-3"),
     _row("gpt", 128, "adamw", 256, 16, -11.31, -0.25, 11.25, 3e-3,
@@ -181,6 +182,8 @@ MEASURED: tuple[Measured, ...] = (
          "quality-adamw/adamw-gpt-wide-w2b16-powersgd32-fp16-lr1.5e-3"),
     _row("gpt-wide", 256, "adamw", 32, 32, 1.20, 1.20, 11.31, 1.5e-3,
          "quality-adamw/adamw-gpt-wide-w2b16-powersgd32-fp16-lr1.5e-3-seed1", seed=1),
+    _row("gpt-wide", 256, "adamw", 32, 32, 0.99, 0.99, 11.31, 1.5e-3,
+         "quality-adamw/adamw-gpt-wide-w2b16-powersgd32-fp16-lr1.5e-3-seed2", seed=2),
     _row("gpt-wide", 256, "adamw", 128, 32, -4.98, 0.10, 11.31, 1.5e-3,
          "quality-adamw/adamw-gpt-wide-w2b64-powersgd32-fp16-lr1.5e-3"),
     _row("gpt-wide", 256, "adamw", 256, 32, -20.10, -1.47, 11.31, 1.5e-3,
