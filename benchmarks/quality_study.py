@@ -191,8 +191,11 @@ def table(runs: list[dict[str, Any]], baseline: str | None = None) -> str:
         smooth_ratio = "never" if smooth_reach is None or smooth_base is None else _ratio(smooth_reach, smooth_base)
         fewer = run["bytes_allreduce_per_step"] / run["bytes_per_step"]
         start = min(run["start_iter"], run["steps"])
-        total = (start * run["bytes_allreduce_per_step"] + (run["steps"] - start) * run["bytes_per_step"]
-                 if run["method"] != "allreduce" else run["steps"] * run["bytes_allreduce_per_step"])
+        # What the run sent (its curve counts every step, a half-precision warm-up at its own size); older
+        # records without it: a full-precision warm-up, then the compressed steps.
+        total = run["curve"][-1].get("bytes") or (
+            start * run["bytes_allreduce_per_step"] + (run["steps"] - start) * run["bytes_per_step"]
+            if run["method"] != "allreduce" else run["steps"] * run["bytes_allreduce_per_step"])
         tail = tail_mean(run["curve"]) / tail_mean(base["curve"]) - 1
         opts = ", ".join(f"{k}={json.dumps(v)}" for k, v in run["options"].items())
         end_vs_base = 100 * (run["final"] / base["final"] - 1)
