@@ -172,6 +172,7 @@ MEASURED: tuple[Measured, ...] = (
     _row("gpt", 128, "adamw", 32, 32, 0.38, 0.38, 5.05, 3e-3,
          "quality-adamw/adamw-gpt-w2b16-powersgd32-fp16-lr3e-3-seed2", seed=2),
     _row("gpt", 128, "adamw", 64, 16, 1.79, 1.79, 11.25, 3e-3, "quality-adamw/adamw-gpt-w2b32-powersgd16-fp16-lr3e-3"),
+    _row("gpt", 128, "adamw", 64, 24, 1.45, 1.45, 7.50, 3e-3, "quality-adamw/adamw-gpt-w2b32-powersgd24-fp16-lr3e-3"),
     _row("gpt", 128, "adamw", 128, 16, -1.52, -0.38, 11.25, 3e-3,
          "quality-adamw/adamw-gpt-w2b64-powersgd16-fp16-lr3e-3"),
     _row("gpt", 128, "adamw", 256, 16, -11.31, -0.25, 11.25, 3e-3,
