@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from gradpress.tools.check.advice import model_width, recipe_rule
-from gradpress.tools.quality_map import MEASURED, QUALITY_TARGET, advise, rank_for_width
+from gradpress.tools.quality_map import (ADAMW_OPTIONS, FP16_WIRE, HALF_WARM_UP_EVIDENCE, MEASURED, QUALITY_TARGET,
+                                         advise, rank_for_width)
 from gradpress.tools.workloads.tasks import SEQUENCE, get_task
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -59,10 +60,12 @@ def _tokens(sequences: int) -> int:
 
 
 def test_advice_follows_the_rows() -> None:
-    # Measured within the target at this batch: PowerSGD at the rule's rank (width / 8), fp16 wire.
+    # Measured within the target at this batch: PowerSGD at the rule's rank (width / 8), fp16 wire, and with
+    # AdamW a half-precision warm-up; with SGD the warm-up the SGD recipes were measured with.
     advice = advise(128, "adamw", _tokens(128), task="gpt")
     assert (advice.method, advice.rank, advice.status, advice.powersgd_options) == (
-        "powersgd", 16, "measured", {"bytes_per_weight": 2})
+        "powersgd", 16, "measured", {"bytes_per_weight": 2, "warm_up_bytes_per_weight": 2})
+    assert advise(128, "sgd", _tokens(32), task="gpt").powersgd_options == {"bytes_per_weight": 2}
     assert advice.lr == 3e-3 and "-0.38%" in advice.reason
     # At 32 sequences the rule's rank fell behind on average over three seeds (+1.23%, +2.68%, +2.85%):
     # the next measured rank whose seeds held on average, 24, with the figures of every seed.
@@ -185,7 +188,8 @@ def test_the_demos_recommended_method_resolves_from_the_map_and_says_so() -> Non
     resolved = _resolve("--task", "gpt", "--optimizer", "adamw", "--workers", "2", "--batch-size", "64",
                         "--methods", "allreduce,recommended")
     assert [m.label for m in resolved.methods] == ["allreduce", "powersgd r=16"]
-    assert resolved.lr == 3e-3 and resolved.powersgd_options == {"bytes_per_weight": 2}
+    assert resolved.lr == 3e-3 and resolved.powersgd_options == {"bytes_per_weight": 2, "warm_up_bytes_per_weight": 2}
+    assert "with an fp16 wire, a half-precision warm-up" in resolved.recipe
     rec = resolved.recommended
     assert rec["method"] == "powersgd:16" and rec["status"] == "measured" and rec["global_batch"] == 128
     assert rec["tokens_per_step"] == 128 * SEQUENCE and rec["width"] == 128 and rec["optimizer"] == "adamw"
@@ -291,6 +295,38 @@ def test_a_higher_measured_rank_that_held_is_advised_over_the_rules_rank_that_fe
     # Every measured rank behind at this batch: the fp16 hook.
     monkeypatch.setattr(quality_map, "MEASURED", (row(22, 2048, 2.9), row(32, 2048, 1.9)))
     assert advise(256, "adamw", 2048, task="wide").method == "fp16"
+
+
+@pytest.mark.parametrize("half, full", HALF_WARM_UP_EVIDENCE, ids=lambda label: label.rsplit("/", 1)[-1])
+def test_each_half_precision_warm_up_run_is_its_settings_run_with_that_warm_up(half, full) -> None:
+    # The AdamW recipe's warm-up: each run differs from its full-precision twin in that option alone.
+    runs = {label: json.loads((RESULTS / f"{label}.json").read_text()) for label in (half, full)}
+    options = {label: run["config"].pop("powersgd_options") for label, run in runs.items()}
+    assert options[half] == ADAMW_OPTIONS and options[full] == FP16_WIRE
+    assert runs[half]["config"] == runs[full]["config"] and runs[half]["method"] == runs[full]["method"]
+    # It sent the warm-up at half the bytes, the compressed steps alike.
+    sent = {label: run["curve"][-1]["bytes"] for label, run in runs.items()}
+    warm_up = runs[full]["config"]["start_iter"] * runs[full]["bytes_allreduce_per_step"]
+    assert sent[full] - sent[half] == warm_up // 2 and runs[half]["bytes_per_step"] == runs[full]["bytes_per_step"]
+
+
+def test_the_half_precision_warm_up_costs_no_measured_quality() -> None:
+    # Over its runs the final perplexity against allreduce's is within the target on average, and the mean
+    # of its differences from the full-precision twins is inside the seeds' own noise (half the spread
+    # between the seeds of one full-precision setting).
+    runs = _runs()
+
+    def end_vs_allreduce(label: str) -> float:
+        run = json.loads((RESULTS / f"{label}.json").read_text())
+        base = min((r for r in runs if _setting(r) == _setting(run) and r["method"] == "allreduce"),
+                   key=lambda r: r["ppl_end"])
+        return 100 * (run["ppl_end"] / base["ppl_end"] - 1)
+
+    half = [end_vs_allreduce(h) for h, _ in HALF_WARM_UP_EVIDENCE]
+    differences = [h - end_vs_allreduce(f) for h, (_, f) in zip(half, HALF_WARM_UP_EVIDENCE)]
+    seeds = [end_vs_allreduce(f) for _, f in HALF_WARM_UP_EVIDENCE if "gpt-w2b16-powersgd24" in f]
+    assert len(seeds) == 3 and sum(half) / len(half) <= QUALITY_TARGET
+    assert abs(sum(differences) / len(differences)) <= (max(seeds) - min(seeds)) / 2
 
 
 # --- when to start compressing ---------------------------------------------------------------------------

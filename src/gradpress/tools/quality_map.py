@@ -9,7 +9,8 @@ count: 2 workers x 64 sequences stands for 8 workers x 16.
 
 :func:`advise` reads the map for a setting (the demo's ``recommended`` method, ``gradpress check``):
 
-* PowerSGD with an fp16 wire at the smallest measured rank, from
+* PowerSGD with an fp16 wire (with AdamW its warm-up's exact averages too: :data:`ADAMW_OPTIONS`) at the
+  smallest measured rank, from
   :func:`~gradpress.tools.check.advice.recipe_rule`'s rank for the width up, that held at the nearest
   measured batches on both sides of yours: its lowest perplexity within :data:`QUALITY_TARGET` of
   allreduce's (the mean over seeds where a setting was run with several) at the nearest measured batch
@@ -21,8 +22,8 @@ count: 2 workers x 64 sequences stands for 8 workers x 16.
   measured"``).
 
 >>> advice = advise(width=128, optimizer="adamw", tokens_per_step=2 * 64 * 64)
->>> advice.method, advice.rank, advice.status
-('powersgd', 16, 'measured')
+>>> advice.method, advice.rank, advice.status, advice.powersgd_options
+('powersgd', 16, 'measured', {'bytes_per_weight': 2, 'warm_up_bytes_per_weight': 2})
 >>> advise(width=128, optimizer="sgd", tokens_per_step=4 * 16 * 64).method   # gpt, 4 workers, SGD: +4.3%
 'fp16'
 """
@@ -33,13 +34,37 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["FP16_WIRE", "MEASURED", "QUALITY_TARGET", "START_RULE", "Advice", "Measured", "advise",
-           "early_start_warning", "markdown_table", "rank_for_width"]
+__all__ = ["ADAMW_OPTIONS", "FP16_WIRE", "HALF_WARM_UP_EVIDENCE", "MEASURED", "QUALITY_TARGET", "START_RULE",
+           "Advice", "Measured", "advise", "early_start_warning", "markdown_table", "rank_for_width",
+           "recipe_options"]
 
 #: The quality target, in percent of allreduce's final perplexity.
 QUALITY_TARGET = 1.5
 #: The PowerSGD options every measured recipe uses: P, Q and the uncompressed tensors in fp16 on the wire.
 FP16_WIRE: dict[str, Any] = {"bytes_per_weight": 2}
+#: With AdamW the exact averages of the warm-up go on the same half-precision wire too
+#: (``warm_up_bytes_per_weight=2``): they are most of the recipe's bytes over a run and, on a slow link,
+#: most of its time (BENCHMARKS.md, "The warm-up on the half-precision wire"), and they cost no measured
+#: quality: the runs in :data:`HALF_WARM_UP_EVIDENCE` ended as close to allreduce as the same settings
+#: with a full-precision warm-up. With SGD the recipes were measured with a full-precision warm-up only.
+ADAMW_OPTIONS: dict[str, Any] = {"bytes_per_weight": 2, "warm_up_bytes_per_weight": 2}
+#: The half-precision warm-up's runs (``benchmarks/results/quality-adamw/``), each beside the run of the
+#: same setting and seed with a full-precision warm-up.
+HALF_WARM_UP_EVIDENCE: tuple[tuple[str, str], ...] = tuple(
+    (f"quality-adamw/adamw-{setting}-fp16-hwu-{rest}", f"quality-adamw/adamw-{setting}-fp16-{rest}")
+    for setting, rest in [("gpt-w2b16-powersgd24", "lr3e-3"), ("gpt-w2b16-powersgd24", "lr3e-3-seed1"),
+                          ("gpt-w2b16-powersgd24", "lr3e-3-seed2"), ("gpt-wide-w2b16-powersgd32", "lr1.5e-3"),
+                          ("gpt-wide-w2b16-powersgd32", "lr1.5e-3-seed1")])
+
+
+def recipe_options(optimizer: str) -> dict[str, Any]:
+    """The PowerSGD options of the recipe for ``optimizer``: :data:`ADAMW_OPTIONS` for ``"adamw"``,
+    :data:`FP16_WIRE` otherwise (a new dict each call).
+
+    >>> recipe_options("adamw"), recipe_options("sgd")
+    ({'bytes_per_weight': 2, 'warm_up_bytes_per_weight': 2}, {'bytes_per_weight': 2})
+    """
+    return dict(ADAMW_OPTIONS if optimizer == "adamw" else FP16_WIRE)
 #: When every measured row starts compressing, and what starting sooner measured (BENCHMARKS.md, "The
 #: warm-up's length"): a tenth of the run, which with AdamW is the end of its learning-rate warm-up.
 _START_EVIDENCE = ("every measured row started at step 80 of 800; on gpt with AdamW, starting at step 2, 20 or 40 "
@@ -259,11 +284,11 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
     rows = [m for m in MEASURED if m.optimizer == optimizer]
     words = _OPTIMIZER_WORDS[optimizer]
     if task is not None and not any(m.task == task for m in MEASURED):
-        return Advice("powersgd", rank, dict(FP16_WIRE), "not measured",
+        return Advice("powersgd", rank, recipe_options(optimizer), "not measured",
                       f"PowerSGD was not measured on {task}: rank {rank} (width {width} / 8) with an fp16 wire is the "
                       "rule of the measured recipes; watch the global residual (docs/tuning.md)")
     if not rows:
-        return Advice("powersgd", rank, dict(FP16_WIRE), "not measured",
+        return Advice("powersgd", rank, recipe_options(optimizer), "not measured",
                       f"PowerSGD was not measured with {words}: rank {rank} (width {width} / 8) with an fp16 wire is "
                       "the rule of the measured recipes; watch the global residual (docs/tuning.md)")
     same_task = [m for m in rows if m.task == task]
@@ -288,12 +313,12 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
             continue
         if above is not None:
             held = settings[above]
-            return Advice("powersgd", r, dict(FP16_WIRE), "measured",
+            return Advice("powersgd", r, recipe_options(optimizer), "measured",
                           f"{words} {where}: {held.describe()} (target {QUALITY_TARGET}%)" + _after(failures),
                           lr, _evidence(held, *failures))
         if below is not None and beyond is None:
             held = settings[below]
-            beyond = Advice("powersgd", r, dict(FP16_WIRE), "beyond the map",
+            beyond = Advice("powersgd", r, recipe_options(optimizer), "beyond the map",
                             f"{words} {where}: the largest measured batch, {held.describe()}; yours, "
                             f"{tokens_per_step:,} tokens/step, is beyond it: read the global residual "
                             "(docs/tuning.md)" + _after(failures), lr, _evidence(held, *failures))
@@ -307,7 +332,7 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
                       f"tokens/step (rank {worst.rank}: best {worst.best_vs_allreduce:+.1f}%{seeds}, over the "
                       f"{QUALITY_TARGET}% target) and yours is {tokens_per_step:,}: the fp16 hook halves the "
                       "bytes and keeps allreduce's steps", lr, _evidence(*failures))
-    return Advice("powersgd", rank, dict(FP16_WIRE), "not measured",
+    return Advice("powersgd", rank, recipe_options(optimizer), "not measured",
                   f"PowerSGD was not measured with {words} {where} at rank {rank} or above: rank {rank} (width "
                   f"{width} / 8) with an fp16 wire is the rule of the measured recipes; watch the global residual "
                   "(docs/tuning.md)", lr)

@@ -18,7 +18,8 @@ On a task with a measured PowerSGD recipe (``charlm``, ``charlm-wide``, ``gpt``,
 its PowerSGD options (an fp16 wire) for whatever ``--lr``, ``--rank`` and ``--powersgd-options`` leave
 out (:func:`resolve`); the report says so. Other tasks keep their own defaults. With ``--optimizer adamw``
 the learning rate comes from the quality map (:mod:`gradpress.tools.quality_map`) where the task was
-measured with AdamW.
+measured with AdamW, and the PowerSGD options from its AdamW recipe (an fp16 wire and a half-precision
+warm-up, :data:`~gradpress.tools.quality_map.ADAMW_OPTIONS`).
 
 The method ``recommended`` is the configuration the quality map advises for this task, optimizer and
 global batch (``--workers`` x ``--batch-size`` sequences): PowerSGD at the task's rank with an fp16 wire
@@ -47,7 +48,7 @@ from typing import Any
 from ....hooks import PowerSGDState
 from ...check.advice import model_width
 from ...processes import usable_cores
-from ...quality_map import advise, early_start_warning
+from ...quality_map import advise, early_start_warning, recipe_options
 from ...workloads.config import ADAMW_LR, OPTIMIZERS, DemoConfig, default_start_iter
 from ...workloads.methods import METHOD_KINDS, METHOD_REGISTRY, RECOMMENDED, Method, parse_methods
 from ...workloads.tasks import SEQUENCE, TASKS, Task, get_task
@@ -290,10 +291,11 @@ def recommendation(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _describe_options(options: Mapping[str, Any]) -> str:
-    """``{"bytes_per_weight": 2}`` -> ``"an fp16 wire"``; other options as ``key=value``."""
-    words = {2: "an fp16 wire", 4: "an fp32 wire", 8: "an fp64 wire"}
-    return ", ".join(words.get(v, f"{k}={v!r}") if k == "bytes_per_weight" else f"{k}={v!r}"
-                     for k, v in options.items())
+    """``{"bytes_per_weight": 2}`` -> ``"an fp16 wire"``, ``"warm_up_bytes_per_weight": 2`` -> ``"a
+    half-precision warm-up"``; other options as ``key=value``."""
+    words = {"bytes_per_weight": {2: "an fp16 wire", 4: "an fp32 wire", 8: "an fp64 wire"},
+             "warm_up_bytes_per_weight": {2: "a half-precision warm-up"}}
+    return ", ".join(words.get(k, {}).get(v, f"{k}={v!r}") for k, v in options.items())
 
 
 def resolve(args: argparse.Namespace) -> Resolved:
@@ -301,7 +303,8 @@ def resolve(args: argparse.Namespace) -> Resolved:
     (:class:`~gradpress.tools.workloads.Recipe`), what ``--lr``, ``--rank`` and ``--powersgd-options`` leave out
     comes from it: its lr for every method (the allreduce baseline is the tuned one too), its rank for the
     PowerSGD methods given without ``:R``, its options for the PowerSGD methods; elsewhere the task's lr
-    and :data:`DEFAULT_RANKS`. With AdamW the lr comes from the quality map where it has the task. The
+    and :data:`DEFAULT_RANKS`. With AdamW the lr comes from the quality map where it has the task, and the
+    PowerSGD options from the map's AdamW recipe (:func:`~gradpress.tools.quality_map.recipe_options`). The
     method ``recommended`` is replaced by what :func:`recommendation` advises (``Resolved.recommended``
     says what and why). ``ValueError`` for an unknown task or a bad ``--methods``.
     """
@@ -332,7 +335,10 @@ def resolve(args: argparse.Namespace) -> Resolved:
     if recipe is not None and rank is None and parse_methods(names, []) != methods:
         details.append(f"rank {recipe.rank}")  # some PowerSGD method took the default rank
     if options is None and powersgd:
-        if recipe is not None:
+        # The tasks' recipes were measured with SGD; with AdamW the map's recipe adds a half-precision warm-up.
+        if optimizer != "sgd" and (recipe is not None or recommended is not None):
+            options = recipe_options(optimizer)
+        elif recipe is not None:
             options = dict(recipe.powersgd_options)
         elif recommended is not None:
             options = dict(recommended["powersgd_options"])
