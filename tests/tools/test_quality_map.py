@@ -265,7 +265,12 @@ def test_check_reports_the_quality_map_for_a_demo_task(tmp_path: Path, capsys: p
     # One rank of 16 sequences of 64: the map's gpt rows with SGD held at 2 x 16 sequences.
     assert quality["tokens_per_step"] == 16 * SEQUENCE and quality["tokens_source"] == "the example batch on every rank"
     assert (quality["status"], quality["method"]) == ("measured", "powersgd:16")
-    assert "quality map (sgd, 1,024 tokens/step from the example batch on every rank): measured, powersgd:16" in out
+    assert ("quality map (sgd, 1,024 tokens/step from the example batch on every rank): measured, powersgd:16 "
+            "(PowerSGDState(..., matrix_approximation_rank=16, bytes_per_weight=2))") in out
+    # With AdamW the state to build carries the half-precision warm-up too.
+    assert main(["check", "--model", "gpt", "--optimizer", "adamw", "--tokens-per-step", "4096", "--iters", "1"]) == 0
+    assert ("measured, powersgd:24 (PowerSGDState(..., matrix_approximation_rank=24, bytes_per_weight=2, "
+            "warm_up_bytes_per_weight=2))") in capsys.readouterr().out
 
 
 def test_the_tuning_guide_shows_the_maps_rows() -> None:

@@ -164,7 +164,11 @@ def format_report(report: dict[str, Any]) -> str:
     if q:
         head = "quality map" + (f" ({q['optimizer']}, {q['tokens_per_step']:,} tokens/step from {q['tokens_source']})"
                                 if q["status"] != "not asked" else "")
-        lines += ["", f"{head}: {q['status']}" + (f", {q['method']}" if "method" in q else ""), f"  {q['reason']}"]
+        options = ", ".join(f"{k}={v!r}" for k, v in (q.get("powersgd_options") or {}).items())
+        method = q.get("method", "")
+        if options and method.startswith("powersgd"):  # the state to build: the rank and the wire options
+            method += f" (PowerSGDState(..., matrix_approximation_rank={method.partition(':')[2]}, {options}))"
+        lines += ["", f"{head}: {q['status']}" + (f", {method}" if method else ""), f"  {q['reason']}"]
         lines += [f"  {q['start']}"] if q.get("start") else []
     rec = report["recommendation"]
     lines += ["", f"recommended: {rec['method']} = {rec['config']}", f"  because {rec['reason']}",
