@@ -65,6 +65,8 @@ def recipe_options(optimizer: str) -> dict[str, Any]:
     ({'bytes_per_weight': 2, 'warm_up_bytes_per_weight': 2}, {'bytes_per_weight': 2})
     """
     return dict(ADAMW_OPTIONS if optimizer == "adamw" else FP16_WIRE)
+
+
 #: When every measured row starts compressing, and what starting sooner measured (BENCHMARKS.md, "The
 #: warm-up's length"): a tenth of the run, which with AdamW is the end of its learning-rate warm-up.
 _START_EVIDENCE = ("every measured row started at step 80 of 800; on gpt with AdamW, starting at step 2, 20 or 40 "
