@@ -4,7 +4,10 @@ Builds ``--world-size`` ranks in network namespaces on a bridge (``netns.py``: v
 ways), and for each ``--rates`` trains the demo's ``--task`` with every ``--methods`` through
 ``gradpress.tools.workloads.training.train`` (the code path of ``gradpress demo`` and ``examples/train.py``:
 same data order, same initial weights, same hooks), then tears everything down. Needs root and
-iproute2. Not part of CI.
+iproute2. Not part of CI. ``--device cuda`` trains each rank on a GPU (round-robin over the machine's
+GPUs; gloo still carries the bytes over the shaped links). Where a link is too slow to run every method
+whole, ``--from-json SHORT --steps-from FULL`` composes the seconds to the target from a short run's step
+times on that link and the steps a whole run at another rate took (the steps do not depend on the link).
 
     sudo python3 benchmarks/network/tta.py --rates 100mbit,1gbit --task charlm --steps 600 \\
         --methods allreduce,fp16,powersgd:4,localsgd:8 --target 6.0 \\
