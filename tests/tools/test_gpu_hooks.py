@@ -24,6 +24,7 @@ def _run(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
                           cwd=tmp_path, timeout=300)
 
 
+@pytest.mark.slow
 def test_every_method_is_timed_or_its_failure_reported(tmp_path: Path) -> None:
     out = tmp_path / "hooks.json"
     methods = "allreduce,fp16,torch_powersgd:4,powersgd:4,powersgd_fp16:4,powersgd_diag:4"
