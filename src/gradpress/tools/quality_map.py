@@ -202,7 +202,7 @@ MEASURED: tuple[Measured, ...] = (
     _row("gpt", 128, "adamw", 64, 24, 1.45, 1.45, 7.50, 3e-3, "quality-adamw/adamw-gpt-w2b32-powersgd24-fp16-lr3e-3"),
     _row("gpt", 128, "adamw", 128, 16, -1.52, -0.38, 11.25, 3e-3,
          "quality-adamw/adamw-gpt-w2b64-powersgd16-fp16-lr3e-3"),
-    _row("gpt", 128, "adamw", 256, 16, -11.31, -0.25, 11.25, 3e-3,
+    _row("gpt", 128, "adamw", 256, 16, -10.51, -0.56, 11.25, 3e-3,
          "quality-adamw/adamw-gpt-w2b128-powersgd16-fp16-lr3e-3"),
     _row("gpt-wide", 256, "adamw", 32, 22, 2.18, 2.18, 16.45, 1.5e-3,
          "quality-adamw/adamw-gpt-wide-w2b16-powersgd22-fp16-lr1.5e-3"),
