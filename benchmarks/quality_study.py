@@ -191,8 +191,8 @@ def table(runs: list[dict[str, Any]], baseline: str | None = None) -> str:
         smooth_ratio = "never" if smooth_reach is None or smooth_base is None else _ratio(smooth_reach, smooth_base)
         fewer = run["bytes_allreduce_per_step"] / run["bytes_per_step"]
         start = min(run["start_iter"], run["steps"])
-        # What the run sent (its curve counts every step, a half-precision warm-up at its own size); older
-        # records without it: a full-precision warm-up, then the compressed steps.
+        # What the run sent (its curve counts every step, a half-precision warm-up at its own size); where
+        # it sent nothing (one worker), what a full-precision warm-up and the compressed steps would send.
         total = run["curve"][-1].get("bytes") or (
             start * run["bytes_allreduce_per_step"] + (run["steps"] - start) * run["bytes_per_step"]
             if run["method"] != "allreduce" else run["steps"] * run["bytes_allreduce_per_step"])

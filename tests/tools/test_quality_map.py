@@ -19,6 +19,13 @@ def _runs() -> list[dict]:
     return [json.loads(p.read_text()) | {"path": p} for p in sorted(RESULTS.glob("quality*/*.json"))]
 
 
+def _best_allreduce(run: dict, runs: list[dict]) -> dict:
+    """The baseline of ``run``: the allreduce of its setting (task, workers, batch, optimizer, seed, steps)
+    that ended lowest."""
+    return min((r for r in runs if _setting(r) == _setting(run) and r["method"] == "allreduce"),
+               key=lambda r: r["ppl_end"])
+
+
 def _setting(run: dict) -> tuple:
     config = run.get("config") or {}
     return (config.get("task"), run["workers"], config.get("batch_size"), config.get("optimizer", "sgd"),
@@ -35,8 +42,7 @@ def test_each_row_is_its_runs_json_against_the_best_allreduce_of_its_setting(row
     assert config["powersgd_options"] == {"bytes_per_weight": 2} and config["lr"] == pytest.approx(row.lr)
     assert config.get("optimizer", "sgd") == row.optimizer
     assert run["workers"] * (config["batch_size"] or task.batch_size) * SEQUENCE == row.tokens_per_step
-    baseline = min((r for r in runs if _setting(r) == _setting(run) and r["method"] == "allreduce"),
-                   key=lambda r: r["ppl_end"])
+    baseline = _best_allreduce(run, runs)
     assert 100 * (run["ppl_end"] / baseline["ppl_end"] - 1) == pytest.approx(row.end_vs_allreduce, abs=0.005)
     lowest = min(p["metric"] for p in run["curve"]) / min(p["metric"] for p in baseline["curve"])
     assert 100 * (lowest - 1) == pytest.approx(row.best_vs_allreduce, abs=0.005)
@@ -323,9 +329,7 @@ def test_the_half_precision_warm_up_costs_no_measured_quality() -> None:
 
     def end_vs_allreduce(label: str) -> float:
         run = json.loads((RESULTS / f"{label}.json").read_text())
-        base = min((r for r in runs if _setting(r) == _setting(run) and r["method"] == "allreduce"),
-                   key=lambda r: r["ppl_end"])
-        return 100 * (run["ppl_end"] / base["ppl_end"] - 1)
+        return 100 * (run["ppl_end"] / _best_allreduce(run, runs)["ppl_end"] - 1)
 
     half = [end_vs_allreduce(h) for h, _ in HALF_WARM_UP_EVIDENCE]
     differences = [h - end_vs_allreduce(f) for h, (_, f) in zip(half, HALF_WARM_UP_EVIDENCE)]
