@@ -104,6 +104,7 @@ def normalize(record: dict[str, Any], name: str) -> dict[str, Any]:
                 "steps": config["steps"], "seed": config["seed"], "start_iter": config["start_iter"],
                 "lr": config["lr"], "momentum": config["momentum"], "method": record["method"],
                 "optimizer": config.get("optimizer", "sgd"), "batch": config.get("batch_size"),
+                "device": record.get("device", "cpu"),
                 "options": {k: v for k, v in (("powersgd_options", config.get("powersgd_options")),
                                               ("warm_up_beta", config.get("warm_up_beta")),
                                               ("clip_grad_norm", config.get("clip_grad_norm")),
@@ -124,8 +125,10 @@ def normalize(record: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def group(run: dict[str, Any]) -> tuple:
-    """The runs one baseline serves: same task, workers, steps, seed, optimizer and batch size."""
-    return run["task"], run["workers"], run["steps"], run["seed"], run.get("optimizer", "sgd"), run.get("batch")
+    """The runs one baseline serves: same task, workers, steps, seed, optimizer, batch size and device (a
+    GPU's kernels round differently from the CPU's: a run is compared with allreduce on its own device)."""
+    return (run["task"], run["workers"], run["steps"], run["seed"], run.get("optimizer", "sgd"), run.get("batch"),
+            run.get("device", "cpu"))
 
 
 def optimizer_name(run: dict[str, Any]) -> str:
@@ -179,7 +182,8 @@ def table(runs: list[dict[str, Any]], baseline: str | None = None) -> str:
         base_steps = steps_to_reach(base["curve"], target)
         if base["label"] not in seen:
             seen.add(base["label"])
-            lines.append(f"Baseline {base['label']} ({base['task']}, {base['workers']} workers, "
+            where = "" if base.get("device", "cpu") == "cpu" else f", on {base['device']}"
+            lines.append(f"Baseline {base['label']} ({base['task']}, {base['workers']} workers{where}, "
                          f"{optimizer_name(base)}, lr {base['lr']}): ppl {target:.2f} at step {mid} (reached at step "
                          f"{base_steps:.1f}), {base['final']:.2f} at the end; within 1.5%: <= "
                          f"{1.015 * base['final']:.4f}.")
@@ -260,11 +264,17 @@ def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> Non
     method = parse_methods(args.methods, [1])
     if len(method) != 1:
         raise SystemExit(f"--methods must name one method, got {args.methods!r}")
-    result = train(rank, args.workers, method[0], config)
+    device = (torch.device("cuda", rank % torch.cuda.device_count()) if args.device == "cuda"
+              else torch.device("cpu"))
+    def progress(label: str, step: int, steps: int, loss: float) -> None:
+        print(f"{label} on {args.workers} workers: step {step}/{steps}, train loss {loss:.4f}", flush=True)
+
+    result = train(rank, args.workers, method[0], config, progress, device=device)
     dist.destroy_process_group()
     if rank != 0:
         return
-    record = run_record(result, config, label=args.label, command=command, workers=args.workers)
+    record = run_record(result, config, label=args.label, command=command, workers=args.workers,
+                        device=args.device)
     per_step = record["bytes_per_step"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -307,6 +317,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, per: str) -> None:
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
                         help="adamw: nanoGPT's (betas 0.9/0.95, weight decay 0.1 on matrices, warm-up, cosine)")
     parser.add_argument("--batch-size", type=int, default=None, help=f"per {per} per step (default: the task's)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help=f"cuda: every {per} on a GPU (round-robin over the machine's GPUs; gloo carries "
+                             "CUDA tensors). Runs on different devices get different baselines in --table")
 
 
 def command_line(script: str, argv: list[str]) -> str:

@@ -87,9 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label} on {args.replicas} replicas: step {step}/{steps}, train loss {loss:.4f}", flush=True)
 
     start = time.perf_counter()
-    results = train_replicas(methods[0], config, args.replicas, on_progress=progress)
+    results = train_replicas(methods[0], config, args.replicas, on_progress=progress, device=args.device)
     record = run_record(results[0], config, label=args.label, command=command, workers=args.replicas,
-                        replicas=args.replicas, simulated="threads", elapsed_s=time.perf_counter() - start)
+                        replicas=args.replicas, simulated="threads", device=args.device,
+                        elapsed_s=time.perf_counter() - start)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.label}.json").write_text(json.dumps(record, indent=1) + "\n")

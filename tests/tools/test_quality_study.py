@@ -64,6 +64,19 @@ def test_each_optimizer_and_batch_size_has_its_own_baseline() -> None:
     assert "| adamw | 32 |" in row and "| +1.00% |" in row  # against the AdamW baseline, not SGD's 4.0
 
 
+def test_a_gpu_run_is_compared_with_allreduce_on_its_own_device() -> None:
+    """A GPU's kernels round differently: a run on cuda never takes the CPU's allreduce as its baseline, even
+    one that ended lower, and records without a device (older runs) count as the CPU's."""
+    cpu = _run("ar-cpu", "allreduce", 1.0, [10.0, 5.0, 3.0], 1000.0)
+    gpu = {**_run("ar-gpu", "allreduce", 1.0, [10.0, 5.0, 4.0], 1000.0), "device": "cuda"}
+    psgd = {**_run("psgd-gpu", "powersgd:4", 1.0, [10.0, 6.0, 4.04], 50.0), "device": "cuda"}
+    text = qs.table([cpu, gpu, psgd])
+    assert "Baseline ar-cpu (charlm, 2 workers, sgd" in text
+    assert "Baseline ar-gpu (charlm, 2 workers, on cuda, sgd" in text
+    row = next(line for line in text.splitlines() if line.startswith("| psgd-gpu "))
+    assert "| +1.00% |" in row  # against 4.0 on its device, not the CPU's 3.0
+
+
 def test_a_baseline_at_its_target_from_the_start_gives_no_steps_ratio() -> None:
     """A baseline whose first evaluation is already at its mid-run metric (a run too short to learn)
     reached it at step 0: the steps ratio is "-", not a division by zero."""
@@ -93,6 +106,7 @@ def test_both_study_scripts_write_the_same_record(tmp_path: Path) -> None:
     processes = json.loads((tmp_path / "processes.json").read_text())
     threads = json.loads((tmp_path / "threads.json").read_text())
     assert set(threads) - set(processes) == {"replicas", "simulated", "elapsed_s"}
+    assert processes["device"] == threads["device"] == "cpu"
     assert set(processes) <= set(threads)
     assert (threads["replicas"], threads["workers"], threads["simulated"]) == (2, 2, "threads")
     assert threads["config"] == processes["config"]
