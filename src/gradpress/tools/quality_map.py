@@ -90,7 +90,10 @@ class Measured:
     ``lr``: the learning rate PowerSGD ran at (allreduce's best of those tried at momentum 0.9 for SGD, at
     this batch for AdamW). ``label``: the run's JSON in
     ``benchmarks/results/``. ``seed``: the data order and initial weights both runs shared; a setting
-    measured with several seeds has one row per seed, and :func:`advise` reads their mean.
+    measured with several seeds has one row per seed, and :func:`advise` reads their mean. ``device``:
+    where both runs trained, ``"cpu"`` (this project's 2-core machines, Python 3.11) or ``"h100"`` (an
+    NVIDIA H100 with Python 3.12, whose ``pydoc_data`` text differs: its runs are compared only with
+    allreduce on the same machine).
     """
 
     task: str
@@ -104,6 +107,7 @@ class Measured:
     lr: float
     label: str
     seed: int = 0
+    device: Literal["cpu", "h100"] = "cpu"
 
     @property
     def holds(self) -> bool:
@@ -116,16 +120,19 @@ class Measured:
 
 def _describe(m: Measured, ended: str) -> str:
     """``m``'s setting, rank and bytes around ``ended``, the figures of one run or of its seeds."""
-    return (f"{m.task}, {_OPTIMIZER_WORDS[m.optimizer]}, {m.tokens_per_step:,} tokens/step: rank {m.rank} ended "
-            f"{ended} at {m.bytes_ratio:.1f}x fewer bytes")
+    where = "" if m.device == "cpu" else f" (on an {m.device.upper()})"
+    return (f"{m.task}, {_OPTIMIZER_WORDS[m.optimizer]}, {m.tokens_per_step:,} tokens/step{where}: rank {m.rank} "
+            f"ended {ended} at {m.bytes_ratio:.1f}x fewer bytes")
 
 
 _OPTIMIZER_WORDS = {"sgd": "SGD", "adamw": "AdamW"}
 
 
 def _row(task: str, width: int, optimizer: Literal["sgd", "adamw"], sequences: int, rank: int, end: float,
-         best: float, bytes_ratio: float, lr: float, label: str, seed: int = 0) -> Measured:
-    return Measured(task, width, optimizer, sequences * _SEQUENCE, rank, end, best, bytes_ratio, lr, label, seed)
+         best: float, bytes_ratio: float, lr: float, label: str, seed: int = 0,
+         device: Literal["cpu", "h100"] = "cpu") -> Measured:
+    return Measured(task, width, optimizer, sequences * _SEQUENCE, rank, end, best, bytes_ratio, lr, label, seed,
+                    device)
 
 
 @dataclass(frozen=True)
@@ -171,7 +178,8 @@ def _settings(rows: list[Measured]) -> dict[int, _Setting]:
 #: The measured rows, each with an fp16 wire and compression from step 80 of 800 (BENCHMARKS.md).
 #: SGD: momentum 0.9, 16 sequences per worker, 2 and 4 workers. AdamW: nanoGPT's (betas 0.9/0.95,
 #: weight decay 0.1, warm-up then cosine), 2 workers x 16, 32, 64 or 128 sequences (2, 4, 8 and 16
-#: workers' worth of 16), seeds 0, 1 and 2 at 2 x 16.
+#: workers' worth of 16), seeds 0, 1 and 2 at 2 x 16; 2 x 256 (32 workers' worth) on an H100, with the
+#: recipe's half-precision warm-up (:data:`ADAMW_OPTIONS`).
 MEASURED: tuple[Measured, ...] = (
     _row("charlm", 256, "sgd", 32, 22, 0.97, 0.97, 10.58, 2.0, "quality/study-charlm-w2-powersgd22-half-lr2.0"),
     _row("charlm", 256, "sgd", 64, 22, 0.23, 1.06, 10.58, 2.0, "quality/study-charlm-w4-powersgd22-half-lr2.0"),
@@ -204,6 +212,8 @@ MEASURED: tuple[Measured, ...] = (
          "quality-adamw/adamw-gpt-w2b64-powersgd16-fp16-lr3e-3"),
     _row("gpt", 128, "adamw", 256, 16, -10.51, -0.56, 11.25, 3e-3,
          "quality-adamw/adamw-gpt-w2b128-powersgd16-fp16-lr3e-3"),
+    _row("gpt", 128, "adamw", 512, 16, -7.68, -0.14, 11.25, 1.5e-3,
+         "quality-adamw-gpu/adamw-gpt-w2b256-powersgd16-fp16-hwu-lr1.5e-3", device="h100"),
     _row("gpt-wide", 256, "adamw", 32, 22, 2.18, 2.18, 16.45, 1.5e-3,
          "quality-adamw/adamw-gpt-wide-w2b16-powersgd22-fp16-lr1.5e-3"),
     _row("gpt-wide", 256, "adamw", 32, 32, 1.30, 1.30, 11.31, 1.5e-3,
@@ -216,6 +226,8 @@ MEASURED: tuple[Measured, ...] = (
          "quality-adamw/adamw-gpt-wide-w2b64-powersgd32-fp16-lr1.5e-3"),
     _row("gpt-wide", 256, "adamw", 256, 32, -20.10, -1.47, 11.31, 1.5e-3,
          "quality-adamw/adamw-gpt-wide-w2b128-powersgd32-fp16-lr1.5e-3"),
+    _row("gpt-wide", 256, "adamw", 512, 32, -21.15, 0.87, 11.31, 7.5e-4,
+         "quality-adamw-gpu/adamw-gpt-wide-w2b256-powersgd32-fp16-hwu-lr7.5e-4", device="h100"),
 )
 
 
@@ -368,10 +380,11 @@ def _evidence(*settings: _Setting) -> tuple[Measured, ...]:
 def markdown_table() -> str:
     """:data:`MEASURED` as the markdown table docs/tuning.md shows (rows that miss the target in bold)."""
     lines = ["| task (width) | optimizer | tokens/step (sequences of 64) | rank | seed | final perplexity vs "
-             "allreduce | best vs allreduce's best | bytes/step fewer |", "|---|---|---|---|---|---|---|---|"]
+             "allreduce | best vs allreduce's best | bytes/step fewer | trained on |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for m in MEASURED:
         best = f"{m.best_vs_allreduce:+.2f}%"
         lines.append(f"| {m.task} ({m.width}) | {_OPTIMIZER_WORDS[m.optimizer]} | {m.tokens_per_step:,} "
                      f"({m.tokens_per_step // _SEQUENCE}) | {m.rank} | {m.seed} | {m.end_vs_allreduce:+.2f}% | "
-                     f"{best if m.holds else f'**{best}**'} | {m.bytes_ratio:.1f}x |")
+                     f"{best if m.holds else f'**{best}**'} | {m.bytes_ratio:.1f}x | {m.device.upper()} |")
     return "\n".join(lines)
