@@ -22,7 +22,9 @@ bytes (``start_iter`` allreduce steps included) against allreduce's.
 The baseline of each (task, workers, steps, seed) is the allreduce run with the lowest final perplexity
 (its lr tuned over the runs in the folder), or the one ``--baseline`` names (a comma-separated list,
 one label per group). Not part of CI: a charlm run of 800 steps on 2 workers takes 2-5 minutes on 2
-shared cores.
+shared cores. ``--device cuda`` puts every worker on a GPU (several runs can share one: an H100 ran ten
+2-worker gpt runs at 2 x 256 sequences at once in ~3 minutes); a run's baseline is then allreduce on the
+same device. ``--outer-lr``/``--outer-momentum`` set DiLoCo's outer optimizer, as in replica_study.py.
 """
 
 from __future__ import annotations
@@ -260,7 +262,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> Non
                         lr=args.lr, momentum=args.momentum, evals=args.evals, warm_up_beta=args.warm_up_beta,
                         powersgd_options=powersgd_options(args.powersgd_options),
                         clip_grad_norm=args.clip_grad_norm, clip_before_averaging=args.clip_before_averaging,
-                        optimizer=args.optimizer, batch_size=args.batch_size)
+                        optimizer=args.optimizer, batch_size=args.batch_size, **outer_options(args))
     method = parse_methods(args.methods, [1])
     if len(method) != 1:
         raise SystemExit(f"--methods must name one method, got {args.methods!r}")
@@ -317,9 +319,17 @@ def add_run_arguments(parser: argparse.ArgumentParser, per: str) -> None:
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
                         help="adamw: nanoGPT's (betas 0.9/0.95, weight decay 0.1 on matrices, warm-up, cosine)")
     parser.add_argument("--batch-size", type=int, default=None, help=f"per {per} per step (default: the task's)")
+    parser.add_argument("--outer-lr", type=float, default=None, help="diloco's outer lr (default: DemoConfig's)")
+    parser.add_argument("--outer-momentum", type=float, default=None,
+                        help="diloco's outer Nesterov momentum (default: DemoConfig's)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help=f"cuda: every {per} on a GPU (round-robin over the machine's GPUs; gloo carries "
                              "CUDA tensors). Runs on different devices get different baselines in --table")
+
+
+def outer_options(args: argparse.Namespace) -> dict[str, float]:
+    """``DemoConfig``'s outer-optimizer fields the arguments set (``--outer-lr``, ``--outer-momentum``)."""
+    return {k: v for k, v in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum)) if v is not None}
 
 
 def command_line(script: str, argv: list[str]) -> str:

@@ -30,8 +30,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from quality_study import (DEFAULT_OUT, add_run_arguments, command_line, load, powersgd_options,  # noqa: E402
-                           run_record, table)
+from quality_study import (DEFAULT_OUT, add_run_arguments, command_line, load, outer_options,  # noqa: E402
+                           powersgd_options, run_record, table)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,9 +39,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=8, help="W, the simulated workers")
     add_run_arguments(parser, "replica")
     parser.add_argument("--methods", "--method", default="diloco", help="one method, e.g. localsgd:8 or diloco-int4:8")
-    parser.add_argument("--outer-lr", type=float, default=None, help="diloco's outer lr (default: DemoConfig's)")
-    parser.add_argument("--outer-momentum", type=float, default=None,
-                        help="diloco's outer Nesterov momentum (default: DemoConfig's)")
     parser.add_argument("--powersgd-options", "--options", default=None,
                         help='JSON object of further PowerSGDState arguments, e.g. \'{"num_iters_per_step": 2}\'')
     parser.add_argument("--clip-grad-norm", type=float, default=None, metavar="NORM",
@@ -74,11 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     from gradpress.tools.workloads.replicas import train_replicas
 
     torch.set_num_threads(1)  # each replica thread one core's worth, as each gloo worker has
-    outer = {k: v for k, v in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum)) if v is not None}
     config = DemoConfig(task=args.task, steps=args.steps, start_iter=args.start_iter, seed=args.seed, lr=args.lr,
                         momentum=args.momentum, evals=args.evals, powersgd_options=options,
                         clip_grad_norm=args.clip_grad_norm, optimizer=args.optimizer, batch_size=args.batch_size,
-                        **outer)
+                        **outer_options(args))
     methods = parse_methods(args.methods, [1])
     if len(methods) != 1:
         parser.error(f"--methods must name one method, got {args.methods!r}")
