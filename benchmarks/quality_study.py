@@ -128,7 +128,8 @@ def normalize(record: dict[str, Any], name: str) -> dict[str, Any]:
 
 def group(run: dict[str, Any]) -> tuple:
     """The runs one baseline serves: same task, workers, steps, seed, optimizer, batch size and device (a
-    GPU's kernels round differently from the CPU's: a run is compared with allreduce on its own device)."""
+    GPU rounds differently from the CPU, and a GPU machine's Python may ship another text: a run is compared
+    with allreduce on its own device)."""
     return (run["task"], run["workers"], run["steps"], run["seed"], run.get("optimizer", "sgd"), run.get("batch"),
             run.get("device", "cpu"))
 
@@ -268,6 +269,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> Non
         raise SystemExit(f"--methods must name one method, got {args.methods!r}")
     device = (torch.device("cuda", rank % torch.cuda.device_count()) if args.device == "cuda"
               else torch.device("cpu"))
+
     def progress(label: str, step: int, steps: int, loss: float) -> None:
         print(f"{label} on {args.workers} workers: step {step}/{steps}, train loss {loss:.4f}", flush=True)
 
