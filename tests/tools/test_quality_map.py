@@ -20,7 +20,7 @@ def _runs() -> list[dict]:
 
 
 def _best_allreduce(run: dict, runs: list[dict]) -> dict:
-    """The baseline of ``run``: the allreduce of its setting (task, workers, batch, optimizer, seed, steps)
+    """The baseline of ``run``: the allreduce of its setting (task, workers, batch, optimizer, seed, steps, device)
     that ended lowest."""
     return min((r for r in runs if _setting(r) == _setting(run) and r["method"] == "allreduce"),
                key=lambda r: r["ppl_end"])
