@@ -4,6 +4,8 @@ error feedback, non-finite outer gradients, checkpoints (gloo, 2 ranks with DIFF
 from __future__ import annotations
 
 import io
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,28 +79,63 @@ def test_one_fragment_no_delay_no_compression_is_outer_optimizer_averager_bitwis
 
 # -- the paper's first sync: torchft's published regression values --------------------------------
 
-def torchft_streaming(rank, world, delay):
-    """torchft's streaming DiLoCo regression setting: one 1x1 weight of ones per fragment, 2 fragments, the
-    gradient fixed at 2, inner SGD lr 1, outer SGD lr 2 without momentum, sync every 6 steps, α = 0; its
-    phase (fragment 0 after inner steps 3, 9, 15; fragment 1 after 6, 12) is ``fragment_phase="end"``."""
-    weights = [nn.Parameter(torch.ones(1, 1)), nn.Parameter(torch.ones(1, 1))]
-    averager = StreamingDiLoCoAverager(6, fragments=[[weights[0]], [weights[1]]], fragment_sync_delay=delay,
-                                       outer_lr=2.0, outer_momentum=0.0, fragment_phase="end")
-    opt = PostLocalSGDOptimizer(torch.optim.SGD(weights, lr=1.0), averager)
-    history = [[float(w) for w in weights]]  # "after step 0": where local training starts
-    for _ in range(15):
-        for w in weights:
-            w.grad = torch.full((1, 1), 2.0)
+#: torchft's streaming DiLoCo regression fixtures, copied verbatim into tests/data/torchft/ from
+#: github.com/pytorch/torchft (BSD-3-Clause), commit 73dafea422116b2a713542719c8454efe5444c6c, path
+#: test_fixtures/torchft.diloco_regression_test.DiLoCoMockedUpdateTest.test_diloco_mocked_updates_{i}.json,
+#: written by torchft/diloco_regression_test.py's DiLoCoMockedUpdateTest.test_diloco_mocked_updates, whose
+#: case i is (2 fragments, fragment_sync_delay, fragment_update_alpha) below. Each holds, per replica, the
+#: parameters before every inner step ("history") and the fragments' global parameters ("original_parameters",
+#: our anchors) at some of them ("global_parameter_history").
+TORCHFT_DATA = Path(__file__).resolve().parents[1] / "data" / "torchft"
+TORCHFT_FIXTURES = [(0, 0.0), (0, 0.5), (0, 1.0), (1, 0.0), (1, 0.5), (1, 1.0)]
+
+
+def torchft_streaming(rank, world, delay, alpha):
+    """torchft's regression setting rebuilt: two fragments, each a 1x1 weight of ones (``layers.i``, one
+    module per fragment, torchft's ``model_fragments``), the gradient fixed at 2, inner SGD lr 1, outer SGD lr 2
+    without momentum per fragment, sync every 6 steps, 2 replicas; its phase (fragment 0 applied after inner
+    steps 3, 9, 15, fragment 1 after 6, 12, each sent ``delay`` steps earlier) is ``fragment_phase="end"``.
+    Returns the parameters before each of 16 steps and the anchors there, by torchft's names."""
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.Linear(1, 1, bias=False) for _ in range(2))
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.weight.fill_(1.0)
+    averager = StreamingDiLoCoAverager(6, fragments=list(model.layers), fragment_sync_delay=delay,
+                                       fragment_update_alpha=alpha, outer_lr=2.0, outer_momentum=0.0,
+                                       fragment_phase="end")
+    opt = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), averager)
+    history, anchors = {}, {}
+    for step in range(16):  # the state before step 0 (where local training starts) .. after step 14
+        history[step] = {name: p.detach().tolist() for name, p in model.named_parameters()}
+        anchors[step] = {f"layers.{f}.weight": fragment["anchor"][0].tolist()
+                         for f, fragment in enumerate(averager.state_dict()["fragments"])}
+        if step == 15:
+            break
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 2.0)
         opt.step()
-        history.append([float(w) for w in weights])
-    return history, averager.num_averages
+    return history, anchors, averager.num_averages
 
 
-def test_streaming_diloco_reproduces_torchfts_regression_values():
-    for history, syncs in run(torchft_streaming, WORLD, 0):
-        assert [h[0] for h in history[:10]] == [1, -1, -3, -11, -13, -15, -17, -19, -21, -35]
-        assert history[5][1] == -9 and history[6][1] == -23
-        assert syncs == 5  # fragment 0 after inner steps 3, 9, 15; fragment 1 after 6, 12
+@pytest.mark.parametrize("case", range(len(TORCHFT_FIXTURES)))
+def test_streaming_diloco_reproduces_torchfts_regression_fixtures(case):
+    """Every parameter before every step, on both replicas, equals torchft's (exactly: the values are
+    small integers and halves), and so do the global parameters where torchft recorded them."""
+    delay, alpha = TORCHFT_FIXTURES[case]
+    name = f"torchft.diloco_regression_test.DiLoCoMockedUpdateTest.test_diloco_mocked_updates_{case}.json"
+    fixture = json.loads((TORCHFT_DATA / name).read_text())
+    results = run(torchft_streaming, WORLD, delay, alpha)
+    assert len(fixture) == len(results) == WORLD
+    for replica, (want, (history, anchors, syncs)) in enumerate(zip(fixture, results)):
+        want_history, want_global = want[0]["history"], want[0]["global_parameter_history"]
+        assert sorted(map(int, want_history)) == list(range(16))
+        for step, params in want_history.items():
+            assert history[int(step)] == params, f"replica {replica}, before step {step}"
+        assert want_global
+        for step, params in want_global.items():
+            assert anchors[int(step)] == params, f"replica {replica}, global parameters before step {step}"
+        assert syncs == 5  # fragment 0 applied after inner steps 3, 9, 15; fragment 1 after 6, 12
 
 
 def first_outer_step(rank, world, first_sync):
@@ -152,14 +189,15 @@ def test_a_sync_without_anchor_says_how_to_give_one():
 
 # -- fragment schedule ---------------------------------------------------------------------------
 
-def schedule(rank, world, explicit):
+def schedule(rank, world, explicit, phase, delay):
     params = _params(rank)
     sync_every, warmup = 6, 1
     if explicit:
         kwargs = {"fragments": [params[:2], params[2:3], params[3:]]}
     else:
         kwargs = {"num_fragments": 3}
-    averager = StreamingDiLoCoAverager(sync_every, warmup_steps=warmup, **kwargs)
+    averager = StreamingDiLoCoAverager(sync_every, warmup_steps=warmup, fragment_phase=phase,
+                                       fragment_sync_delay=delay, **kwargs)
     events = []
     for step in range(22):
         _local_update(params, rank, step)
@@ -170,30 +208,46 @@ def schedule(rank, world, explicit):
     return events, averager.fragment_layout, averager.fragment_bytes_sent
 
 
-@pytest.mark.parametrize("explicit", [False, True])
-def test_each_tensor_synchronizes_once_per_sync_every_at_its_fragments_offset(explicit):
+@pytest.mark.parametrize("explicit, phase, delay", [(False, "start", 0), (True, "start", 0), (False, "start", 2),
+                                                    (False, "end", 0), (True, "end", 1)])
+def test_each_tensor_synchronizes_once_per_sync_every_at_its_fragments_offset(explicit, phase, delay):
+    """Parameters agree across ranks exactly at their fragment's apply step (α = 0), and a fragment's bytes
+    are sent ``delay`` steps before: "start" sends on schedule, "end" applies on schedule (torchft's)."""
     sync_every, warmup = 6, 1
     sizes = [8 * torch.Size(s).numel() for s in SHAPES]
     full = sum(sizes)
     want_layout = [0, 0, 1, 2, 2, 2] if explicit else split_by_size(sizes, 3)
-    offsets = fragment_offsets(sync_every, 3)
-    for events, layout, per_fragment in run(schedule, WORLD, explicit):
+    offsets = fragment_offsets(sync_every, 3, phase, delay)  # send offsets
+    applied_at = [(o + delay) % sync_every for o in offsets]
+    assert applied_at == ([1, 3, 5] if phase == "end" else [(o + delay) % sync_every for o in (0, 2, 4)])
+    for events, layout, per_fragment in run(schedule, WORLD, explicit, phase, delay):
         assert layout == want_layout
         members = [{i for i, f in enumerate(layout) if f == g} for g in range(3)]
         last_sync = {}
         for step, synced, sent in events:
             r = step - warmup
-            due = [f for f in range(3) if r >= 0 and r % sync_every == offsets[f]]
+            sending = [f for f in range(3) if r >= 0 and r % sync_every == offsets[f]]
+            due = [f for f in range(3) if r - delay >= 0 and (r - delay) % sync_every == offsets[f]]
             want = members[due[0]] if due else set()
             assert synced == want, f"step {step}"
             anchor = full if step == warmup - 1 else 0  # the anchor (every fragment) at the last warm-up step
-            assert sent == sum(sizes[i] for i in want) + anchor  # uncompressed: the fragment's bytes, then only
+            sending_members = members[sending[0]] if sending else set()
+            assert sent == sum(sizes[i] for i in sending_members) + anchor  # uncompressed: the fragment's bytes
             if not explicit and not anchor:
                 assert sent <= full / 3 + max(sizes)  # 1/F of a full sync, plus rounding to whole tensors
             for i in want:
                 assert step - last_sync.get(i, step - sync_every) == sync_every  # once per sync_every steps
                 last_sync[i] = step
         assert sum(per_fragment) == sum(sent for *_, sent in events)
+
+
+def test_end_phase_sends_delay_steps_before_the_end_of_each_fragments_period():
+    assert fragment_offsets(6, 2, "end") == [2, 5]  # applied (and, without delay, sent) after 3 and 6 steps
+    assert fragment_offsets(6, 2, "end", delay=1) == [1, 4]  # sent one step earlier, applied at 2 and 5
+    assert fragment_offsets(7, 3, "end", delay=1) == [0, 2, 5]  # periods of 2, 2 and 3 steps, ending at 1, 3, 6
+    assert fragment_offsets(6, 3, "start", delay=2) == [0, 2, 4]  # "start" sends on schedule, whatever the delay
+    with pytest.raises(ValueError, match=r"fragment_sync_delay must be an integer in \[0, 1\] with fragment_phase"):
+        fragment_offsets(7, 3, "end", delay=2)
 
 
 def test_split_by_size_is_contiguous_non_empty_and_balanced():
@@ -564,6 +618,8 @@ def test_resume_mid_flight_equals_never_stopping(name, split):
     ({"compression": "int8"}, "compression"),
     ({"fragments": []}, "fragments"),
     ({"fragments": [[]]}, "fragments"),
+    ({"fragment_phase": "middle"}, "fragment_phase"),
+    ({"num_fragments": 2, "fragment_sync_delay": 2, "fragment_phase": "end"}, "fragment_sync_delay"),  # >= 4 // 2
 ])
 def test_bad_arguments_raise_at_construction_naming_the_argument(kwargs, name):
     kwargs = {"sync_every": 4, **kwargs}

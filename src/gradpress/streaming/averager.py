@@ -75,12 +75,20 @@ class StreamingDiLoCoAverager(ModelAverager):
     balanced by bytes (:func:`~gradpress.streaming.fragments.split_by_size`), or taken from
     ``fragments`` (modules or tensor lists, torchft's ``model_fragments``; every averaged tensor must be
     in one). With ``r = step - warmup_steps``, fragment ``f`` is *sent* at the steps where ``r >= 0``
-    and ``r % sync_every`` is its offset: ``f * sync_every // F`` (``fragment_phase="start"``, the
-    default: fragment 0 right after warm-up; with ``F=1`` at ``warmup_steps``, like
-    :class:`gradpress.OuterOptimizerAverager`) or ``(f + 1) * sync_every // F - 1``
-    (``fragment_phase="end"``: torchft's phase, fragment ``f`` after ``(f + 1) · sync_every / F`` local
-    steps). Each tensor is sent once per ``sync_every`` steps, one fragment per step at most, so a sync
-    moves about ``1/F`` of the model.
+    and ``r % sync_every`` is its offset (:func:`~gradpress.streaming.fragments.fragment_offsets`), and
+    its update is applied ``τ = fragment_sync_delay`` steps later:
+
+    * ``fragment_phase="start"`` (the default): sent at ``f * sync_every // F``, fragment 0 right after
+      warm-up (with ``F=1`` at ``warmup_steps``, like :class:`gradpress.OuterOptimizerAverager`), and
+      applied at ``f * sync_every // F + τ``;
+    * ``fragment_phase="end"`` (torchft's ``DiLoCo``): applied at the end of the fragment's period,
+      ``(f + 1) * sync_every // F - 1`` (after ``(f + 1) · sync_every / F`` local steps), and sent ``τ``
+      steps before it, at ``(f + 1) * sync_every // F - 1 - τ`` (torchft's ``prepare_sync`` then
+      ``perform_sync``); ``τ`` must be below ``sync_every // F``, as in torchft, so one fragment is in
+      flight at a time and every fragment is sent in the first period.
+
+    With ``τ = 0`` a fragment is sent and applied at the same step in either phase. Each tensor is sent once per
+    ``sync_every`` steps, one fragment per step at most, so a sync moves about ``1/F`` of the model.
 
     **Anchors.** As in the paper and torchft, every fragment's first anchor ``x_f`` is the parameters
     where local training starts, identical on every rank, and every sync, the first included, is an
@@ -152,9 +160,11 @@ class StreamingDiLoCoAverager(ModelAverager):
         process_group: the group to average over (``None``: the default group).
         num_fragments: ``F``, in ``[1, sync_every]`` (default 1); exclusive with ``fragments``.
         fragments: explicit fragments (modules or iterables of tensors), at most ``sync_every``.
-        fragment_sync_delay: ``τ`` in ``[0, sync_every)``.
+        fragment_sync_delay: ``τ`` in ``[0, sync_every)``; with ``fragment_phase="end"`` in
+            ``[0, sync_every // F)``.
         fragment_update_alpha: ``α`` in ``[0, 1]``.
-        fragment_phase: ``"start"`` (default) or ``"end"`` (torchft's), see above.
+        fragment_phase: ``"start"`` (default: send on schedule, apply ``τ`` later) or ``"end"`` (torchft's:
+            apply on schedule, send ``τ`` earlier), see above.
         first_sync: ``"outer"`` (default, the paper's) or ``"average"``, see above.
         outer_lr, outer_momentum, nesterov: the outer SGD (as :class:`OuterOptimizerAverager`).
         compression: ``None``, ``"fp16"``, ``"bf16"``, a :class:`~gradpress.streaming.Compressor`, a
@@ -212,8 +222,8 @@ class StreamingDiLoCoAverager(ModelAverager):
         self.compression = compression
         self.first_sync = check_first_sync(first_sync)
         self.fragment_phase = fragment_phase
-        self._fragments = [_Fragment(f, offset) for f, offset in
-                           enumerate(fragment_offsets(sync_every, self.num_fragments, fragment_phase))]
+        offsets = fragment_offsets(sync_every, self.num_fragments, fragment_phase, self.fragment_sync_delay)
+        self._fragments = [_Fragment(f, offset) for f, offset in enumerate(offsets)]  # send offsets
         self._by_offset = {fr.offset: fr for fr in self._fragments}
         self._layout: list[int] | None = None
         self._in_flight: list[_InFlight] = []

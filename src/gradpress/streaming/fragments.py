@@ -39,23 +39,34 @@ def split_by_size(sizes: Sequence[int], num_fragments: int) -> list[int]:
     return out
 
 
-def fragment_offsets(sync_every: int, num_fragments: int, phase: str = "start") -> list[int]:
-    """Step offset (after warm-up, modulo ``sync_every``) at which each fragment synchronizes.
+def fragment_offsets(sync_every: int, num_fragments: int, phase: str = "start", delay: int = 0) -> list[int]:
+    """Step offset (after warm-up, modulo ``sync_every``) at which each fragment is *sent*; its update is
+    applied ``delay`` steps later.
 
-    ``phase="start"``: ``f · sync_every // num_fragments``, fragment 0 at the first step after warm-up.
-    ``phase="end"``: ``(f + 1) · sync_every // num_fragments - 1``, fragment ``f`` after
-    ``(f + 1) · sync_every // num_fragments`` local steps, the last one after ``sync_every``: torchft's
-    phase, and with one fragment DiLoCo's (``H`` inner steps, then a sync).
+    ``phase="start"``: sent at ``f · sync_every // num_fragments``, fragment 0 at the first step after
+    warm-up; applied ``delay`` steps after that.
+    ``phase="end"`` (torchft's): *applied* at ``(f + 1) · sync_every // num_fragments - 1``, after
+    ``(f + 1) · sync_every // num_fragments`` local steps, the last one after ``sync_every`` (with one
+    fragment DiLoCo's: ``H`` inner steps, then a sync); sent ``delay`` steps before that, so ``delay``
+    must be below ``sync_every // num_fragments`` (the shortest fragment period) to leave a send step in
+    the first period and one fragment in flight at a time. With ``delay=0`` both phases send and apply
+    at the same step.
 
     >>> fragment_offsets(6, 3)
     [0, 2, 4]
     >>> fragment_offsets(6, 2, "end")
     [2, 5]
+    >>> fragment_offsets(6, 2, "end", delay=1)
+    [1, 4]
     """
     if phase not in FRAGMENT_PHASES:
         raise ValueError(f"fragment_phase must be one of {FRAGMENT_PHASES}, got {phase!r}")
     if phase == "end":
-        return [(f + 1) * sync_every // num_fragments - 1 for f in range(num_fragments)]
+        period = sync_every // num_fragments
+        if not 0 <= delay < period:  # sent and applied inside the fragment's own period, as torchft requires
+            raise ValueError(f"fragment_sync_delay must be an integer in [0, {period - 1}] with fragment_phase='end' "
+                             f"(below sync_every // num_fragments = {sync_every} // {num_fragments}), got {delay!r}")
+        return [(f + 1) * sync_every // num_fragments - 1 - delay for f in range(num_fragments)]
     return [f * sync_every // num_fragments for f in range(num_fragments)]
 
 
