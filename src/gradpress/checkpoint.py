@@ -182,7 +182,9 @@ def gather_state(state: Any, dst: int = 0, process_group: Any = None, *,
     process group's timeout). A rank that waits longer raises a ``RuntimeError`` saying that every rank
     must call ``gather_state`` at the same iteration: the mistake of calling it inside ``if rank == 0:``
     otherwise hangs until the process group's timeout. The check is a few messages through the process
-    group's store, whatever the backend.
+    group's store, whatever the backend; the last rank to leave it deletes the call's keys, so the store
+    holds no more keys after a call than before it, however many calls a run makes (where the store can
+    delete keys, as TCPStore and FileStore can; a call that not every rank reaches keeps its few keys).
 
     >>> if step % eval_interval == 0:                                              # doctest: +SKIP
     ...     hooks = gradpress.checkpoint.gather_state(state)        # on every rank
@@ -203,7 +205,8 @@ def scatter_state(state: Any, gathered: dict[str, Any] | None, src: int = 0, pro
                   on_world_size_change: str = "raise", arrival_timeout: float | None = ARRIVAL_TIMEOUT) -> bool:
     """Load each rank's own entry of :func:`gather_state`'s result into ``state``: rank ``src`` passes
     the dict it read from its checkpoint, the other ranks ``None``. **A collective**: every rank calls it
-    (``arrival_timeout`` as in :func:`gather_state`). Returns ``True`` where the entry was loaded.
+    (``arrival_timeout`` as in :func:`gather_state`, leaving no keys in the store either). Returns ``True``
+    where the entry was loaded.
 
     If ``gathered`` is not such a dict, every rank raises the same ``ValueError`` (the other ranks do not
     wait for a timeout). If it was saved with another world size, per-rank state cannot be split or
@@ -276,6 +279,10 @@ def _await_every_rank(name: str, process_group: Any, timeout: float | None) -> N
     sets ``go``, the others wait for ``go``. A rank that times out adds ``_CLOSED``: a rank arriving after
     that sees the door closed and raises at once, instead of entering a collective its peers have left.
     Every decision follows from the order of those atomic additions, so the ranks agree on it.
+
+    Every rank then adds 1 to the call's ``left`` counter, after its last read of the call's keys, whether
+    it returns or raises: the rank that brings it to the world size knows no rank will read them again
+    and deletes them (a call's keys are never reused: each call has its own ``count``).
     """
     if timeout is None:
         return
@@ -289,7 +296,30 @@ def _await_every_rank(name: str, process_group: Any, timeout: float | None) -> N
     count = _ARRIVALS[(name, ranks)] = _ARRIVALS.get((name, ranks), 0) + 1
     attempt = restart_store_prefix() or ""
     base = f"gradpress/arrivals/{attempt}/{name}/{','.join(map(str, ranks)) or 'world'}/{count}"
-    rank = dist.get_rank(process_group)
+    try:
+        _meet(store, base, name, dist.get_rank(process_group), world, timeout)
+    except BaseException:
+        try:  # the error this rank raises matters more than a store that fails to clean up
+            _leave(store, base, world)
+        except Exception:
+            pass
+        raise
+    _leave(store, base, world)
+
+
+def _leave(store: Any, base: str, world: int) -> None:
+    """Count this rank out of the call under ``base``; the last rank out deletes the call's keys."""
+    if store.add(f"{base}/left", 1) != world:
+        return
+    for key in ("arrived", "go", "left"):
+        try:
+            store.delete_key(f"{base}/{key}")
+        except (NotImplementedError, RuntimeError):  # a store that cannot delete keys keeps them, as before
+            return
+
+
+def _meet(store: Any, base: str, name: str, rank: int, world: int, timeout: float) -> None:
+    """The arrival check of :func:`_await_every_rank` under the store keys ``base``."""
     arrived = store.add(f"{base}/arrived", 1)
     if arrived >= _CLOSED:
         raise RuntimeError(_arrival_message(name, rank, world, timeout, None, late=True))

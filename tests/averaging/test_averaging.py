@@ -375,3 +375,41 @@ def outer_bytes_and_silent_load(rank, world, first_sync):
 def test_outer_optimizer_with_powersgd_counts_every_byte_and_loads_without_a_collective(first_sync):
     for counted, issued, averages in run(outer_bytes_and_silent_load, 2, first_sync):
         assert counted and issued == [] and averages == 3
+
+
+def hierarchical_with_a_rank_outside_its_group(rank, world):
+    """Three ranks, ``process_group`` holding ranks 0 and 1, the averager constructed on every rank (as
+    its docstring asks). ``TORCH_DIST_INIT_BARRIER=1`` makes ``new_group`` end with a barrier over every
+    rank (what torch does when it is set): a rank that skips one of the averager's ``new_group`` calls
+    leaves the others waiting there."""
+    group = dist.new_group([0, 1])
+    previous = os.environ.get("TORCH_DIST_INIT_BARRIER")
+    os.environ["TORCH_DIST_INIT_BARRIER"] = "1"
+    try:
+        try:
+            averager = HierarchicalModelAverager(OrderedDict([(2, 1), (4, 2)]), process_group=group)
+        except ValueError as error:
+            averager, outcome = None, str(error)
+        # Every rank issued the same new_group calls: the next group is the same group on every rank.
+        everyone = dist.new_group([0, 1, 2])
+    finally:
+        if previous is None:
+            os.environ.pop("TORCH_DIST_INIT_BARRIER", None)
+        else:
+            os.environ["TORCH_DIST_INIT_BARRIER"] = previous
+    total = torch.ones(1)
+    dist.all_reduce(total, group=everyone)
+    assert total.item() == 3
+    if averager is not None:  # the members' averager works: step 0 averages over process_group
+        params = [nn.Parameter(torch.full((3,), float(rank)))]
+        averager.average_parameters(params)
+        outcome = params[0].detach().tolist()
+    dist.barrier()
+    return outcome
+
+
+def test_hierarchical_averager_with_a_rank_outside_its_process_group_raises_there_and_works_on_members():
+    member0, member1, outsider = run(hierarchical_with_a_rank_outside_its_group, 3, timeout=90)
+    assert member0 == member1 == [0.5] * 3
+    assert isinstance(outsider, str), outsider
+    assert "(global rank 2) is not in process_group (global ranks [0, 1])" in outsider, outsider

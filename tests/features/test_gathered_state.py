@@ -151,3 +151,25 @@ def test_scatter_state_from_another_world_size_says_how_to_go_on_without_it():
         assert "on_world_size_change='fresh'" in result[1] and "costs a few steps" in result[1]
     # The way out it names: every rank keeps its state as constructed and says so.
     assert run(_scatter_from_other_world_size, WORLD, "fresh") == [("ok", False, True, 3)] * WORLD
+
+
+def _store_keys_around_calls(rank: int, world_size: int, calls: int) -> tuple[int, int]:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    state = gradpress.PowerSGD([nn.Parameter(torch.zeros(8, 6))], gradpress.Config(rank=1), init_sync=False)
+    dist.barrier()  # no rank still inside an earlier call while the keys are counted
+    before = store.num_keys()
+    dist.barrier()  # counted on both ranks before either adds a key
+    for _ in range(calls):
+        gathered = gradpress.gather_state(state)
+        assert gradpress.scatter_state(state, gathered if rank == 0 else None)
+    dist.barrier()
+    return before, store.num_keys()
+
+
+def test_gather_and_scatter_state_leave_no_keys_behind_in_the_store():
+    # A run that checkpoints every N steps calls them thousands of times: the store must not grow with it.
+    for before, after in run(_store_keys_around_calls, WORLD, 4, timeout=120):
+        assert after <= before, (before, after)

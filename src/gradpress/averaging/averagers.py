@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from ..checkpoint import reject_gathered
 from ..validation import check_int
-from ..comm import average_tensors_, is_member
+from ..comm import all_gather_objects, average_tensors_, is_member
 from .tensors import Params, tensors_to_average
 
 __all__ = ["HierarchicalModelAverager", "ModelAverager", "PeriodicModelAverager"]
@@ -97,7 +97,16 @@ class HierarchicalModelAverager(ModelAverager):
     2nd step, all 4 every 8th. Periods count from step 0, as PyTorch's do; ``count_from_warmup=True``
     counts them from the end of warm-up instead (``(s - warmup_steps) % p``, the schedule of
     :class:`PeriodicModelAverager`, so the first step after warm-up averages over the largest group).
-    The subgroups are created here: every rank must construct the averager.
+    The subgroups are created here with ``dist.new_group``, which is collective over every rank of the
+    default group: **every rank must construct the averager**, those outside ``process_group`` included,
+    and every rank makes the same ``new_group`` calls in the same order (house rule: same order on every
+    rank). When ``process_group`` leaves some ranks out, construction first all-gathers its member ranks
+    over the default group (the outside ranks cannot read them from their handle), so that every rank
+    checks the same sizes (an invalid dict raises the same ``ValueError`` on every rank, before any
+    ``new_group``) and creates the same subgroups. Then the members' averagers are ready, and on a rank
+    outside ``process_group``, which has nothing to average, construction raises a ``ValueError`` saying so
+    (after the ``new_group`` calls, so that the members do not wait for it): catch it there and go on
+    without an averager.
 
     >>> HierarchicalModelAverager(OrderedDict([(2, 2), (8, 4)]), warmup_steps=100)   # doctest: +SKIP
     """
@@ -121,7 +130,8 @@ class HierarchicalModelAverager(ModelAverager):
             warnings.warn("HierarchicalModelAverager: the largest period is 1, so parameters are averaged every step, "
                           "which sends no fewer bytes than averaging gradients in DDP's backward pass: use DDP "
                           "alone", stacklevel=2)
-        world = dist.get_world_size(process_group)
+        ranks = _group_ranks(process_group)
+        world = len(ranks)
         if items[-1][1] != world:
             raise ValueError(f"period_group_size_dict: the last group size must be the size of the process group "
                              f"({world}), got {items[-1][1]}")
@@ -130,8 +140,6 @@ class HierarchicalModelAverager(ModelAverager):
                 raise ValueError(f"period_group_size_dict: every group size must divide the size of the process "
                                  f"group ({world}); {size} does not")
         self.period_group_size_dict = OrderedDict(items)
-        ranks = dist.get_process_group_ranks(process_group) if process_group is not None \
-            else list(range(world))
         me = dist.get_rank()
         by_size: dict[int, dist.ProcessGroup | None] = {world: process_group}
         for _, size in items:
@@ -142,6 +150,12 @@ class HierarchicalModelAverager(ModelAverager):
                 group = dist.new_group(members)  # every rank of the default group must call new_group
                 if me in members:
                     by_size[size] = group
+        if me not in ranks:  # only now: the members' new_group calls needed this rank's
+            raise ValueError(
+                f"HierarchicalModelAverager: this rank (global rank {me}) is not in process_group (global ranks "
+                f"{ranks}), so it has nothing to average. It has made the subgroups' new_group calls with the "
+                "other ranks, as every rank must, and the members' averagers are ready: catch this ValueError on "
+                "this rank and go on without an averager")
         #: PyTorch's attribute: each period's group containing this rank.
         self.period_process_group_dict: OrderedDict[int, dist.ProcessGroup | None] = OrderedDict(
             (period, by_size[size]) for period, size in items)
@@ -163,3 +177,24 @@ class HierarchicalModelAverager(ModelAverager):
             self.bytes_sent += average_tensors_(tensors, found[1], issuer=self._issuer())
             self.num_averages += 1
         self.step += 1
+
+
+def _group_ranks(process_group: dist.ProcessGroup | None) -> list[int]:
+    """The global ranks of ``process_group`` (``None``: the default group), on every rank of the default
+    group, members or not. A collective over the default group when some rank is outside
+    ``process_group`` (the decision is the same on every rank: a member sees a group smaller than the
+    world exactly when some rank is outside it); otherwise no communication."""
+    world = dist.get_world_size()
+    if process_group is None:
+        return list(range(world))
+    member = is_member(process_group)
+    if member and dist.get_world_size(process_group) == world:
+        return dist.get_process_group_ranks(process_group)
+    # A rank outside the group holds only torch's NON_GROUP_MEMBER sentinel: ask the members.
+    mine = dist.get_process_group_ranks(process_group) if member else None
+    seen = {tuple(r) for r in all_gather_objects(mine, issuer="HierarchicalModelAverager's construction")
+            if r is not None}
+    if len(seen) != 1:  # the same gathered list on every rank: every rank raises this
+        raise ValueError(f"HierarchicalModelAverager: every rank of process_group must pass the same group, "
+                         f"got groups of global ranks {sorted(map(list, seen))}")
+    return list(seen.pop())
