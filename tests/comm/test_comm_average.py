@@ -91,3 +91,63 @@ def test_a_pending_average_finishes_from_saved_buffers():
         comm.PendingAverage(tensors, buffers[:1])
     with pytest.raises(ValueError, match="one tensor"):
         comm.PendingAverage(tensors, buffers).get_future()
+
+
+def _small_and_mixed(rank: int) -> list[torch.Tensor]:
+    """Outer-gradient-like tensors: values near 1e-5 (fp16 subnormals once divided by W), one near 1e3
+    beside one near 1e-7 (one shared scale would flush the latter), an fp64 one, an empty one."""
+    gen = torch.Generator().manual_seed(10 + rank)
+    sign = torch.randint(0, 2, (300,), generator=gen) * 2 - 1
+    return [sign * (0.5 + torch.rand(300, generator=gen)) * 1e-5, (1 + torch.rand(7, generator=gen)) * 1e3,
+            (1 + torch.rand(3, 4, generator=gen)) * 1e-7, torch.randn(5, generator=gen, dtype=torch.float64) * 1e-6,
+            torch.empty(0)]
+
+
+def _relative_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> list[float]:
+    return [float((g.double() - w).abs().max() / w.abs().max()) for g, w in zip(got, want) if w.numel()]
+
+
+def scaled_fp16(rank: int, world: int) -> dict[str, object]:
+    exact = [t.double() for t in _small_and_mixed(rank)]
+    for t in exact:
+        dist.all_reduce(t)
+        t.div_(world)
+    out: dict[str, object] = {}
+    tensors = _small_and_mixed(rank)
+    pending = comm.start_average(tensors, wire_dtype=torch.float16, scaled=True)
+    out["untouched before wait"] = all(torch.equal(a, b) for a, b in zip(tensors, _small_and_mixed(rank)))
+    buffers = [b.clone() for b in pending.wait_collectives()]
+    scales = [s.clone() for s in pending.scales]
+    out["scaled"] = _relative_errors(pending.wait(), exact)
+    out["one scale per non-empty tensor"] = [s.numel() for s in scales] == [3, 1]
+    out["bytes"] = pending.bytes_sent == 2 * sum(t.numel() for t in tensors)
+    resumed = comm.PendingAverage([torch.empty_like(t) for t in tensors], buffers, scales=scales).wait()
+    out["resumed bitwise"] = all(torch.equal(a, b) for a, b in zip(resumed, tensors))
+    plain = comm.start_average(_small_and_mixed(rank), wire_dtype=torch.float16).wait()
+    out["unscaled"] = _relative_errors(plain, exact)
+    return out
+
+
+def test_a_scaled_fp16_wire_keeps_fp16_precision_for_small_tensors():
+    for result in run(scaled_fp16, 2):
+        assert result["untouched before wait"] and result["one scale per non-empty tensor"] and result["bytes"]
+        assert result["resumed bitwise"]
+        assert max(result["scaled"]) < 1e-3, result["scaled"]  # fp16's precision (2^-11), whatever the magnitude
+        assert result["unscaled"][0] > 4e-3, result["unscaled"]  # the plain cast: subnormals near 1e-5 / W
+
+
+def test_a_scaled_fp16_wire_alone_and_on_the_meta_device():
+    from host_reads import ForbidBlockingUploads, no_host_reads
+
+    tensors = _small_and_mixed(0)
+    pending = comm.start_average([t.clone() for t in tensors], wire_dtype=torch.float16, world_size=1, scaled=True)
+    assert pending.works == [] and len(pending.scales) == 2
+    assert max(_relative_errors(pending.wait(), [t.double() for t in tensors])) < 1e-3
+    zeros = comm.start_average([torch.zeros(3), torch.tensor([float("inf"), 1.0])], wire_dtype=torch.float16,
+                               world_size=1, scaled=True)
+    assert zeros.scales[0].tolist() == [1.0, 1.0] and not bool(zeros.finite())  # all zero / not finite: scale 1
+    meta = [t.to("meta") for t in tensors]
+    with no_host_reads(), ForbidBlockingUploads():  # lengths uploaded non-blocking, nothing read back
+        comm.start_average(meta, wire_dtype=torch.float16, world_size=1, scaled=True).wait()
+    with pytest.raises(ValueError, match="scaled=True needs wire_dtype=torch.float16"):
+        comm.start_average(tensors, wire_dtype=torch.bfloat16, world_size=1, scaled=True)

@@ -17,9 +17,15 @@ Payload layouts and exact sizes (``n`` values, chunks of ``C``, ``nc = ceil(n / 
 Integer quantization is symmetric per chunk: ``scale = max|x| / L`` (``L = 127`` or ``7``), code
 ``q = round(x / scale)`` in ``[-L, L]``, value ``q · scale``. Nearest rounding errs by at most
 ``scale / 2`` per value, stochastic rounding (``floor(x / scale + u)``, ``u ~ U[0, 1)``, unbiased) by less
-than ``scale``. Top-k keeps the ``k`` largest magnitudes of each chunk (SparseLoCo) and sends each as a
-2-bit code on the grid ``{-s, -s/3, s/3, s}`` with ``s`` the chunk's largest magnitude: error at most
-``s / 3`` (nearest) or ``2s / 3`` (stochastic) per kept value; the others are left to error feedback.
+than ``scale``. The noise ``u`` is drawn on the vector's own device from a generator on that device
+(:func:`rounding_generator`), seeded per rank, fragment and sync count by the transport
+(:func:`gradpress.averaging.transport.sync_seed`): reproducible from those counters alone, one draw of
+the same shape on every rank, nothing built on the host. The numbers depend on the device type (a CPU
+generator on CPU tensors draws what it always has; a CUDA generator draws others).
+
+Top-k keeps the ``k`` largest magnitudes of each chunk (SparseLoCo) and sends each as a 2-bit code on
+the grid ``{-s, -s/3, s/3, s}`` with ``s`` the chunk's largest magnitude: error at most ``s / 3``
+(nearest) or ``2s / 3`` (stochastic) per kept value; the others are left to error feedback.
 
 A non-finite input value makes its chunk's scale non-finite, so every rank decodes a non-finite value
 there and the averager skips that fragment's outer step (rather than sending garbage codes).
@@ -36,7 +42,7 @@ from torch import Tensor
 
 from ..validation import check_int
 
-__all__ = ["Compressor", "QuantizeInt4", "QuantizeInt8", "TopK"]
+__all__ = ["Compressor", "QuantizeInt4", "QuantizeInt8", "TopK", "rounding_generator"]
 
 _ROUNDINGS = ("nearest", "stochastic")
 
@@ -54,13 +60,27 @@ def _chunks(x: Tensor, chunk_size: int) -> Tensor:
     return x.view(-1, chunk_size)
 
 
+def rounding_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """The generator of one stochastic rounding of a vector on ``device``: on that device (so the noise
+    is drawn there: no host draw, no copy up), seeded with ``seed``. ``meta`` tensors hold no values and
+    have no generator of their own: a CPU generator serves them (torch draws nothing from it).
+
+    >>> rounding_generator(3, "cpu").initial_seed()
+    3
+    """
+    device = torch.device(device)
+    if device.type == "meta":
+        return torch.Generator().manual_seed(seed)
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def _round(ratio: Tensor, rounding: str, generator: torch.Generator | None) -> Tensor:
     if rounding == "nearest":
         return torch.round(ratio)
     if generator is None:
         raise ValueError("stochastic rounding needs a generator")
-    # Drawn on the CPU (the same numbers on every device), then moved.
-    noise = torch.rand(ratio.shape, generator=generator, dtype=ratio.dtype).to(ratio.device)
+    # Drawn on the tensor's device, from a generator there (rounding_generator): nothing copied up.
+    noise = torch.rand(ratio.shape, generator=generator, dtype=ratio.dtype, device=ratio.device)
     return torch.floor(ratio + noise)
 
 
@@ -87,7 +107,8 @@ class Compressor(ABC):
     @abstractmethod
     def encode(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """The ``uint8`` payload (``payload_bytes(x.numel())`` bytes, on ``x``'s device) for the flat
-        float tensor ``x``. ``generator`` (a CPU generator) is required for stochastic rounding."""
+        float tensor ``x``. ``generator`` (on ``x``'s device: :func:`rounding_generator`) is required for
+        stochastic rounding, which draws ``u ~ U[0, 1)`` from it on ``x``'s device."""
 
     @abstractmethod
     def decode(self, payloads: Tensor, numel: int, dtype: torch.dtype) -> Tensor:

@@ -12,7 +12,10 @@ it and :meth:`~OuterTransport.mean` finish it after a resume, with no collective
 The family (:func:`transport_for` turns every accepted ``compression=`` value into one):
 
 * :class:`Exact` (``None``, ``"fp16"``, ``"bf16"``): one allreduce per (device, dtype) of ``δ / W`` in
-  the tensors' dtype or the given one (:func:`gradpress.comm.start_average`);
+  the tensors' dtype or the given one (:func:`gradpress.comm.start_average`); on an fp16 wire each
+  tensor is divided by its own power of two before the cast (``scaled=True``: one max-allreduce of one
+  float per tensor first), so that an outer gradient of small values keeps fp16's precision (it has no
+  error feedback to carry what the cast drops);
 * :class:`Compressed` (a :class:`~gradpress.averaging.compress.Compressor`: ``QuantizeInt8``,
   ``QuantizeInt4``, ``TopK``): ``e = δ + β·residual`` encoded, the payloads all-gathered, every rank's
   decoded and summed in fp32/fp64, divided by ``W``; the rank keeps ``e - decode(own payload)`` as its
@@ -41,8 +44,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..aggregator import Config, PowerSGD as PowerSGDAggregator
-from ..comm import PendingAverage, Work, all_gather_async, start_average
-from .compress import Compressor
+from ..comm import PendingAverage, Work, all_gather_async, device_groups, start_average
+from .compress import Compressor, rounding_generator
 
 __all__ = ["Compressed", "Exact", "Link", "OuterTransport", "PowerSGD", "Sent", "sync_seed", "transport_for"]
 
@@ -53,7 +56,8 @@ ALLOWED = ("None (exact), 'fp16', 'bf16', a gradpress.Config (PowerSGD), Quantiz
 def sync_seed(seed: int, rank: int, fragment: int, count: int) -> int:
     """Seed of the stochastic rounding of one sync: a pure function of counters kept in the averager's
     state, so that a resumed run draws the same numbers; different on every rank (independent rounding
-    noise averages out across ranks instead of adding up)."""
+    noise averages out across ranks instead of adding up). :class:`Compressed` seeds a generator on the
+    outer gradient's device with it (:func:`~gradpress.averaging.compress.rounding_generator`)."""
     mixed = seed
     for part in (rank, fragment, count):
         mixed = (mixed * 0x9E3779B1 + part + 1) % (2 ** 61 - 1)
@@ -135,7 +139,14 @@ class OuterTransport(ABC):
 
 @dataclass(frozen=True)
 class Exact(OuterTransport):
-    """One allreduce per (device, dtype) of ``δ / W``, in the tensors' dtype or ``wire_dtype``."""
+    """One allreduce per (device, dtype) of ``δ / W``, in the tensors' dtype or ``wire_dtype``.
+
+    With ``wire_dtype=torch.float16`` the average is scaled (:func:`gradpress.comm.start_average` with
+    ``scaled=True``): ``δ`` is divided by ``W`` in fp32 (fp64 for fp64 tensors), then each tensor by its
+    own power of two (from a max-allreduce of one float per tensor, issued and waited on in :meth:`send`),
+    then cast; relative error about fp16's 2^-11 per value whatever the tensor's magnitude. The
+    :class:`Sent`'s ``buffers`` are the wire buffers followed by their scales (one tensor per (device,
+    dtype) group), so that a checkpoint of an average in flight finishes exactly."""
 
     wire_dtype: torch.dtype | None = None
 
@@ -143,13 +154,16 @@ class Exact(OuterTransport):
         with torch.no_grad():
             deltas = [a - t.detach() for a, t in zip(anchor, params)]
             pending = start_average(deltas, link.process_group, wire_dtype=self.wire_dtype, issuer=link.issuer,
-                                    what=link.what("allreduce (sum)"), world_size=link.world)
-        return Sent(pending.works, pending.buffers, None, pending.bytes_sent, pending=pending)
+                                    what=link.what("allreduce (sum)"), world_size=link.world,
+                                    scaled=self.wire_dtype == torch.float16)
+        return Sent(pending.works, pending.buffers + pending.scales, None, pending.bytes_sent, pending=pending)
 
     def mean(self, sent: Sent, anchor: list[Tensor]) -> tuple[list[Tensor], Tensor]:
         pending = sent.pending
-        if pending is None:  # resumed from a checkpoint: finish from the stored buffers
-            pending = PendingAverage([torch.empty_like(a) for a in anchor], sent.buffers)
+        if pending is None:  # resumed from a checkpoint: finish from the stored buffers (and scales)
+            groups = len(device_groups(anchor))
+            pending = PendingAverage([torch.empty_like(a) for a in anchor], sent.buffers[:groups],
+                                     scales=sent.buffers[groups:])
         else:
             pending.works = sent.works
         with torch.no_grad():
@@ -180,9 +194,9 @@ class Compressed(OuterTransport):
             if residual is not None:  # e = δ + β·residual (β = 1 but for SparseLoCo's TopK(error_decay=))
                 outer_grad.add_(residual, alpha=getattr(compressor, "error_decay", 1.0))
             generator = None
-            if compressor.rounding == "stochastic":
-                generator = torch.Generator().manual_seed(sync_seed(compressor.seed, link.rank, link.fragment,
-                                                                    link.sync))
+            if compressor.rounding == "stochastic":  # drawn on the outer gradient's device
+                generator = rounding_generator(sync_seed(compressor.seed, link.rank, link.fragment, link.sync),
+                                               device)
             payload = compressor.encode(outer_grad, generator)
             new_residual = outer_grad - compressor.decode(payload.unsqueeze(0), outer_grad.numel(), dtype)[0]
         works: list[Work] = []
