@@ -19,6 +19,7 @@ import gradpress.tools.check
 import gradpress.tools.check.advice
 import gradpress.tools.check.loader
 import gradpress.tools.check.wire
+import gradpress.tools.quality_map
 from gradpress.tools.check import Link, candidate_methods, predict, recommend, run_correctness
 from gradpress.tools.check.advice import BUCKET_BYTES, model_width, recipe_rule, recommended_powersgd
 from gradpress.tools.cli.main import main
@@ -99,6 +100,91 @@ def test_one_process_report_with_a_user_batch(capsys, tmp_path):
     assert report["recommendation"]["method"] == "allreduce"  # one rank: nothing to send
     assert "link: one rank, nothing to measure" in out
     assert all(p["comm_ms"] == 0 for p in report["predictions"])
+
+
+def width_192() -> tuple[nn.Module, torch.Tensor]:
+    """A model of width 192, a width the quality map has no row for."""
+    return nn.Sequential(nn.Linear(192, 192), nn.ReLU(), nn.Linear(192, 192), nn.ReLU(), nn.Linear(192, 8)), \
+        torch.randn(4, 192)
+
+
+@pytest.mark.slow
+def test_the_report_holds_one_powersgd_rank_the_maps_with_its_label_and_bytes(capsys, tmp_path):
+    path = tmp_path / "check.json"
+    assert main(["check", "--model", "test_cli_check:width_192", "--optimizer", "adamw", "--tokens-per-step", "4096",
+                 "--iters", "1", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(path.read_text())
+    info, quality = report["model_info"], report["quality"]
+    # The map borrows width 256's rows (rank 22 fell behind there at 2 x 16 sequences, 32 held on both sides
+    # of 4,096 tokens) and says so; the rule's 22 (width x 1/8, at most 22) is not printed beside it.
+    assert (info["width"], info["powersgd_rank"], quality["method"], quality["status"]) == (
+        192, 32, "powersgd:32", "borrowed")
+    label = "borrowed (nearest measured width 256; not measured at 192)"
+    assert info["powersgd_source"] == f"from the quality map, {label}" and quality["status_text"] == label
+    assert info["powersgd_options"] == {"bytes_per_weight": 2, "warm_up_bytes_per_weight": 2}
+    assert f"PowerSGD's rank for its width 192: 32 from the quality map, {label}; " in out
+    assert f"quality map (adamw, 4,096 tokens/step from --tokens-per-step): {label}, powersgd:32" in out
+    assert "at most 22" not in out and "measured, powersgd" not in out and "r22" not in out
+    # Its bytes on this model's own shapes, as the table's candidate sends them.
+    shapes = [tuple(p.shape) for p in width_192()[0].parameters()]
+    sent = 32 * (192 + 192) * 2 * 2 + 8 * 192 * 2 + (192 + 192 + 8) * 2  # P and Q of two matrices; the rest exact
+    assert info["powersgd_bytes_per_step"] == sent
+    assert info["allreduce_bytes_per_step"] == 4 * sum(math.prod(s) for s in shapes)
+    assert info["powersgd_bytes_ratio"] == pytest.approx(info["allreduce_bytes_per_step"] / sent)
+    assert f"{info['powersgd_bytes_ratio']:.1f}x fewer bytes than allreduce's" in out
+    rows = {p["name"]: p for p in report["predictions"]}
+    assert {name for name in rows if name.startswith("powersgd")} == {"powersgd-r4-fp32", "powersgd-r32-fp16"}
+    assert rows["powersgd-r32-fp16"]["bytes_per_step"] == sent and not rows["powersgd-r32-fp16"]["note"]
+    assert rows["powersgd-r32-fp16"]["config"] == ("PowerSGDState(pg, matrix_approximation_rank=32, "
+                                                   "bytes_per_weight=2, warm_up_bytes_per_weight=2)")
+    assert rows["powersgd-r4-fp32"]["note"] == "rank below 32: more steps to the same loss"
+    assert "powersgd-r32-fp16" in info["hook_compute_ms"]
+
+
+def test_the_powersgd_choice_is_the_maps_rank_or_the_rule_said_so():
+    from gradpress.tools.check.report import powersgd_choice
+    from gradpress.tools.quality_map import advise
+
+    shapes = [(192, 192), (192,), (192, 192), (8, 192)]
+    choice = powersgd_choice(shapes, advise(192, "adamw", 4096))
+    assert (choice["powersgd_rank"], choice["powersgd_advised"]) == (32, True)
+    assert choice["powersgd_bytes_per_step"] == candidate_methods(
+        shapes, recommended=(32, choice["powersgd_options"]))[2 + 1].bytes_per_step  # allreduce, fp16, r4, r32
+    # Without the map's inputs: the rule, and the report says it is the rule.
+    choice = powersgd_choice(shapes, None)
+    assert choice["powersgd_rank"] == recipe_rule().rank(192) == 22 and choice["powersgd_options"] == {
+        "bytes_per_weight": 2}
+    assert choice["powersgd_source"].startswith(
+        "by the measured recipes' rule (width x 1/8, at most 22; give --optimizer")
+    # Where the map advises the fp16 hook: the rank it measured behind, for comparison, not advised.
+    choice = powersgd_choice(_task_shapes("gpt"), advise(128, "sgd", 4 * 16 * 64, task="gpt"))
+    assert (choice["powersgd_rank"], choice["powersgd_advised"]) == (16, False)
+    assert choice["powersgd_source"] == ("for comparison, not advised: the quality map, measured to fall behind, "
+                                         "advises the fp16 hook")
+
+
+def test_tokens_per_step_says_how_to_count_accumulation_and_its_default():
+    from gradpress.tools.check.report import TOKENS_PER_STEP_HELP
+
+    assert "micro-batch tokens x accumulation steps x ranks" in TOKENS_PER_STEP_HELP
+    assert "Default: the model's example batch x ranks" in TOKENS_PER_STEP_HELP
+    page = " ".join((Path(__file__).resolve().parents[2] / "docs" / "check.md").read_text().split())
+    assert "micro-batch tokens x accumulation steps x ranks" in page and "one micro-batch and no accumulation" in page
+
+
+def test_the_check_page_shows_the_rank_line_the_report_prints():
+    import gradpress.tools.zoo
+    from gradpress.tools.check.report import _rank_line, powersgd_choice
+    from gradpress.tools.quality_map import advise
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "check.md").read_text()
+    charlm = _task_shapes("charlm")
+    assert _rank_line({"width": 256, **powersgd_choice(charlm, None)}) + "\n" in page   # no --optimizer: the rule
+    gpt2 = [tuple(p.shape) for p in gradpress.tools.zoo.build_model("gpt2").parameters()]
+    assert model_width(gpt2) == 768 and "--model gpt2 --optimizer adamw --tokens-per-step 491520" in page
+    line = _rank_line({"width": 768, **powersgd_choice(gpt2, advise(768, "adamw", 491520))})
+    assert line + "\n" in page and "borrowed (nearest measured width 256" in line
 
 
 # --- the recommended rank follows the model's width ---------------------------------------------------------
@@ -189,7 +275,7 @@ def test_bad_link_and_step_values_are_rejected():
 
 
 @pytest.mark.parametrize("module", [gradpress.tools.check, gradpress.tools.check.advice, gradpress.tools.check.loader,
-                                    gradpress.tools.check.wire])
+                                    gradpress.tools.check.wire, gradpress.tools.quality_map])
 def test_the_documented_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted and not result.failed

@@ -94,13 +94,47 @@ def test_advice_follows_the_rows() -> None:
     # Larger than every measured batch, nothing failed: PowerSGD, said to be beyond the map.
     advice = advise(128, "adamw", _tokens(1024), task="gpt")
     assert (advice.method, advice.status) == ("powersgd", "beyond the map")
-    # Another model: the nearest measured width's rows, the rank from its own width, no lr.
+    # Another model: the nearest measured width's rows, the rank from its own width, no lr; borrowed, and
+    # what the borrowed rows said there (past their largest batch) in the status text.
     advice = advise(768, "adamw", _tokens(1024))
-    assert (advice.rank, advice.status, advice.lr) == (32, "beyond the map", None)
+    assert (advice.rank, advice.status, advice.lr) == (32, "borrowed", None)
+    assert advice.status_text == "borrowed (nearest measured width 256, beyond the map there; not measured at 768)"
     assert "width 256 (the nearest measured to 768)" in advice.reason
-    assert advise(768, "adamw", _tokens(64)).status == "measured"  # rank 32 held at 32 and 128 sequences
+    advice = advise(768, "adamw", _tokens(64))  # rank 32 held at 32 and 128 sequences of width 256, not of 768
+    assert (advice.rank, advice.status, advice.measured_width, advice.width) == (32, "borrowed", 256, 768)
+    assert advice.status_text == "borrowed (nearest measured width 256; not measured at 768)"
     advice = advise(200, "sgd", _tokens(64))
     assert advice.method == "fp16" and "width 256" in advice.reason
+    assert advice.status_text == ("borrowed (nearest measured width 256, measured to fall behind there; "
+                                  "not measured at 200)")
+
+
+ODD_WIDTHS = (96, 192, 320, 384, 640, 768, 1024, 1536, 2048, 3072, 4096, 5120)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_no_advice_is_labelled_measured_at_a_width_no_row_has(optimizer: str) -> None:
+    # The map borrows the nearest measured width's rows for any other width: that is said, never "measured".
+    measured_widths = {m.width for m in MEASURED if m.optimizer == optimizer}
+    widths = sorted({2 ** k for k in range(6, 14)} | set(ODD_WIDTHS))  # 64 .. 8192
+    batches = sorted({m.tokens_per_step for m in MEASURED} | {512, 3000, 10 ** 6})
+    seen = set()
+    for width in widths:
+        for tokens in batches:
+            advice = advise(width, optimizer, tokens)
+            seen.add(advice.status)
+            record = advice.to_dict()
+            if width in measured_widths:
+                assert advice.status != "borrowed" and advice.measured_width == width, (width, tokens)
+                continue
+            assert advice.status in ("borrowed", "not measured"), (width, tokens, advice.status)
+            assert record["status"] == advice.status and "measured" not in record["status_text"].split(" (")[0]
+            if advice.status == "borrowed":
+                assert advice.measured_width in measured_widths and advice.measured_width != width
+                assert advice.nearest_status in ("measured", "beyond the map", "measured to fall behind")
+                assert record["status_text"].startswith(f"borrowed (nearest measured width {advice.measured_width}")
+                assert record["status_text"].endswith(f"not measured at {width})")
+    assert {"measured", "borrowed"} <= seen
 
 
 def test_with_sgd_a_failure_below_the_batch_wins_whatever_held_above_it() -> None:
@@ -201,6 +235,7 @@ def test_the_demos_recommended_method_resolves_from_the_map_and_says_so() -> Non
     assert "with an fp16 wire, a half-precision warm-up" in resolved.recipe
     rec = resolved.recommended
     assert rec["method"] == "powersgd:16" and rec["status"] == "measured" and rec["global_batch"] == 128
+    assert rec["status_text"] == "measured" and rec["measured_width"] == rec["width"]  # the demo's own task's rows
     assert rec["tokens_per_step"] == 128 * SEQUENCE and rec["width"] == 128 and rec["optimizer"] == "adamw"
     assert rec["evidence"] == ["quality-adamw/adamw-gpt-w2b64-powersgd16-fp16-lr3e-3"]
     # SGD on 4 workers of 16 sequences: PowerSGD was measured +4.3% behind there; the fp16 hook instead.
@@ -287,6 +322,18 @@ def test_the_tuning_guide_shows_the_maps_rows() -> None:
 
     guide = (Path(__file__).resolve().parents[2] / "docs" / "tuning.md").read_text()
     assert markdown_table() in guide
+
+
+def test_the_tuning_guide_names_the_borrowed_label_as_advise_writes_it() -> None:
+    guide = " ".join((Path(__file__).resolve().parents[2] / "docs" / "tuning.md").read_text().split())
+    assert f"`{advise(768, 'adamw', 2048).status_text}`" in guide
+    assert "`borrowed`" in guide and ", beyond the map there" in guide and ", measured to fall behind there" in guide
+    widths = {o: sorted({m.width for m in MEASURED if m.optimizer == o}) for o in ("adamw", "sgd")}
+    assert widths == {"adamw": [128, 256], "sgd": [128, 256, 512]}  # as the guide's `borrowed` row says
+    assert "with AdamW only 128 and 256 were measured; with SGD 128, 256 and 512" in guide
+    for width in (192, 768, 4096):  # the widths the guide names: width 256's rank 32, borrowed
+        advice = advise(width, "adamw", 2048)
+        assert (advice.rank, advice.status, advice.measured_width) == (32, "borrowed", 256)
 
 
 def test_a_higher_measured_rank_that_held_is_advised_over_the_rules_rank_that_fell_behind(monkeypatch) -> None:

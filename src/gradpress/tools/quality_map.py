@@ -21,25 +21,36 @@ count: 2 workers x 64 sequences stands for 8 workers x 16.
 * PowerSGD with the rule's rank where nothing was measured for the optimizer or the task (``"not
   measured"``).
 
+A model whose width no row has is read from the rows of the nearest measured width, and the advice says
+so: its status is ``"borrowed"`` (:data:`BORROWED`), never ``"measured"``, and
+:attr:`Advice.status_text` names both widths and what the borrowed rows said, e.g. ``borrowed (nearest
+measured width 256; not measured at 768)``.
+
 >>> advice = advise(width=128, optimizer="adamw", tokens_per_step=2 * 64 * 64)
 >>> advice.method, advice.rank, advice.status, advice.powersgd_options
 ('powersgd', 16, 'measured', {'bytes_per_weight': 2, 'warm_up_bytes_per_weight': 2})
 >>> advise(width=128, optimizer="sgd", tokens_per_step=4 * 16 * 64).method   # gpt, 4 workers, SGD: +4.3%
 'fp16'
+>>> advice = advise(width=768, optimizer="adamw", tokens_per_step=2 * 64 * 64)   # GPT-2's width: not measured
+>>> advice.rank, advice.status, advice.status_text
+(32, 'borrowed', 'borrowed (nearest measured width 256; not measured at 768)')
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-__all__ = ["ADAMW_OPTIONS", "FP16_WIRE", "HALF_WARM_UP_EVIDENCE", "MEASURED", "QUALITY_TARGET", "START_RULE",
-           "Advice", "Measured", "advise", "early_start_warning", "markdown_table", "rank_for_width",
+__all__ = ["ADAMW_OPTIONS", "BORROWED", "FP16_WIRE", "HALF_WARM_UP_EVIDENCE", "MEASURED", "QUALITY_TARGET",
+           "START_RULE", "Advice", "Measured", "advise", "early_start_warning", "markdown_table", "rank_for_width",
            "recipe_options"]
 
 #: The quality target, in percent of allreduce's final perplexity.
 QUALITY_TARGET = 1.5
+#: The status of advice read from the rows of another width than the model's (the nearest measured one):
+#: the rank those rows gave, not measured at this width (:attr:`Advice.status_text` says which widths).
+BORROWED = "borrowed"
 #: The PowerSGD options every measured recipe uses: P, Q and the uncompressed tensors in fp16 on the wire.
 FP16_WIRE: dict[str, Any] = {"bytes_per_weight": 2}
 #: With AdamW the exact averages of the warm-up go on the same half-precision wire too
@@ -243,9 +254,13 @@ class Advice:
 
     ``method``: ``"powersgd"`` (at ``rank`` with ``powersgd_options``) or ``"fp16"`` (the fp16 allreduce
     hook). ``status``: ``"measured"``, ``"beyond the map"``, ``"measured to fall behind"`` or ``"not
-    measured"``. ``lr``: the tuned allreduce learning rate measured on the same task and optimizer
-    (``None``: none measured; the caller's default applies). ``evidence``: the rows the advice rests on.
-    ``reason``: one sentence with the figures.
+    measured"`` for the rows of the model's own width; :data:`BORROWED` (``"borrowed"``) where they are
+    another width's, the nearest measured (``measured_width``, which is not ``width``): what those rows
+    said there is then ``nearest_status``. :attr:`status_text` says it in words. ``lr``: the tuned
+    allreduce learning rate measured on the same task and optimizer (``None``: none measured; the
+    caller's default applies). ``evidence``: the rows the advice rests on. ``reason``: one sentence with
+    the figures. ``width``: the model's width the advice was read for; ``measured_width``: the width of
+    the rows read (``None`` where none were).
     """
 
     method: Literal["powersgd", "fp16"]
@@ -255,6 +270,19 @@ class Advice:
     reason: str
     lr: float | None = None
     evidence: tuple[Measured, ...] = field(default=())
+    width: int | None = None
+    measured_width: int | None = None
+    nearest_status: str | None = None
+
+    @property
+    def status_text(self) -> str:
+        """The status in words: ``status`` itself, or for :data:`BORROWED` advice which width it was read
+        from and what that width's rows said, e.g. ``"borrowed (nearest measured width 256; not measured at
+        768)"``, ``"borrowed (nearest measured width 256, beyond the map there; not measured at 768)"``."""
+        if self.status != BORROWED:
+            return self.status
+        there = "" if self.nearest_status == "measured" else f", {self.nearest_status} there"
+        return f"{BORROWED} (nearest measured width {self.measured_width}{there}; not measured at {self.width})"
 
     @property
     def spec(self) -> str:
@@ -269,7 +297,8 @@ class Advice:
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.spec, "powersgd_options": dict(self.powersgd_options), "status": self.status,
-                "reason": self.reason, "start": self.start, "lr": self.lr,
+                "status_text": self.status_text, "reason": self.reason, "start": self.start, "lr": self.lr,
+                "width": self.width, "measured_width": self.measured_width,
                 "evidence": [m.label for m in self.evidence]}
 
 
@@ -286,7 +315,8 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
     allreduce at the nearest measured batch on either side of this one (a wider model may need more than
     the rule's cap; with SGD larger batches fell behind, with AdamW on gpt the smallest did); the
     learning rate, where the same task was measured with this optimizer, the tuned allreduce's at the
-    nearest measured batch.
+    nearest measured batch. Where the rows read are not of ``width`` (the nearest measured width stands
+    in for it) the status is :data:`BORROWED`, whatever those rows said, and never ``"measured"``.
     """
     if optimizer not in _OPTIMIZER_WORDS:
         raise ValueError(f"optimizer must be one of {', '.join(_OPTIMIZER_WORDS)}, got {optimizer!r}")
@@ -300,11 +330,11 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
     if task is not None and not any(m.task == task for m in MEASURED):
         return Advice("powersgd", rank, recipe_options(optimizer), "not measured",
                       f"PowerSGD was not measured on {task}: rank {rank} (width {width} / 8) with an fp16 wire is the "
-                      "rule of the measured recipes; watch the global residual (docs/tuning.md)")
+                      "rule of the measured recipes; watch the global residual (docs/tuning.md)", width=width)
     if not rows:
         return Advice("powersgd", rank, recipe_options(optimizer), "not measured",
                       f"PowerSGD was not measured with {words}: rank {rank} (width {width} / 8) with an fp16 wire is "
-                      "the rule of the measured recipes; watch the global residual (docs/tuning.md)")
+                      "the rule of the measured recipes; watch the global residual (docs/tuning.md)", width=width)
     same_task = [m for m in rows if m.task == task]
     if same_task:
         rows, where = same_task, f"on {task}"
@@ -312,6 +342,14 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
         near = _nearest_width(rows, width)
         rows = [m for m in rows if m.width == near]
         where = f"at width {near}" + ("" if near == width else f" (the nearest measured to {width})")
+    measured_width = rows[0].width
+
+    def read(advice: Advice) -> Advice:
+        """``advice`` for ``width``: the rows' own status where they are of this width, else borrowed."""
+        if measured_width == width:
+            return replace(advice, width=width, measured_width=measured_width)
+        return replace(advice, status=BORROWED, width=width, measured_width=measured_width,
+                       nearest_status=advice.status)
     lr = None
     if same_task:
         lr = min(rows, key=lambda m: (abs(math.log(m.tokens_per_step / tokens_per_step)), m.tokens_per_step)).lr
@@ -327,9 +365,9 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
             continue
         if above is not None:
             held = settings[above]
-            return Advice("powersgd", r, recipe_options(optimizer), "measured",
-                          f"{words} {where}: {held.describe()} (target {QUALITY_TARGET}%)" + _after(failures),
-                          lr, _evidence(held, *failures))
+            return read(Advice("powersgd", r, recipe_options(optimizer), "measured",
+                               f"{words} {where}: {held.describe()} (target {QUALITY_TARGET}%)" + _after(failures),
+                               lr, _evidence(held, *failures)))
         if below is not None and beyond is None:
             held = settings[below]
             beyond = Advice("powersgd", r, recipe_options(optimizer), "beyond the map",
@@ -337,19 +375,19 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
                             f"{tokens_per_step:,} tokens/step, is beyond it: read the global residual "
                             "(docs/tuning.md)" + _after(failures), lr, _evidence(held, *failures))
     if beyond is not None:
-        return beyond
+        return read(beyond)
     if failures:
         worst = failures[0]
         seeds = "" if len(worst.runs) == 1 else f", the mean of {len(worst.runs)} seeds"
-        return Advice("fp16", None, {}, "measured to fall behind",
-                      f"{words} {where}: PowerSGD was measured behind allreduce at {worst.tokens_per_step:,} "
-                      f"tokens/step (rank {worst.rank}: best {worst.best_vs_allreduce:+.1f}%{seeds}, over the "
-                      f"{QUALITY_TARGET}% target) and yours is {tokens_per_step:,}: the fp16 hook halves the "
-                      "bytes and keeps allreduce's steps", lr, _evidence(*failures))
+        return read(Advice("fp16", None, {}, "measured to fall behind",
+                           f"{words} {where}: PowerSGD was measured behind allreduce at {worst.tokens_per_step:,} "
+                           f"tokens/step (rank {worst.rank}: best {worst.best_vs_allreduce:+.1f}%{seeds}, over the "
+                           f"{QUALITY_TARGET}% target) and yours is {tokens_per_step:,}: the fp16 hook halves the "
+                           "bytes and keeps allreduce's steps", lr, _evidence(*failures)))
     return Advice("powersgd", rank, recipe_options(optimizer), "not measured",
                   f"PowerSGD was not measured with {words} {where} at rank {rank} or above: rank {rank} (width "
                   f"{width} / 8) with an fp16 wire is the rule of the measured recipes; watch the global residual "
-                  "(docs/tuning.md)", lr)
+                  "(docs/tuning.md)", lr, width=width, measured_width=measured_width)
 
 
 def early_start_warning(start_iter: int, lr_warmup_steps: int, optimizer: str) -> str | None:

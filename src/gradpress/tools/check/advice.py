@@ -14,11 +14,15 @@ and DiLoCo one synchronization every ``H`` steps (:func:`~gradpress.tools.bytes.
 over the H steps). Local SGD and DiLoCo change the optimization (fewer synchronizations), so the
 fastest step is not always the fastest to a given loss; the report says so.
 
-PowerSGD's recommended configuration follows the model: its rank comes from the model's width by
-:func:`recipe_rule`, the rule the measured recipes of the demo's tasks follow (rank 16 on the width-128
-transformer, 22 on the wider models). PowerSGD below that rank is predicted too, for comparison, but
-never recommended: in the quality study it needed more steps to the same loss (rank 4: never reached
-allreduce's mid-run perplexity on charlm), which a faster step does not buy back.
+PowerSGD's recommended configuration is one rank per model, passed in as ``recommended``: ``gradpress
+check`` passes the quality map's (:func:`gradpress.tools.quality_map.advise` for the model's width,
+optimizer and batch, with its options, e.g. AdamW's half-precision warm-up; see
+:func:`gradpress.tools.check.report.powersgd_choice`). Without one, the rank comes from the model's width
+by :func:`recipe_rule`, the rule the measured recipes of the demo's tasks follow (rank 16 on the
+width-128 transformer, 22 on the wider models), on the recipes' fp16 wire. PowerSGD below that rank is
+predicted too, for comparison, but never recommended: in the quality study it needed more steps to the
+same loss (rank 4: never reached allreduce's mid-run perplexity on charlm), which a faster step does not
+buy back.
 
 >>> from gradpress.tools.check.link import Link
 >>> link = Link(world_size=2, latency_s=1e-4, busbw=12.5e6)          # 100 Mbit/s
@@ -42,7 +46,7 @@ from ...powersgd import make_plan
 from .link import Link
 from ..bytes import StepBytes, allreduce_bytes, powersgd_bytes, sync_bytes
 
-__all__ = ["BUCKET_BYTES", "Method", "Prediction", "RankRule", "candidate_methods", "model_width",
+__all__ = ["BUCKET_BYTES", "Method", "Prediction", "RankRule", "Recommended", "candidate_methods", "model_width",
            "powersgd_configs", "predict", "recipe_rule", "recommend", "recommended_powersgd"]
 
 #: DDP's default bucket size (``bucket_cap_mb=25``): one collective (per phase) per bucket.
@@ -110,18 +114,34 @@ def recipe_rule() -> RankRule:
 
 
 def recommended_powersgd(shapes: Sequence[Sequence[int]]) -> tuple[int, int]:
-    """``(rank, bytes_per_weight)`` of PowerSGD's recommended configuration for gradients of ``shapes``:
-    :func:`recipe_rule` at the model's width."""
+    """``(rank, bytes_per_weight)`` by :func:`recipe_rule` at the width of a model with gradients of
+    ``shapes``: the recommended configuration where the quality map is not read (``gradpress check``
+    without ``--optimizer``; with it, check reads the map's rank, :func:`gradpress.tools.quality_map.advise`)."""
     rule = recipe_rule()
     return rule.rank(model_width(shapes)), rule.bytes_per_weight
 
 
-def powersgd_configs(shapes: Sequence[Sequence[int]],
-                     powersgd_ranks: Sequence[int] = (4,)) -> list[tuple[str, int, int, StepBytes]]:
+#: ``(rank, options)`` of the recommended PowerSGD configuration: ``options`` are ``PowerSGDState``'s
+#: keyword arguments besides the rank (``bytes_per_weight`` sets the wire; absent: fp32).
+Recommended = tuple[int, Mapping[str, Any]]
+
+
+def _recommended(shapes: Sequence[Sequence[int]], recommended: Recommended | None) -> Recommended:
+    if recommended is not None:
+        return int(recommended[0]), dict(recommended[1])
+    rank, bytes_per_weight = recommended_powersgd(shapes)
+    return rank, {"bytes_per_weight": bytes_per_weight}
+
+
+def powersgd_configs(shapes: Sequence[Sequence[int]], powersgd_ranks: Sequence[int] = (4,),
+                     recommended: Recommended | None = None) -> list[tuple[str, int, int, StepBytes]]:
     """The PowerSGD candidates for fp32 gradients of ``shapes``, as ``(name, rank, bytes_per_weight,
-    bytes of one step)``: ``powersgd_ranks`` on an fp32 wire, then the recommended configuration."""
+    bytes of one step)``: ``powersgd_ranks`` on an fp32 wire, then the recommended configuration
+    (``recommended``, ``(rank, options)``: ``gradpress check`` passes the quality map's; by default
+    :func:`recommended_powersgd`'s rule on its fp16 wire)."""
     shapes = [tuple(int(d) for d in s) for s in shapes]
-    configs = [(int(r), 4) for r in powersgd_ranks] + [recommended_powersgd(shapes)]
+    rank, options = _recommended(shapes, recommended)
+    configs = [(int(r), 4) for r in powersgd_ranks] + [(rank, int(options.get("bytes_per_weight", 4)))]
     out = []
     for rank, bytes_per_weight in dict.fromkeys(configs):
         counts = powersgd_bytes(shapes, [torch.float32] * len(shapes), rank, 2, bytes_per_weight)
@@ -165,9 +185,11 @@ class Prediction:
 
 
 def candidate_methods(shapes: Sequence[Sequence[int]], local_sgd_period: int = 8, diloco_period: int = 64,
-                      powersgd_ranks: Sequence[int] = (4,)) -> list[Method]:
+                      powersgd_ranks: Sequence[int] = (4,), recommended: Recommended | None = None) -> list[Method]:
     """The candidates for a model whose gradients have ``shapes`` (fp32 gradients): allreduce, fp16,
-    :func:`powersgd_configs`, local SGD and DiLoCo."""
+    :func:`powersgd_configs` (``recommended``: PowerSGD's one recommended ``(rank, options)``, its config
+    the ``PowerSGDState`` to build with all of ``options``; ranks below it carry a note), local SGD and
+    DiLoCo."""
     if local_sgd_period < 1 or diloco_period < 1:
         raise ValueError(f"local_sgd_period={local_sgd_period} and diloco_period={diloco_period} must be >= 1")
     shapes = [tuple(int(d) for d in s) for s in shapes]
@@ -180,12 +202,16 @@ def candidate_methods(shapes: Sequence[Sequence[int]], local_sgd_period: int = 8
         Method("allreduce", "allreduce_hook (DDP's default)", allreduce_bytes(shapes, fp32).bytes_sent, buckets),
         Method("fp16", "fp16_compress_hook", allreduce_bytes(shapes, fp32, torch.float16).bytes_sent, buckets),
     ]
-    recommended_rank = recommended_powersgd(shapes)[0]
-    for name, rank, bytes_per_weight, counts in powersgd_configs(shapes, powersgd_ranks):
+    recommended_rank, options = _recommended(shapes, recommended)
+    for name, rank, bytes_per_weight, counts in powersgd_configs(shapes, powersgd_ranks, (recommended_rank, options)):
         phases = 2 * buckets * (2 if counts.wire == "fp16" else 1)  # an fp16 wire max-reduces its scales first
         note = f"rank below {recommended_rank}: more steps to the same loss" if rank < recommended_rank else ""
-        methods.append(Method(name, f"PowerSGDState(pg, matrix_approximation_rank={rank}, "
-                                    f"bytes_per_weight={bytes_per_weight})", counts.bytes_sent, phases, note=note))
+        chosen = rank == recommended_rank and bytes_per_weight == int(options.get("bytes_per_weight", 4))
+        arguments = {**options, "bytes_per_weight": bytes_per_weight} if chosen else {
+            "bytes_per_weight": bytes_per_weight}
+        config = ", ".join([f"PowerSGDState(pg, matrix_approximation_rank={rank}"]
+                           + [f"{k}={v!r}" for k, v in arguments.items()]) + ")"
+        methods.append(Method(name, config, counts.bytes_sent, phases, note=note))
     periodic = "fewer syncs: check its loss"
     sync = sum(sync_bytes(shapes, fp32))  # every parameter, exactly
     methods.append(Method(f"local-sgd-h{local_sgd_period}", f"PeriodicModelAverager(period={local_sgd_period})",

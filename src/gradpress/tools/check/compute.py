@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..bytes import dtype_name
-from .advice import powersgd_configs
+from .advice import Recommended, powersgd_configs
 from .loader import Loss
 
 __all__ = ["hook_compute_ms", "step_ms"]
@@ -70,10 +70,10 @@ def _own_group() -> Any:
 
 
 def hook_compute_ms(shapes: Sequence[Sequence[int]], device: torch.device, powersgd_ranks: Sequence[int] = (4,),
-                    iters: int = 3) -> dict[str, float]:
-    """Per method name (as :func:`~gradpress.tools.check.advice.candidate_methods` names them; ``bf16``
-    too), the hook's own compute in milliseconds on ``device`` for fp32 gradients of ``shapes``. A
-    collective (group creation)."""
+                    iters: int = 3, recommended: Recommended | None = None) -> dict[str, float]:
+    """Per method name (as :func:`~gradpress.tools.check.advice.candidate_methods` names them, with the
+    same ``recommended`` PowerSGD configuration; ``bf16`` too), the hook's own compute in milliseconds on
+    ``device`` for fp32 gradients of ``shapes``. A collective (group creation)."""
     from ...aggregator import Config, PowerSGD
 
     group = _own_group()
@@ -84,7 +84,7 @@ def hook_compute_ms(shapes: Sequence[Sequence[int]], device: torch.device, power
     out = {"allreduce": _median_ms(lambda: flat.div(2), device, iters)}
     for wire in (torch.float16, torch.bfloat16):  # the cast hooks: there and back
         out[dtype_name(wire)] = _median_ms(partial(_round_trip, flat, wire), device, iters)
-    for name, rank, bytes_per_weight, _ in powersgd_configs(shapes, powersgd_ranks):
+    for name, rank, bytes_per_weight, _ in powersgd_configs(shapes, powersgd_ranks, recommended):
         aggregator = PowerSGD(params, Config(rank=rank, bytes_per_weight=bytes_per_weight,
                                              start_compressing_after_num_steps=0), process_group=group)
         work = [g.clone() for g in grads]

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from ... import comm
 from ..cli.table import format_table
-from ..quality_map import advise
+from ..bytes import allreduce_bytes, powersgd_bytes
+from ..quality_map import Advice, advise, recipe_options
 from ..workloads.tasks import TASKS
 from .advice import (Prediction, candidate_methods, model_width, predict, recipe_rule, recommend,
                      recommended_powersgd)
@@ -25,7 +26,15 @@ from .correctness import run_correctness
 from .link import DEFAULT_SIZES, measure_link, node_groups
 from .loader import load_model
 
-__all__ = ["collect", "format_report"]
+__all__ = ["TOKENS_PER_STEP_HELP", "collect", "format_report", "powersgd_choice", "quality"]
+
+
+#: What ``--tokens-per-step`` counts, and its default (``gradpress check --help``, docs/check.md).
+TOKENS_PER_STEP_HELP = ("tokens (or samples) per optimizer step over all ranks, for the quality map: with gradient "
+                        "accumulation, micro-batch tokens x accumulation steps x ranks (nanoGPT: batch_size x "
+                        "block_size x gradient_accumulation_steps x ranks). Default: the model's example batch x "
+                        "ranks, one micro-batch and no accumulation, when the model has an example batch; without "
+                        "one, the quality map is not read")
 
 
 def _slowest(value: float, device: torch.device) -> float:
@@ -42,8 +51,11 @@ def collect(model: str, device: torch.device, given_step_ms: float | None = None
 
     ``model``: as ``--model`` (``ValueError`` naming it if invalid, raised before any collective).
     ``optimizer`` (``"sgd"``/``"adamw"``) and ``tokens_per_step`` (all ranks' tokens or samples per
-    optimizer step; default: the example batch on every rank) select the quality map's advice
-    (``report["quality"]``); where PowerSGD was measured behind allreduce at that batch it is not recommended.
+    optimizer step, :data:`TOKENS_PER_STEP_HELP`; default: the example batch on every rank, one
+    micro-batch) select the quality map's advice (``report["quality"]``), whose rank is the report's one
+    PowerSGD rank (:func:`powersgd_choice`, ``report["model_info"]``): the candidate in the predictions,
+    with the map's options; where PowerSGD was measured behind allreduce at that batch it is not
+    recommended. Without an optimizer or a batch the rank is the measured recipes' rule, said so.
     ``given_step_ms``: the compute step when the model has no example batch (``--step-ms``); a measured
     step wins over it. ``hooks`` / ``local_world_size``: see :func:`~gradpress.tools.check.correctness.run_correctness`.
     """
@@ -60,8 +72,19 @@ def collect(model: str, device: torch.device, given_step_ms: float | None = None
         report["link_intra_node"] = measure_link(device, intra, sizes, iters, "inside a node").to_dict()
         report["link_inter_node"] = measure_link(device, inter, sizes, iters, "between nodes").to_dict()
     shapes = [tuple(p.shape) for p in module.parameters() if p.requires_grad]
+    width = model_width(shapes)
+    tokens_source: str | None
+    if tokens_per_step is None and batch is not None:
+        tokens_per_step, tokens_source = batch_tokens(batch) * world, "the example batch on every rank"
+    else:
+        tokens_source = "--tokens-per-step" if tokens_per_step is not None else None
+    advice = _advice(width, optimizer, tokens_per_step, model if model in TASKS else None)
+    report["quality"] = quality(width, optimizer, tokens_per_step, tokens_source,
+                                model if model in TASKS else None, advice=advice)
+    choice = powersgd_choice(shapes, advice)
+    recommended = (choice["powersgd_rank"], choice["powersgd_options"])
     hook_ms = {name: _slowest(ms, device) for name, ms in
-               hook_compute_ms(shapes, device, powersgd_ranks).items()}
+               hook_compute_ms(shapes, device, powersgd_ranks, recommended=recommended).items()}
     if batch is not None:
         measured, source = _slowest(step_ms(module, batch, loss, device), device), "measured (forward + backward)"
     elif given_step_ms is not None:
@@ -70,17 +93,9 @@ def collect(model: str, device: torch.device, given_step_ms: float | None = None
         measured, source = 0.0, "unknown: the model has no example batch, give --step-ms"
     report["model_info"] = {"parameters": sum(p.numel() for p in module.parameters() if p.requires_grad),
                             "tensors": len(shapes), "step_ms": measured, "step_source": source,
-                            "hook_compute_ms": hook_ms, "width": model_width(shapes),
-                            "powersgd_rank": recommended_powersgd(shapes)[0]}
-    methods = candidate_methods(shapes, local_sgd_period, diloco_period, powersgd_ranks)
+                            "hook_compute_ms": hook_ms, "width": width, **choice}
+    methods = candidate_methods(shapes, local_sgd_period, diloco_period, powersgd_ranks, recommended)
     rows = predict(methods, link, measured, hook_ms)
-    tokens_source: str | None
-    if tokens_per_step is None and batch is not None:
-        tokens_per_step, tokens_source = batch_tokens(batch) * world, "the example batch on every rank"
-    else:
-        tokens_source = "--tokens-per-step" if tokens_per_step is not None else None
-    report["quality"] = quality(report["model_info"]["width"], optimizer, tokens_per_step, tokens_source,
-                                model if model in TASKS else None)
     rows = _mark_measured_behind(rows, report["quality"])
     best, reason = recommend(rows)
     report["predictions"] = [row.to_dict() for row in rows]
@@ -96,17 +111,63 @@ def batch_tokens(batch: Any) -> int:
     return int(first.numel()) if not first.is_floating_point() else int(first.shape[0])
 
 
-def quality(width: int, optimizer: str | None, tokens_per_step: int | None, source: str | None,
-            task: str | None = None) -> dict[str, Any]:
-    """The quality map's advice (:func:`gradpress.tools.quality_map.advise`) for the model's width, the
-    optimizer and the global batch, as the report holds it; ``{"status": "not asked"...}`` without an
-    optimizer or a batch size."""
+def _advice(width: int, optimizer: str | None, tokens_per_step: int | None, task: str | None) -> Advice | None:
+    """The map's advice, ``None`` without an optimizer or a batch size."""
     if optimizer is None or tokens_per_step is None:
-        return {"status": "not asked", "reason": "give --optimizer and --tokens-per-step (all ranks' tokens or "
-                "samples per optimizer step) for the quality map's advice (docs/tuning.md)"}
-    advice = advise(width, optimizer, tokens_per_step, task=task)
+        return None
+    return advise(width, optimizer, tokens_per_step, task=task)
+
+
+def quality(width: int, optimizer: str | None, tokens_per_step: int | None, source: str | None,
+            task: str | None = None, advice: Advice | None = None) -> dict[str, Any]:
+    """The quality map's advice (:func:`gradpress.tools.quality_map.advise`, or ``advice`` already read for
+    these arguments) for the model's width, the optimizer and the global batch, as the report holds it
+    (``"status_text"``: the status in words, naming the nearest measured width for ``"borrowed"`` advice);
+    ``{"status": "not asked"...}`` without an optimizer or a batch size."""
+    if optimizer is None or tokens_per_step is None:
+        return {"status": "not asked", "status_text": "not asked",
+                "reason": "give --optimizer and --tokens-per-step (all ranks' tokens or samples per optimizer "
+                          "step) for the quality map's advice (docs/tuning.md)"}
+    advice = advice or advise(width, optimizer, tokens_per_step, task=task)
     return {**advice.to_dict(), "optimizer": optimizer, "tokens_per_step": tokens_per_step,
             "tokens_source": source}
+
+
+def powersgd_choice(shapes: Sequence[Sequence[int]], advice: Advice | None) -> dict[str, Any]:
+    """The report's one PowerSGD configuration for a model with gradients of ``shapes``, what
+    ``report["model_info"]`` holds and the predictions' PowerSGD candidate: ``powersgd_rank`` and
+    ``powersgd_options`` (``PowerSGDState``'s other arguments), ``powersgd_source`` (where the rank comes
+    from, in words), ``powersgd_advised`` (False where the map measured PowerSGD behind allreduce at this
+    batch: the rank shown is then the lowest it measured behind, for comparison), and on this model's own
+    shapes, fp32 gradients: ``powersgd_bytes_per_step`` (one worker, one compressed step, as
+    ``PowerSGDState.bytes_stats()`` counts it), ``allreduce_bytes_per_step`` and ``powersgd_bytes_ratio``
+    (their ratio, "x fewer bytes per step").
+
+    From the quality map's ``advice`` where it was read (its rank and options, its status in words), else
+    from the measured recipes' rule (:func:`~gradpress.tools.check.advice.recommended_powersgd`).
+    """
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    advised = True
+    if advice is None:
+        rank, bytes_per_weight = recommended_powersgd(shapes)
+        options: dict[str, Any] = {"bytes_per_weight": bytes_per_weight}
+        rule = recipe_rule()
+        source = (f"by the measured recipes' rule (width x {rule.ratio}, at most {rule.cap}; give --optimizer and "
+                  "--tokens-per-step for the quality map's rank)")
+    elif advice.method == "powersgd" and advice.rank is not None:
+        rank, options = advice.rank, dict(advice.powersgd_options)
+        source = f"from the quality map, {advice.status_text}"
+    else:  # the fp16 hook: every rank measured at the nearest batches fell behind
+        rank = min(m.rank for m in advice.evidence)
+        options = recipe_options(advice.evidence[0].optimizer)
+        source = f"for comparison, not advised: the quality map, {advice.status_text}, advises the fp16 hook"
+        advised = False
+    fp32 = [torch.float32] * len(shapes)
+    sent = powersgd_bytes(shapes, fp32, rank, 2, int(options.get("bytes_per_weight", 4))).bytes_sent
+    exact = allreduce_bytes(shapes, fp32).bytes_sent
+    return {"powersgd_rank": rank, "powersgd_options": options, "powersgd_source": source,
+            "powersgd_advised": advised, "powersgd_bytes_per_step": sent, "allreduce_bytes_per_step": exact,
+            "powersgd_bytes_ratio": exact / sent if sent else 0.0}
 
 
 def _mark_measured_behind(rows: Sequence[Prediction], quality: Mapping[str, Any]) -> list[Prediction]:
@@ -134,9 +195,12 @@ def _link_lines(link: dict[str, Any]) -> list[str]:
     return [head] + ["  " + line for line in format_table(["size", "ms", "algbw Gbit/s", "busbw Gbit/s"], rows, ">>>>")]
 
 
-def _rule_text() -> str:
-    rule = recipe_rule()
-    return f"the measured recipes' rule: width x {rule.ratio}, at most {rule.cap}; docs/tuning.md"
+def _rank_line(info: dict[str, Any]) -> str:
+    """The report's one PowerSGD rank for the model, where it comes from, and its bytes on the model."""
+    return (f"  PowerSGD's rank for its width {info['width']}: {info['powersgd_rank']} {info['powersgd_source']}; "
+            f"{info['powersgd_bytes_per_step'] / 1e6:.3g} MB per compressed step, "
+            f"{info['powersgd_bytes_ratio']:.1f}x fewer bytes than allreduce's "
+            f"{info['allreduce_bytes_per_step'] / 1e6:.3g} MB on this model")
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -154,7 +218,7 @@ def format_report(report: dict[str, Any]) -> str:
     info = report["model_info"]
     lines += ["", f"model {report['model']}: {info['parameters']:,} parameters in {info['tensors']} tensors; "
                   f"compute step {info['step_ms']:.3g} ms ({info['step_source']})",
-              f"  PowerSGD's rank for its width {info['width']}: {info['powersgd_rank']} ({_rule_text()})"]
+              _rank_line(info)]
     rows = [[p["name"], f"{p['bytes_per_step'] / 1e6:.3g}", f"{p['step_ms']:.3g}", f"{p['hook_ms']:.3g}",
              f"{p['comm_ms']:.3g}", f"{p['predicted_ms']:.3g}",
              p.get("note", "")] for p in report["predictions"]]
@@ -168,7 +232,8 @@ def format_report(report: dict[str, Any]) -> str:
         method = q.get("method", "")
         if options and method.startswith("powersgd"):  # the state to build: the rank and the wire options
             method += f" (PowerSGDState(..., matrix_approximation_rank={method.partition(':')[2]}, {options}))"
-        lines += ["", f"{head}: {q['status']}" + (f", {method}" if method else ""), f"  {q['reason']}"]
+        lines += ["", f"{head}: {q.get('status_text', q['status'])}" + (f", {method}" if method else ""),
+                  f"  {q['reason']}"]
         lines += [f"  {q['start']}"] if q.get("start") else []
     rec = report["recommendation"]
     lines += ["", f"recommended: {rec['method']} = {rec['config']}", f"  because {rec['reason']}",

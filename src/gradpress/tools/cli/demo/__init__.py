@@ -388,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
     methods = resolved.methods
     if resolved.recommended is not None:
         rec = resolved.recommended
-        print(f"gradpress demo: recommended = {rec['method']} ({rec['status']}: {rec['reason']})", file=sys.stderr)
+        print(f"gradpress demo: recommended = {rec['method']} ({rec['status_text']}: {rec['reason']})", file=sys.stderr)
     start_iter = _start_iter(args, methods)
     if isinstance(start_iter, str):
         return _fail(start_iter)
