@@ -18,6 +18,7 @@ import os
 import sys
 from typing import Any
 
+from ..check.report import TOKENS_PER_STEP_HELP
 from .args import int_list, int_at_least, positive_float
 
 __all__ = ["register", "run"]
@@ -43,8 +44,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                         help="auto: nccl on CUDA, gloo on the CPU (used when the process group is created here)")
     parser.add_argument("--powersgd-ranks", type=int_list(1), default=[4], metavar="R[,R...]",
-                        help="PowerSGD ranks to predict with an fp32 wire (the recommended configuration, an fp16 "
-                             "wire at the rank the measured recipes give the model's width, is always a "
+                        help="PowerSGD ranks to predict with an fp32 wire (the quality map's configuration for the "
+                             "model, or without --optimizer the measured recipes' rank for its width, is always a "
                              "candidate; docs/tuning.md)")
     parser.add_argument("--local-sgd-period", type=int_at_least(1), default=8, metavar="H")
     parser.add_argument("--diloco-period", type=int_at_least(1), default=64, metavar="H")
@@ -52,8 +53,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         help="your optimizer, for the quality map's advice (docs/tuning.md): where PowerSGD was "
                              "measured behind allreduce at your global batch, it is not recommended")
     parser.add_argument("--tokens-per-step", type=int_at_least(1), default=None, metavar="N",
-                        help="tokens (or samples) per optimizer step over all ranks, for the quality map (default: "
-                             "the model's example batch on every rank, when it has one)")
+                        help=TOKENS_PER_STEP_HELP)
     parser.add_argument("--iters", type=int_at_least(1), default=5, metavar="N", help="timed allreduces per size")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON (rank 0)")
     parser.set_defaults(func=run)
