@@ -68,7 +68,8 @@ def _memory_is_finite(segment, with_p, error_feedback=True):
 
 
 def _run(segment, grads, config, compressed_step, measure=False):
-    task, _ = compress_step(segment, grads, LocalCommunicator(), config, compressed_step, measure=measure)
+    task, _ = compress_step(segment, grads, LocalCommunicator(), config, compressed_step, measure=measure,
+                            global_residual=measure)
     for handle in task:
         handle.wait()
 

@@ -408,7 +408,7 @@ def test_engine_non_finite_step_restores_every_segment_bitwise(name, path, dtype
         assert torch.equal(a[2], b[2]) or not with_p
 
 
-def test_engine_reads_one_flag_per_step_on_the_cpu_and_keeps_no_second_memory():
+def test_engine_reads_one_flag_per_step_on_the_cpu_and_holds_one_m_buffer_beside_the_memory():
     from host_reads import CountSyncingOps
     from gradpress.powersgd.memory import ALIGNMENT_BYTES, Workspace
 
@@ -422,8 +422,9 @@ def test_engine_reads_one_flag_per_step_on_the_cpu_and_keeps_no_second_memory():
     with counter:
         _engine_step(segments, _engine_grads(1, False, torch.float32), config, 1)
     assert counter.count == 1  # one flag for the whole step (two segments), read where reading is free
-    # Held: the error memory once, the factors (and their saved copy), and one workspace of the largest
-    # shape group (plus alignment), not a second error memory.
+    # Held: the error memory and the M = g + e buffer the step builds once (one (2, size) tensor: the two
+    # swap roles at each commit), the factors (and their saved copy), and one workspace of at most the
+    # largest shape group (plus alignment), which the CPU's finite steps do not even touch.
     largest_group = max(g.batch * g.n * g.m for s in segments for g in s.plan.groups) * 4
     largest_batch = max(g.batch for s in segments for g in s.plan.groups)
     assert workspace.nbytes <= largest_group + 2 * ALIGNMENT_BYTES * largest_batch
@@ -432,7 +433,7 @@ def test_engine_reads_one_flag_per_step_on_the_cpu_and_keeps_no_second_memory():
         held = [getattr(segment, name) for name in segment.__slots__]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in held if isinstance(t, torch.Tensor)}  # (views share their buffer's storage)
-        numel = segment.error_memory.numel() + segment.wire.numel() + segment.plan.q_numel
+        numel = 2 * segment.error_memory.numel() + segment.wire.numel() + segment.plan.q_numel
         assert sum(storages.values()) == 4 * numel
 
 

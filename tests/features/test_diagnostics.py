@@ -47,7 +47,8 @@ def _segment(config):
 
 
 def _step(segment, grads, config, compressed_step, measure=True):
-    task, _ = compress_step(segment, grads, LocalCommunicator(), config, compressed_step, measure=measure)
+    task, _ = compress_step(segment, grads, LocalCommunicator(), config, compressed_step, measure=measure,
+                            global_residual=measure)
     for handle in task:
         handle.wait()
 
@@ -317,7 +318,8 @@ def _engine_steps(rank, world, config, shapes, steps, gradients, measure=lambda 
             parts = [torch.empty_like(m) for _ in range(world)]
             dist.all_gather(parts, m)
             means.append(torch.stack(parts).mean(0))
-        task, _ = compress_step(segment, grads, comm, config, step, measure=measure(step))
+        task, _ = compress_step(segment, grads, comm, config, step, measure=measure(step),
+                                global_residual=measure(step))
         for handle in task:
             handle.wait()
         applied = [grads[i].double().view(plan.tensors[i].matrix) for i in order]
@@ -463,7 +465,7 @@ def _collectives(rank, world, num_iters):
 
 
 @pytest.mark.parametrize("num_iters", [None, 2], ids=["classic", "two-iterations"])
-def test_the_sketch_is_one_more_collective_per_bucket_on_measured_steps_in_the_same_order_everywhere(num_iters):
+def test_the_sketch_is_one_more_collective_per_step_on_measured_steps_in_the_same_order_everywhere(num_iters):
     results = run(_collectives, WORLD, num_iters)
     assert results[0][0] == results[1][0]  # every collective, in the same order, on every rank
     per_iteration, residuals = results[0]
@@ -472,9 +474,9 @@ def test_the_sketch_is_one_more_collective_per_bucket_on_measured_steps_in_the_s
     compressed = per_iteration[2:]  # compressed steps 0..5: 0 and 3 measure
     plain = [c for step, c in enumerate(compressed) if step % 3]
     assert all(c == plain[0] for c in plain)
-    # Per bucket with compressed matrices, one all-reduce of n x k per matrix (k = min(m, 16)), issued after
-    # every other collective of the step (the hook runs the buckets' later phases together, at the last).
-    sketches = [("sum", 24 * 16), ("sum", 12 * 9), ("sum", 2 * 40 * 16)]  # buckets 0, 1, 2
+    # One all-reduce of n x k per compressed matrix (k = min(m, 16)) of every bucket, issued after every
+    # other collective of the step (the hook compresses all buckets in one step, at the last bucket).
+    sketches = [("sum", 24 * 16 + 12 * 9 + 2 * 40 * 16)]  # buckets 0, 1, 2
     for step in (0, 3):
         assert compressed[step] == plain[0] + sketches, step
     assert len(residuals) == 4 and all(0 < value < 1 for value in residuals.values())  # the vector is exact

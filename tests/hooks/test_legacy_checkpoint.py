@@ -141,12 +141,21 @@ def _legacy() -> dict[str, object]:
     return torch.load(DATA, weights_only=True)
 
 
+def _factor_products(memory: dict) -> dict:
+    """The memory with each warm-start factor ``F`` (Q, and P where kept) replaced by ``F F^T``: the
+    orthogonalization may return another orthonormal basis of the same span (P R with R orthogonal,
+    hence Q R too), which changes neither the outputs nor the error memory, only the factors' basis."""
+    return {key: {name: (value @ value.T if name in ("q", "p") and isinstance(value, torch.Tensor) else value)
+                  for name, value in entry.items()} if isinstance(entry, dict) else entry
+            for key, entry in memory.items()}
+
+
 def test_the_same_steps_give_the_same_memory_and_outputs_as_before() -> None:
     legacy, now = _legacy(), build()
     for name in ("hook_out", "hook_next", "batched_out", "batched_next", "multi_out", "aggregator_out"):
         _same(legacy[name], now[name], name, exact=False)
     for name in ("hook", "batched", "multi", "aggregator"):
-        _same(legacy[name]["memory"], now[name]["memory"], name, exact=False)
+        _same(_factor_products(legacy[name]["memory"]), _factor_products(now[name]["memory"]), name, exact=False)
 
 
 def test_old_hook_checkpoints_load_and_resume() -> None:

@@ -104,3 +104,44 @@ def test_bf16_gradients_take_the_bf16_wire():
     assert config.warm_up_wire_dtype(torch.bfloat16) == torch.bfloat16
     assert config.warm_up_wire_dtype(torch.float32) == torch.float16
     assert gradpress.powersgd.EngineConfig().warm_up_wire_dtype(torch.float32) == torch.float32
+
+
+#: A gradient at 1e-8 beside one at 1e3 in one bucket: one scale per bucket would leave it ~6% off (and
+#: flush one at 1e-9 to zero); one per gradient keeps fp16's precision.
+TINY_MAGNITUDES = [1e3, 1.0, 1e-8]
+
+
+def _tiny_warm_up_step(rank: int, world: int, order: list[int]):
+    """One warm-up iteration on the fp16 wire, the gradients in one bucket in ``order``."""
+    generator = torch.Generator().manual_seed(10 + rank)
+    grads = [torch.randn(shape, generator=generator, dtype=torch.float64).float() * m
+             for shape, m in zip(SHAPES, TINY_MAGNITUDES)]
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=3,
+                                    warm_up_bytes_per_weight=2)
+    params = [torch.zeros(SHAPES[i]) for i in order]
+    bucket = DenseBucket(0, True, params, torch.cat([grads[i].reshape(-1) for i in order]))
+    result = gradpress.powerSGD_hook(state, bucket).wait()
+    pieces = result.split([grads[i].numel() for i in order])
+    out = [None] * len(SHAPES)
+    for i, piece in zip(order, pieces):
+        out[i] = piece.view(SHAPES[i]).clone()
+    return out, grads
+
+
+@pytest.mark.slow
+def test_the_ddp_warm_up_scales_each_gradient_bitwise_as_the_per_tensor_oracle_in_any_bucket_order():
+    """DDP hands the hook whole buckets: each gradient must still get its own scale, so a 1e-8 gradient
+    beside a 1e3 one keeps fp16's precision, and the numbers do not depend on the bucket's layout (DDP's
+    first iteration after a restart has another): bitwise equal to the per-tensor oracle in both orders."""
+    for order in ([0, 1, 2], [2, 0, 1]):
+        results = run(_tiny_warm_up_step, 2, order)
+        per_rank = [grads for _, grads in results]
+        parts = [[g.double() / 2 for g in grads] for grads in per_rank]
+        for i in range(len(SHAPES)):
+            peak = max(float(p[i].abs().max()) for p in parts)
+            scale = 2.0 ** (torch.tensor(2 * peak).log2().ceil().item() - 14)
+            want = ((sum((p[i] / scale).half().double() for p in parts)).half().double() * scale).float()
+            for averaged, _ in results:
+                assert torch.equal(averaged[i], want), (order, i)
+        tiny = torch.stack([g[2] for g in per_rank]).mean(0)
+        assert (results[0][0][2] - tiny).abs().max() <= 1e-3 * tiny.abs().max()

@@ -37,6 +37,7 @@ from ..powersgd.memory import Segment, work_dtype_for
 from ..powersgd.seeding import RESIZE_DRAW
 from ..powersgd.session import EngineSession, MemoryReport
 from ..powersgd.transport import Communicator
+from .iteration import WaitingBuckets
 from .parameters import ParameterKeys
 from .state_checkpoint import StateCheckpoint
 from .state_report import StateReport
@@ -149,9 +150,8 @@ class PowerSGDState(StateReport, StateCheckpoint):
     host sync; on the CPU one flag per iteration is read). ``iter`` still advances, as it does for
     :meth:`update_state`: a run that leaves such an iteration out and calls ``update_state()`` in its
     place continues with the same numbers. How: every bucket's output and new memory are written at the
-    iteration's last bucket, once all are known to be finite (``gradpress.powersgd.StepCommit``); no
-    second copy of the memory is kept. Under FSDP (:func:`gradpress.register_fsdp_comm_hook`) and with
-    the interleaved ZeRO step, which need each bucket's result at once, each bucket commits alone.
+    iteration's last bucket, once all are known to be finite (``gradpress.powersgd.StepCommit``). Under
+    FSDP (:func:`gradpress.register_fsdp_comm_hook`) and the interleaved ZeRO step, each bucket commits alone.
 
     Example::
 
@@ -164,7 +164,7 @@ class PowerSGDState(StateReport, StateCheckpoint):
     __slots__ = ("process_group", "start_powerSGD_iter", "compression_stats_logging_frequency",
                  "batch_tensors_with_same_shape", "comm_device", "iter", "next_stats_report", "_session",
                  "_params", "_comm", "lr_scheduler", "_lr_iter", "approximation_error_every_n_iters",
-                 "last_measured_iter", "_bucket_memory", "__weakref__")
+                 "last_measured_iter", "_bucket_memory", "_waiting", "__weakref__")
 
     def __init__(
         self,
@@ -263,6 +263,7 @@ class PowerSGDState(StateReport, StateCheckpoint):
         self._params = ParameterKeys(config.rank, config.min_compression_rate, rank_policy, adaptive_rank)
         # A hook's per-bucket memory (BucketMemory), or its checkpoint form until that hook first runs.
         self._bucket_memory: BucketMemory | dict[Any, Any] = {}
+        self._waiting = WaitingBuckets()  # the iteration's buckets, until its last (compress_with_step)
 
     # --- configuration, read-only (the memory's meaning depends on it) -----------------------------
     matrix_approximation_rank = _from_config("rank")
@@ -351,7 +352,7 @@ class PowerSGDState(StateReport, StateCheckpoint):
         Call it on **every** rank (the iteration counter decides when compression starts, and all ranks
         must agree), between iterations, never while a backward pass is in flight.
         """
-        if self._session.in_flight():
+        if self._session.in_flight() or self._waiting:
             raise RuntimeError("PowerSGDState.update_state() was called while a backward pass is in flight")
         self._advance()
         self._sync_lr(force=True)
@@ -378,7 +379,7 @@ class PowerSGDState(StateReport, StateCheckpoint):
         return self._session.store.get(index, keys, [g.shape for g in grads], grads[0].device,
                                        work_dtype_for(grads[0].dtype), ranks)
 
-    def _hand_over(self, bucket: Any, result: Tensor, start: Callable[..., int], compressed: bool,
+    def _hand_over(self, bucket: Any, result: Tensor, start: Callable[..., object], compressed: bool,
                    finish: Callable[[], Any] | None = None) -> torch.futures.Future:
         """Give ``bucket``'s work to the engine with ``start(on_done=, on_fail=)`` (one session call) and
         return a future completed with ``result`` once the outputs are written (``finish`` runs just
@@ -424,9 +425,9 @@ class PowerSGDState(StateReport, StateCheckpoint):
         if self.iter >= self.start_powerSGD_iter:
             return None
         self._params.keys_for(bucket.parameters())
-        # The exact average goes through the engine's communicator and pipeline, in bucket order, like
-        # the compressed steps; counted only on gradpress's own warm-up wire (warm_up_bytes_per_weight).
-        average = partial(self._session.average, [bucket.buffer()], self._communicator(),
+        # The exact average goes through the engine's communicator and pipeline, in bucket order, like the
+        # compressed steps (each gradient with its own fp16 scale); counted only on warm_up_bytes_per_weight.
+        average = partial(self._session.average, bucket.gradients(), self._communicator(), flat=bucket.buffer(),
                           counted=self.warm_up_bytes_per_weight is not None)
         return self._hand_over(bucket, bucket.buffer(), average, compressed=False)
 
@@ -440,6 +441,7 @@ class PowerSGDState(StateReport, StateCheckpoint):
                       "its own PowerSGDState", stacklevel=4)
         self._session.drain()
         self._session.forget_memory()
+        self._waiting.clear()
         self._bucket_memory = {}
         self._params = self._params.moved_to_another_model()
         self._lr_iter = -1
@@ -456,18 +458,32 @@ class PowerSGDState(StateReport, StateCheckpoint):
                       numel=numel, dtype=result.dtype, measure=self._measure(), track=track)
         return self._hand_over(bucket, result, run, compressed=True, finish=finish)
 
+    def compress_with_step(self, bucket: Any, tensors: list[Tensor], result: Tensor, *,
+                           track: bool = False) -> torch.futures.Future:
+        """:meth:`compress_bucket` for all buckets of the iteration at once, in one engine step per (device,
+        dtype) at the last bucket (:mod:`gradpress.hooks.iteration`); :meth:`commit_each_bucket` turns it off."""
+        if self._session.commit_each_bucket:
+            segment = self._segment_for(bucket.index(), bucket.parameters(), tensors)
+            return self.compress_bucket(bucket, segment, tensors, result, track=track)
+        def start(on_done: Callable[[], None], on_fail: Callable[[BaseException], None]) -> None:
+            self._waiting.add(bucket.parameters(), tensors, on_done, on_fail)
+            if bucket.is_last():
+                self._sync_lr()
+                self._waiting.run(self._params, self._session, self._communicator(),
+                                  self.iter - self.start_powerSGD_iter, measure=self._measure(), track=track)
+        return self._hand_over(bucket, result, start, compressed=True)
+
 
 def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     r"""PowerSGD (Vogels et al., 2019) on each matrix of the bucket; vectors are averaged exactly.
 
     Register with ``ddp_model.register_comm_hook(state, powerSGD_hook)``. For the first
-    ``state.start_powerSGD_iter`` iterations it is a plain allreduce. Then, per bucket:
-
+    ``state.start_powerSGD_iter`` iterations it is a plain allreduce. Then the buckets wait for the last
+    one, and all of them are compressed in one step (one ``bmm`` per shape across the model):
       1. view each gradient as ``(shape[0], -1)``; compress it if the plan says so (see
-         :func:`gradpress.powersgd.make_plan`); add the error memory;
-      2. P = M Q for all matrices (one ``bmm`` per shape); allreduce ``[P | uncompressed]`` together;
-      3. orthogonalize P (fp32); Q = M^T P; allreduce Q;
-      4. gradient <- P Q^T / world size; error memory <- M - that.
+         :func:`gradpress.powersgd.make_plan`); M = gradient + error memory; P = M Q;
+      2. allreduce ``[P | uncompressed]``; orthogonalize P (batched Cholesky-QR); Q = M^T P; allreduce Q;
+      3. gradient <- P Q^T; error memory <- M - that.
 
     With ``state.num_iters_per_step = k``, steps 2-4 are instead k one-sided iterations, each sending
     only P or only Q (see :func:`gradpress.powersgd.step.alternating_step`).
@@ -478,9 +494,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     fut = state.start_bucket(bucket)
     if fut is not None:
         return fut
-    grads = bucket.gradients()
-    segment = state._segment_for(bucket.index(), bucket.parameters(), grads)
-    return state.compress_bucket(bucket, segment, grads, bucket.buffer(), track=state.adaptive_rank is not None)
+    return state.compress_with_step(bucket, bucket.gradients(), bucket.buffer(), track=state.adaptive_rank is not None)
 
 
 powersgd_hook = powerSGD_hook

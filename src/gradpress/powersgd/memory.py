@@ -156,13 +156,13 @@ class WireSpans:
     compressed matrix (group order). They tile the wire (it has no padding: only the error memory's
     matrices are aligned), so every element has one span.
 
-    ``lengths``: ``(S,)`` int64, each span's length; ``index``: ``(wire numel,)`` int32, each element's
-    span number; both on the segment's device, built once (:meth:`Segment.wire_spans`). ``first``: wire
-    offset -> number of the first span at or after it, for the offsets where phases begin or end (0, end
-    of P, start of Q, the end).
+    ``lengths``: ``(S,)`` int64 on the segment's device, each span's length, uploaded once (:meth:`Segment.wire_spans`);
+    a phase's per-element scale is ``repeat_interleave(scales, lengths[a:b], output_size=...)`` on the device,
+    so no per-element table is ever built. ``first``: wire offset -> number of the first span at or after
+    it, for the offsets where phases begin or end (0, end of P, start of Q, the end).
     """
 
-    __slots__ = ("lengths", "index", "first")
+    __slots__ = ("lengths", "first")
 
     def __init__(self, segment: Segment) -> None:
         plan = segment.plan
@@ -175,10 +175,7 @@ class WireSpans:
         unsent_count = len([length for length in unsent if length])
         self.first = {0: 0, plan.p_numel: p_count, plan.p_numel + plan.uncompressed_numel: p_count + unsent_count,
                       segment.wire.numel(): len(spans)}
-        lengths = torch.tensor(spans, dtype=torch.int64)
-        index = torch.repeat_interleave(torch.arange(len(spans), dtype=torch.int32), lengths)
-        self.lengths = upload(lengths, segment.device)
-        self.index = upload(index, segment.device)
+        self.lengths = upload(torch.tensor(spans, dtype=torch.int64), segment.device)
 
 
 class Segment:
@@ -212,7 +209,8 @@ class Segment:
 
     __slots__ = ("plan", "keys", "dtype", "device", "error_memory", "wire", "phase1", "q", "group_views",
                  "error_views", "p_views", "q_views", "factors_to_draw", "saved_factors", "staged", "workspace",
-                 "norms", "global_norms", "signals", "_wire_spans")
+                 "norms", "global_norms", "signals", "_wire_spans", "_strides", "m_memory", "m_group_views", "m_views",
+                 "_rows")
 
     def __init__(self, plan: Plan, keys: Sequence[int], device: torch.device, dtype: torch.dtype,
                  workspace: Workspace | None = None) -> None:
@@ -229,20 +227,20 @@ class Segment:
         self.q = self.wire[sent:]
         strides = [_aligned_stride(group.n * group.m, dtype)[0] for group in plan.groups]
         per_line = _aligned_stride(1, dtype)[1]
+        self._strides = strides
         self.error_memory = torch.zeros(
             sum(g.batch * stride for g, stride in zip(plan.groups, strides)) + per_line, device=device, dtype=dtype)
-        offset = _aligned_offset(self.error_memory)
         # Per shape group: (group, its (B, n, m) view of the error memory, (B, n, r) of P, (B, r, m) of Q^T).
         # Per compressed tensor, in group order: its (n, m) error memory, (n, r) P and (r, m) Q^T.
         self.group_views: list[tuple[GroupPlan, Tensor, Tensor, Tensor]] = []
         self.error_views: list[Tensor] = []
-        for group, stride in zip(plan.groups, strides):
-            b, n, m = group.batch, group.n, group.m
-            errors = self.error_memory[offset: offset + b * stride].view(b, stride)[:, : n * m].view(b, n, m)
-            offset += b * stride
-            p, q = self._factor_group_views(self.wire, group)
-            self.group_views.append((group, errors, p, q))
-            self.error_views.extend(errors.unbind(0))
+        self._point_error_memory(self.error_memory)
+        # The batched step's M = g + e, laid out as the error memory: built at the first such step (see
+        # ensure_m_buffer).
+        self.m_memory: Tensor | None = None
+        self.m_group_views: list[Tensor] = []
+        self.m_views: list[Tensor] = []
+        self._rows: Tensor | None = None
         self.p_views, self.q_views = self.factor_views(self.wire)
         # Positions (in group order) whose warm-start factors must be drawn before the next step.
         self.factors_to_draw: list[int] = list(range(len(self.q_views)))
@@ -258,6 +256,51 @@ class Segment:
         # Sum of ||P Q^T|| per compressed matrix over the finite steps that tracked it (adaptive rank).
         self.signals: Tensor | None = None
         self._wire_spans: WireSpans | None = None  # built at the first fp16 send (see wire_spans)
+
+    def _matrix_views(self, flat: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """Per shape group its ``(B, n, m)`` view of ``flat`` (a buffer laid out as the error memory), and
+        per compressed matrix (group order) its ``(n, m)`` view."""
+        offset = _aligned_offset(flat)
+        groups: list[Tensor] = []
+        matrices: list[Tensor] = []
+        for group, stride in zip(self.plan.groups, self._strides):
+            b, n, m = group.batch, group.n, group.m
+            view = flat[offset: offset + b * stride].view(b, stride)[:, : n * m].view(b, n, m)
+            offset += b * stride
+            groups.append(view)
+            matrices.extend(view.unbind(0))
+        return groups, matrices
+
+    def _point_error_memory(self, flat: Tensor) -> None:
+        self.error_memory = flat
+        groups, self.error_views = self._matrix_views(flat)
+        self.group_views = [(group, errors, *self._factor_group_views(self.wire, group))
+                            for group, errors in zip(self.plan.groups, groups)]
+
+    def ensure_m_buffer(self) -> None:
+        """Give the segment its second matrix buffer, ``m_memory`` (views ``m_group_views``, ``m_views``),
+        laid out as the error memory and allocated with it as one ``(2, size)`` tensor (so both rows have
+        the same alignment and whole-buffer elementwise ops line up). Idempotent. Memory: one more buffer
+        of the error memory's size."""
+        if self._rows is not None:
+            return
+        rows = torch.zeros(2, self.error_memory.numel(), device=self.device, dtype=self.dtype)
+        if _aligned_offset(rows[0]) != _aligned_offset(rows[1]):  # never with PyTorch's allocators
+            raise RuntimeError("the error memory's two rows are aligned differently")
+        rows[0].copy_(self.error_memory)
+        self._rows = rows
+        self._point_error_memory(rows[0])
+        self.m_memory = rows[1]
+        self.m_group_views, self.m_views = self._matrix_views(rows[1])
+
+    def swap_memory(self) -> None:
+        """Make ``m_memory`` the error memory and the old error memory the next step's ``m_memory`` (no
+        copy: the batched step builds the new memory in ``m_memory``)."""
+        assert self.m_memory is not None
+        old = self.error_memory
+        self._point_error_memory(self.m_memory)
+        self.m_memory = old
+        self.m_group_views, self.m_views = self._matrix_views(old)
 
     def wire_spans(self) -> WireSpans:
         """Where the wire holds each tensor (:class:`WireSpans`), built at the first call (the fp16

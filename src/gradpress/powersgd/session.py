@@ -33,6 +33,7 @@ from torch import Tensor
 from .config import EngineConfig
 from .memory import ParamMemory, Segment, work_dtype_for
 from .pipeline import OrderedPipeline, Task
+from .seeding import upload
 from .step import StepCommit, average_step, compress_step, step_wire_dtype
 from .store import SegmentStore
 from .transport import Communicator
@@ -43,14 +44,16 @@ __all__ = ["EngineSession", "MemoryReport"]
 class MemoryReport:
     """Bytes the engine holds, by purpose (what ``torch.cuda.memory_allocated`` would see of it).
 
-    ``error_memory``: the residuals carried to the next step; ``p``: the first collective's buffer (P and
-    the tensors sent exactly); ``q``: the Q factors (the warm start); ``saved_factors``: the warm-start
-    factors of the step in flight, put back if that step is not finite; ``workspace``: the one scratch
-    buffer the segments share; ``total``: their sum. ``sent``, ``p_numel``, ``q_numel``: elements a
+    ``error_memory``: the residuals carried to the next step; ``m_buffer``: where a step builds M = g + e
+    once (laid out as the error memory; the two trade roles at each commit); ``p``: the first collective's
+    buffer (P and the tensors sent exactly); ``q``: the Q factors (the warm start); ``saved_factors``: the
+    warm-start factors of the step in flight, put back if that step is not finite; ``workspace``: the one
+    scratch buffer the segments share; ``total``: their sum. ``sent``, ``p_numel``, ``q_numel``: elements a
     compressed step sends, and of those the P and Q factors, under the current plans.
     """
 
     error_memory: int = 0
+    m_buffer: int = 0
     p: int = 0
     q: int = 0
     saved_factors: int = 0
@@ -61,10 +64,23 @@ class MemoryReport:
 
     @property
     def total(self) -> int:
-        return self.error_memory + self.p + self.q + self.saved_factors + self.workspace
+        return self.error_memory + self.m_buffer + self.p + self.q + self.saved_factors + self.workspace
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
+
+
+def _tiles(flat: Tensor, tensors: Sequence[Tensor]) -> bool:
+    """Whether ``tensors`` are contiguous views of the contiguous ``flat``, back to back, covering it."""
+    if not flat.is_contiguous() or sum(t.numel() for t in tensors) != flat.numel():
+        return False
+    address, size = flat.data_ptr(), flat.element_size()
+    for tensor in tensors:
+        if tensor.numel() and (not tensor.is_contiguous() or tensor.data_ptr() != address
+                               or tensor.dtype != flat.dtype):
+            return False
+        address += tensor.numel() * size
+    return True
 
 
 def _nbytes(tensor: Tensor | None) -> int:
@@ -88,7 +104,7 @@ class EngineSession:
     """
 
     __slots__ = ("config", "store", "pipeline", "commit", "commit_each_bucket", "last_lr", "numel_in",
-                 "numel_sent", "bytes_in", "bytes_sent", "_pending")
+                 "numel_sent", "bytes_in", "bytes_sent", "_pending", "_span_lengths")
 
     def __init__(self, config: EngineConfig, *, advance_on_submit: bool = True) -> None:
         self.config = config
@@ -107,6 +123,8 @@ class EngineSession:
         self.bytes_sent = 0
         # Completions waiting for the commit, each with what to run instead if the step fails.
         self._pending: list[tuple[Callable[[], None], Callable[[BaseException], None]]] = []
+        # The half-precision warm-up's span lengths per layout, uploaded once (see average).
+        self._span_lengths: dict[tuple[torch.device, tuple[int, ...]], Tensor] = {}
 
     # --- running steps ------------------------------------------------------------------------------
     def run(self, segment: Segment, tensors: Sequence[Tensor], comm: Communicator, compressed_step: int, *,
@@ -125,26 +143,37 @@ class EngineSession:
         """
         commit = None if self.commit_each_bucket else self.commit
         task, sent = compress_step(segment, tensors, comm, self.config, compressed_step, commit,
-                                   measure=measure, track=track)
+                                   measure=measure, track=track, global_residual=measure)
         self._submit(task, on_done, on_fail)
         wire = step_wire_dtype(segment, tensors, self.config)
         return self.count(segment.plan.numel if numel is None else numel, sent,
                           tensors[0].dtype if dtype is None else dtype, wire)
 
-    def average(self, tensors: Sequence[Tensor], comm: Communicator, *, counted: bool = True,
-                on_done: Callable[[], None] = lambda: None,
+    def average(self, tensors: Sequence[Tensor], comm: Communicator, *, flat: Tensor | None = None,
+                counted: bool = True, on_done: Callable[[], None] = lambda: None,
                 on_fail: Callable[[BaseException], None] = lambda error: None) -> int:
         """Average ``tensors`` (one device and dtype) exactly over ``comm``, in place, in one collective:
         the iterations before compression starts. The wire is the working precision, or the half-precision
-        wire of the compressed steps with ``config.warm_up_bytes_per_weight=2`` (see
-        :func:`~gradpress.powersgd.step.average_step`). Started, committed and completed as :meth:`run`;
-        ``counted``: add the elements and bytes to the counters. Returns the bytes it sends."""
+        wire of the compressed steps with ``config.warm_up_bytes_per_weight=2``, each tensor scaled by its
+        own power of two (see :func:`~gradpress.powersgd.step.average_step`). ``flat``: a contiguous
+        buffer the tensors are views of, back to back (a DDP bucket's), sent as it is; ignored if they are
+        not. Started, committed and completed as :meth:`run`; ``counted``: add the elements and bytes to
+        the counters. Returns the bytes it sends."""
         if not tensors:
             return 0
         dtype = tensors[0].dtype
         wire = self.config.warm_up_wire_dtype(dtype)
         commit = None if self.commit_each_bucket else self.commit
-        self._submit(average_step(tensors, comm, commit, wire), on_done, on_fail)
+        if flat is not None and not _tiles(flat, tensors):
+            flat = None
+        lengths = None
+        if wire == torch.float16 and dtype != torch.float16:
+            sizes = tuple(t.numel() for t in tensors if t.numel())
+            key = (tensors[0].device, sizes)
+            lengths = self._span_lengths.get(key)
+            if lengths is None:
+                lengths = self._span_lengths[key] = upload(torch.tensor(sizes, dtype=torch.int64), key[0])
+        self._submit(average_step(tensors, comm, commit, wire, flat=flat, lengths=lengths), on_done, on_fail)
         numel = sum(t.numel() for t in tensors)
         return self.count(numel, numel, dtype, wire) if counted else numel * wire.itemsize
 
@@ -252,6 +281,7 @@ class EngineSession:
         workspace = self.store.workspace.nbytes if segments else 0
         return MemoryReport(
             error_memory=sum(_nbytes(s.error_memory) for s in segments),
+            m_buffer=sum(_nbytes(s.m_memory) for s in segments),
             p=sum(_nbytes(s.phase1) for s in segments), q=sum(_nbytes(s.q) for s in segments),
             saved_factors=sum(_nbytes(s.saved_factors) for s in segments), workspace=workspace,
             sent=sum(p.numel_sent for p in plans), p_numel=sum(p.p_numel for p in plans),

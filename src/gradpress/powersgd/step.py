@@ -12,10 +12,11 @@ import torch
 from torch import Tensor
 
 from .transport import Communicator, Handle
-from .linalg import orthogonalize_
+from .linalg import orthogonalize_, orthogonalize_groups_
 from .pipeline import Task
 from .config import EngineConfig
 from .memory import Finiteness, Segment, StagedFactors
+from .plan import GroupPlan
 from .seeding import seeded_sketch, upload
 
 __all__ = ["StepCommit", "alternating_step", "average_step", "compress_step", "power_step", "step_wire_dtype"]
@@ -82,7 +83,8 @@ class StepCommit:
 
 def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
                step: int, *, commit: StepCommit | None = None, add_memory: bool = True,
-               damping: float | None = None, measure: bool = False, track: bool = False) -> Task:
+               damping: float | None = None, measure: bool = False, track: bool = False,
+               global_residual: bool = False) -> Task:
     """Replace ``grads`` (the segment's tensors, in plan order) by their PowerSGD-compressed mean.
 
     A generator task (see :mod:`gradpress.powersgd.pipeline`): it yields after starting each collective and must
@@ -122,8 +124,15 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     with_memory = config.use_error_feedback and add_memory
     _draw_missing(segment, config, 0 if config.warm_start else step + 1)
     segment.stage(StagedFactors.Q if config.warm_start else StagedFactors.NOTHING)
-    # 1-2. P = M Q.
-    _products(segment, matrices, with_memory, [], right=True)
+    segment.ensure_m_buffer()
+    # 1. M = g + e, once, in the segment's M buffer (two ops for all matrices).
+    if matrices:
+        torch._foreach_copy_(segment.m_views, matrices)
+        if with_memory:
+            torch._foreach_add_(segment.m_views, segment.error_views)
+    # 2. P = M Q, one bmm per shape group, into the wire.
+    for (_, _, p, qt), m in zip(segment.group_views, segment.m_group_views):
+        torch.bmm(m, qt.transpose(1, 2), out=p)
     # 3. One collective for all P's and all uncompressed tensors.
     if unsent:
         torch._foreach_copy_(list(unsent_buffer.split([t.numel() for t in unsent])), unsent)
@@ -133,25 +142,133 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
 
     if unsent:
         torch._foreach_copy_(unsent, list(unsent_buffer.split([t.numel() for t in unsent])))
-    pieces: list[tuple[list[Tensor], list[Tensor]]] = []
     if segment.group_views:
-        # 4. Orthogonalize P, then Q = M^T P.
-        for _, _, p, _ in segment.group_views:
-            orthogonalize_(p, config.orthogonalization_epsilon)
-        _products(segment, matrices, with_memory, [], right=False)
+        # 4. Orthogonalize every P (batched Cholesky-QR), then Q^T = P^T M.
+        orthogonalize_groups_([p for _, _, p, _ in segment.group_views], config.orthogonalization_epsilon)
+        for (_, _, p, qt), m in zip(segment.group_views, segment.m_group_views):
+            torch.bmm(p.transpose(1, 2), m, out=qt)
         # 5. Mean of Q.
         yield from _send(segment, sent, segment.wire.numel(), comm, wire_dtype)
-        pieces.append((segment.p_views, segment.q_views))
     # Measuring: one more all-reduce, of the sketched M's (the global residual; same steps on every rank).
     sketched = (yield from _global_sketch(segment, matrices, with_memory, [segment.wire], comm, config.random_seed,
-                                          step)) if measure and segment.group_views else None
+                                          step)) if global_residual and segment.group_views else None
     # 6. At the commit.
-    _finish(segment, commit, own, matrices, pieces, [], config, add_memory, damping, measure, track, sketched)
+    finite = torch.isfinite(segment.wire).all()
+    error_feedback = config.use_error_feedback
+
+    def finish(step_finite: Tensor, finiteness: Finiteness) -> None:
+        if segment.group_views:
+            _commit_batched(segment, matrices, error_feedback, add_memory, damping, step_finite, finiteness,
+                            measure, track)
+        if sketched is not None:
+            _keep_global_norms(segment, sketched, step_finite, finiteness)
+        segment.restore_factors(step_finite.to(segment.device), finiteness)
+
+    commit.add(finite, finish)
+    if own:
+        commit.apply()
+
+
+def _commit_batched(segment: Segment, matrices: list[Tensor], error_feedback: bool, add_memory: bool,
+                    damping: float | None, finite: Tensor, finiteness: Finiteness, measure: bool,
+                    track: bool) -> None:
+    """:func:`power_step`'s commit: write ``P Q^T`` into ``matrices`` and, if the step is finite, the new error
+    memory ``damping * (M - written)`` (or ``e + damping * (g - written)`` without ``add_memory``), one op
+    per shape group or per segment, not per matrix.
+
+    M (or g) is in ``segment.m_memory``. Where the host knows the step is finite and M includes the memory
+    (the common case), the output is built in the old error memory (M holds it already), written out, and
+    subtracted from M, which then becomes the error memory (:meth:`Segment.swap_memory`): three passes,
+    no copy. Elsewhere the output of each group is built in the shared workspace; the new memory is
+    then kept (finite), dropped (not finite) or chosen with ``torch.where`` on the device
+    (:attr:`~Finiteness.ON_DEVICE`). With fp16/bf16 gradients the output is read back after it is
+    written, so the residual is taken against what was written. ``measure``: ``||M||`` and
+    ``||M - written||`` per matrix (before damping) into :meth:`Segment.approximation_norms`; ``track``:
+    ``||written||`` added to :meth:`Segment.output_signals`; both only where the step is finite.
+    """
+    norms = segment.approximation_norms() if measure and finiteness is not Finiteness.NOT_FINITE else None
+    fresh = None if norms is None else (norms if finiteness is Finiteness.FINITE else torch.empty_like(norms))
+    signals = segment.output_signals() if track and finiteness is not Finiteness.NOT_FINITE else None
+    new_memory = error_feedback and finiteness is not Finiteness.NOT_FINITE
+    rounded = bool(matrices) and matrices[0].dtype != segment.dtype
+    flat_m = segment.m_memory
+    assert flat_m is not None
+    groups = [(group, p, qt, m) for (group, _, p, qt), m in zip(segment.group_views, segment.m_group_views)]
+    output_norms = torch.empty(len(matrices), device=segment.device, dtype=segment.dtype) \
+        if signals is not None else None
+
+    def measure_m(column: int) -> None:
+        if fresh is not None:
+            position = 0
+            for group, _, _, m in groups:
+                torch.linalg.vector_norm(m, dim=(1, 2), out=fresh[position: position + group.batch, column])
+                position += group.batch
+
+    if new_memory and add_memory and finiteness is Finiteness.FINITE:
+        measure_m(0)
+        for (group, p, qt, _), errors in zip(groups, [e for _, e, _, _ in segment.group_views]):
+            torch.bmm(p, qt, out=errors)
+        torch._foreach_copy_(matrices, segment.error_views)
+        if rounded:
+            torch._foreach_copy_(segment.error_views, matrices)
+        if output_norms is not None:
+            _group_norms(groups, [e for _, e, _, _ in segment.group_views], output_norms)
+        flat_m.sub_(segment.error_memory)
+        measure_m(1)
+        if damping is not None:
+            flat_m.mul_(damping)
+        segment.swap_memory()
+    elif not new_memory and fresh is None:
+        for group, p, qt, m in groups:
+            torch.bmm(p, qt, out=m)
+        torch._foreach_copy_(matrices, segment.m_views)
+        if output_norms is not None:
+            _group_norms(groups, [m for _, _, _, m in groups], output_norms)
+    else:
+        measure_m(0)
+        position = 0
+        for group, p, qt, m in groups:
+            b = group.batch
+            output = segment.workspace.matrices(b, group.n, group.m, segment.device, segment.dtype)
+            torch.bmm(p, qt, out=output)
+            members = matrices[position: position + b]
+            torch._foreach_copy_(members, list(output.unbind(0)))
+            if rounded:
+                torch._foreach_copy_(list(output.unbind(0)), members)
+            if output_norms is not None:
+                torch.linalg.vector_norm(output, dim=(1, 2), out=output_norms[position: position + b])
+            m.sub_(output)
+            position += b
+        measure_m(1)
+        if new_memory:
+            if damping is not None:
+                flat_m.mul_(damping)
+            if not add_memory:
+                flat_m.add_(segment.error_memory)
+            if finiteness is Finiteness.FINITE:
+                segment.swap_memory()
+            else:
+                torch.where(finite.to(segment.device), flat_m, segment.error_memory, out=segment.error_memory)
+    _keep_norms(norms, fresh, finite)
+    if signals is not None and output_norms is not None:
+        if finiteness is Finiteness.FINITE:
+            signals.add_(output_norms)
+        else:
+            signals.add_(torch.where(finite.to(segment.device), output_norms, torch.zeros_like(output_norms)))
+
+
+def _group_norms(groups: list[tuple[GroupPlan, Tensor, Tensor, Tensor]], outputs: list[Tensor], out: Tensor) -> None:
+    """``||output||`` of every matrix, group by group, into ``out`` (group order)."""
+    position = 0
+    for (group, _, _, _), output in zip(groups, outputs):
+        torch.linalg.vector_norm(output, dim=(1, 2), out=out[position: position + group.batch])
+        position += group.batch
 
 
 def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
                      first_iteration: int, *, commit: StepCommit | None = None, add_memory: bool = True,
-                     damping: float | None = None, measure: bool = False, track: bool = False) -> Task:
+                     damping: float | None = None, measure: bool = False, track: bool = False,
+                     global_residual: bool = False) -> Task:
     """Multi-iteration PowerSGD: ``config.num_iters_per_step`` one-sided iterations, one collective each.
 
     As in the PowerSGD authors' reference aggregator (github.com/epfml/powersgd): iteration ``i``
@@ -218,23 +335,23 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
     # Measuring: one more all-reduce, of the sketched M's (the global residual; same steps on every rank).
     sketched = (yield from _global_sketch(segment, matrices, with_memory, [*copies, segment.wire], comm,
                                           config.random_seed, first_iteration // iterations)) \
-        if measure and segment.group_views else None
+        if global_residual and segment.group_views else None
     _finish(segment, commit, own, matrices, pieces, copies, config, add_memory, damping, measure, track, sketched)
 
 
 def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
                   compressed_step: int, commit: StepCommit | None = None, *,
-                  measure: bool = False, track: bool = False) -> tuple[Task, int]:
+                  measure: bool = False, track: bool = False, global_residual: bool = False) -> tuple[Task, int]:
     """The engine's entry point: the task for step number ``compressed_step`` (0 for the first
     compressed step) of the configured scheme, and the number of elements it will send.
 
     ``commit``: the :class:`StepCommit` of the optimizer step this task is part of (the caller applies
     it once every task of the step has finished); ``None``: the task commits its own segment.
-    ``measure``: also record each compressed matrix's approximation error and its global residual (the
-    latter costs one more all-reduce, of a sketch, at the end of the task: a diagnostic, not counted in
-    the number of elements returned; every rank measures the same steps, so it is issued in the same
-    order everywhere); ``track``: add the norm of each applied approximation to the segment's
-    adaptive-rank signal (see :func:`power_step`).
+    ``measure``: also record each compressed matrix's approximation error (free: norms of what the
+    commit holds); ``global_residual``: also its global residual, which costs one more all-reduce, of a
+    sketch, at the end of the task (a diagnostic, not counted in the number of elements returned; every
+    rank measures the same steps, so it is issued in the same order everywhere); ``track``: add the norm
+    of each applied approximation to the segment's adaptive-rank signal (see :func:`power_step`).
 
     A step that is not finite still counts: the caller's counter (hence ``compressed_step``, which picks
     the side the alternating scheme sends first, the fresh draw without warm start, and the warm-up and
@@ -249,12 +366,12 @@ def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator,
         damping = config.warm_up_beta_factor
     if k is None:
         task = power_step(segment, grads, comm, config, compressed_step, commit=commit, add_memory=add_memory,
-                          damping=damping, measure=measure, track=track)
+                          damping=damping, measure=measure, track=track, global_residual=global_residual)
         sent = segment.plan.numel_sent
     else:
         first = compressed_step * k
         task = alternating_step(segment, grads, comm, config, first, commit=commit, add_memory=add_memory,
-                                damping=damping, measure=measure, track=track)
+                                damping=damping, measure=measure, track=track, global_residual=global_residual)
         sent = segment.plan.numel_sent_per_step(k, first)
     return task, sent
 
@@ -266,7 +383,8 @@ def step_wire_dtype(segment: Segment, grads: Sequence[Tensor], config: EngineCon
 
 
 def average_step(tensors: Sequence[Tensor], comm: Communicator, commit: StepCommit | None = None,
-                 wire_dtype: torch.dtype | None = None) -> Task:
+                 wire_dtype: torch.dtype | None = None, *, flat: Tensor | None = None,
+                 lengths: Tensor | None = None) -> Task:
     """Replace ``tensors`` (one device and dtype) by their exact mean over the workers, in one collective
     (the iterations before compression starts, and tensors no plan compresses), as a task.
 
@@ -275,6 +393,11 @@ def average_step(tensors: Sequence[Tensor], comm: Communicator, commit: StepComm
     scales each tensor by its own power of two, agreed on by a max-allreduce of one float per tensor, so
     that the sum cannot overflow; bf16 is a plain cast. Adds whether the means are finite (identical on
     every rank) to ``commit``; ``None``: the task commits alone. Nothing else is written: there is no memory.
+
+    ``flat``: a contiguous buffer the tensors are views of, back to back (a DDP bucket's): it is sent as
+    it is, and each tensor still gets its own fp16 scale. ``lengths``: the tensors' non-zero element
+    counts as an int64 tensor on their device (built and uploaded here if not given; a caller that sends
+    the same layout every step keeps it).
     """
     own = commit is None
     if commit is None:
@@ -282,16 +405,15 @@ def average_step(tensors: Sequence[Tensor], comm: Communicator, commit: StepComm
     dtype = tensors[0].dtype
     wire_dtype = dtype if wire_dtype is None else wire_dtype
     if comm.world_size == 1 and wire_dtype == dtype:  # the mean of one worker: nothing to send
-        commit.add(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+        commit.add(torch.isfinite(flat).all() if flat is not None
+                   else torch.stack([torch.isfinite(t).all() for t in tensors]).all())
     else:
-        alone = len(tensors) == 1 and tensors[0].is_contiguous()
-        flat = tensors[0].view(-1) if alone else torch.cat([t.reshape(-1) for t in tensors])
-        spans = None
-        if wire_dtype == torch.float16 and dtype != torch.float16:
-            lengths = torch.tensor([t.numel() for t in tensors if t.numel()], dtype=torch.int64)
-            index = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)
-            spans = (upload(lengths, flat.device), upload(index, flat.device), 0)
-        yield from _mean(flat, comm, wire_dtype, spans)
+        alone = flat is not None or (len(tensors) == 1 and tensors[0].is_contiguous())
+        if flat is None:
+            flat = tensors[0].view(-1) if alone else torch.cat([t.reshape(-1) for t in tensors])
+        if wire_dtype == torch.float16 and dtype != torch.float16 and lengths is None:
+            lengths = upload(torch.tensor([t.numel() for t in tensors if t.numel()], dtype=torch.int64), flat.device)
+        yield from _mean(flat, comm, wire_dtype, lengths)
         if not alone:
             torch._foreach_copy_([t.view(-1) for t in tensors], list(flat.split([t.numel() for t in tensors])))
         commit.add(torch.isfinite(flat).all())
@@ -508,29 +630,34 @@ def _send(segment: Segment, start: int, end: int, comm: Communicator, wire_dtype
     The buffer is divided by the world size first, so a sum of W terms is bounded by W times the largest
     term. For an fp16 wire each tensor span of the buffer (each P factor, each uncompressed tensor, each
     Q factor: see :class:`~gradpress.powersgd.memory.WireSpans`) is scaled by its own power of two, the one
-    that puts W times its largest |value| over the workers at 2^14 (well inside fp16's 65504, and using its
-    precision): no overflow whatever the gradients' magnitude, and a value's scale depends on its own tensor
-    only, never on which tensors share its bucket (docs/design.md, "numbers that do not depend on the bucket layout").
-    The maxima travel in one max-allreduce of one float per span before the sum (not counted as payload).
-    A span that is all zero or holds a non-finite value keeps the scale 1 (a non-finite value stays so).
-    bf16 has fp32's range and needs no scaling.
+    that puts W times its largest |value| over the workers below 2^14 (well inside fp16's 65504, and using
+    its precision): no overflow whatever the gradients' magnitude, and a value's scale depends on its own
+    tensor only, never on which tensors share its bucket (docs/design.md, "numbers that do not depend on the
+    bucket layout"). The maxima travel in one max-allreduce of one float per span before the sum (not
+    counted as payload). bf16 has fp32's range and needs no scaling. A fixed number of ops per phase,
+    whatever the number of spans.
     """
     buffer = segment.wire[start:end]
-    spans = None
+    lengths = None
     if wire_dtype == torch.float16 and buffer.dtype != torch.float16:
         wire_spans = segment.wire_spans()
-        first, last = wire_spans.first[start], wire_spans.first[end]
-        spans = (wire_spans.lengths[first:last], wire_spans.index[start:end], first)
-    yield from _mean(buffer, comm, wire_dtype, spans)
+        lengths = wire_spans.lengths[wire_spans.first[start]:wire_spans.first[end]]
+    yield from _mean(buffer, comm, wire_dtype, lengths)
 
 
-def _mean(buffer: Tensor, comm: Communicator, wire_dtype: torch.dtype,
-          spans: tuple[Tensor, Tensor, int] | None) -> Task:
+#: The exponent floor of the fp16 wire's scales (2^(e - 14) stays a normal fp32 number).
+_MIN_EXPONENT = -110
+
+
+def _mean(buffer: Tensor, comm: Communicator, wire_dtype: torch.dtype, lengths: Tensor | None) -> Task:
     """Average ``buffer`` over the workers, in place, sending it as ``wire_dtype`` (see :func:`_send`).
 
-    ``spans`` (needed for an fp16 wire from a wider dtype): ``(lengths, index, first)``, the lengths of
-    the tensor spans that tile ``buffer``, each element's span number, and the number of the first span
-    (``index`` counts from it), all on the buffer's device.
+    ``lengths`` (needed for an fp16 wire from a wider dtype): the lengths of the tensor spans that tile
+    ``buffer``, an int64 tensor on the buffer's device. Each span's scale is ``2^(e - 14)`` where
+    ``W * max|span| = f 2^e`` with ``f`` in [0.5, 1) (``frexp``), so the scaled sum stays below 2^14; an
+    all-zero or non-finite span gets some power of two (a non-finite value stays so). Nothing is read
+    on the host and no per-element table is built: the scales reach the elements by one
+    ``repeat_interleave`` on the device.
     """
     buffer.div_(comm.world_size)
     if wire_dtype == buffer.dtype:
@@ -541,23 +668,23 @@ def _mean(buffer: Tensor, comm: Communicator, wire_dtype: torch.dtype,
         yield comm.allreduce_sum(wire)
         buffer.copy_(wire)
         return
-    assert spans is not None
-    lengths, index, first = spans
+    assert lengths is not None
     if lengths.numel():  # one reduction for all spans; lengths are on the device: nothing is read on the host
         peaks = torch.segment_reduce(buffer.abs(), "max", lengths=lengths, unsafe=True, initial=0).float()
     else:  # nothing to send (the max-allreduce is still issued, as on every rank)
         peaks = buffer.new_zeros(1, dtype=torch.float32)
     yield comm.allreduce_max(peaks)
-    bound = peaks * comm.world_size
-    usable = torch.isfinite(bound) & (bound > 0)
-    scales = torch.where(usable, torch.exp2(torch.ceil(torch.log2(bound.clamp_min(1e-30))) - 14),
-                         torch.ones_like(bound)).to(buffer.dtype)
-    # Each element's scale: span numbers first..last-1 are looked up in ``scales`` shifted by ``first``.
-    scale = torch.nn.functional.pad(scales, (first, 0)).index_select(0, index)
-    buffer.div_(scale)  # by powers of two: exact
+    exponent = torch.frexp(peaks.mul_(comm.world_size)).exponent
+    scales = torch.exp2(exponent.clamp_(min=_MIN_EXPONENT).sub_(14).to(buffer.dtype))
+    if lengths.numel():
+        scale = torch.repeat_interleave(scales, lengths, output_size=buffer.numel())
+        buffer.div_(scale)  # by powers of two: exact
     wire = buffer.to(wire_dtype)
     yield comm.allreduce_sum(wire)
-    torch.mul(wire, scale, out=buffer)
+    if lengths.numel():
+        torch.mul(wire, scale, out=buffer)
+    else:
+        buffer.copy_(wire)
 
 
 def _views(segment: Segment, grads: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:

@@ -62,11 +62,13 @@ def _nbytes(t: Tensor) -> int:
 
 
 def ours_state_bytes(state: Any) -> dict[str, int]:
-    """From :meth:`gradpress.PowerSGDState.memory_report`: ``error_memory``, the factors ``p`` and ``q``,
+    """From :meth:`gradpress.PowerSGDState.memory_report`: ``error_memory``, ``m_buffer`` (where a step
+    builds M = g + e), the factors ``p`` and ``q``,
     ``saved_factors`` (the warm-start factors of the iteration in flight, put back if it is not finite:
     "non-finite steps"), ``workspace`` (the one scratch buffer the segments share), ``total``."""
     report = state.memory_report().as_dict()
-    return {key: report[key] for key in ("error_memory", "p", "q", "saved_factors", "workspace", "total")}
+    return {key: report[key] for key in ("error_memory", "m_buffer", "p", "q", "saved_factors", "workspace",
+                                         "total")}
 
 
 def torch_state_bytes(state: Any) -> dict[str, int]:

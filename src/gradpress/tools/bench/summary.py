@@ -199,7 +199,7 @@ def markdown_rows(results: list[dict[str, Any]]) -> str:
 
 
 MEMORY_HEADER = (
-    "| model | r | grads MiB | ours: error memory + P,uncompressed + Q + saved Q + workspace = total MiB "
+    "| model | r | grads MiB | ours: error memory + M buffer + P,uncompressed + Q + saved Q + workspace = total MiB "
     "| torch: error + P + Q = total MiB | target MiB (grads + P + Q + largest bucket) | ours <= target |\n"
     "|---|---|---|---|---|---|---|"
 )
@@ -213,7 +213,8 @@ def memory_rows(results: list[dict[str, Any]]) -> str:
         rows.append(
             f"| {r['model']} | {r['rank']} | {mem['grad_bytes'] / MB:.1f} "
             # Results written before the memory report had its own names call them "work" and "phase1".
-            f"| {o.get('error_memory', o.get('work', 0)) / MB:.1f} + {o.get('p', o.get('phase1', 0)) / MB:.2f} "
+            f"| {o.get('error_memory', o.get('work', 0)) / MB:.1f} + {o.get('m_buffer', 0) / MB:.1f} "
+            f"+ {o.get('p', o.get('phase1', 0)) / MB:.2f} "
             f"+ {o['q'] / MB:.2f} + {o.get('saved_factors', 0) / MB:.2f} "
             f"+ {o.get('workspace', 0) / MB:.1f} = {o['total'] / MB:.1f} "
             f"| {t['error'] / MB:.1f} + {t['p'] / MB:.2f} + {t['q'] / MB:.2f} = {t['total'] / MB:.1f} "

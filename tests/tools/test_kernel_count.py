@@ -1,0 +1,42 @@
+"""The kernels a compressed step issues, counted (gradpress.tools.bench.kernels): a regression pin for
+GPT-2 small's 148 gradient shapes at rank 32 in DDP's default buckets, and the counter's own checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradpress.tools.bench.kernels import count_hook_kernels, is_kernel
+
+#: GPT-2 small at rank 32 (BENCHMARKS.md, "Kernels per compressed step"): the bounds the engine keeps.
+FP32_BOUND, FP16_BOUND = 150, 200
+
+
+def test_the_counter_skips_views_and_allocations_and_counts_the_rest():
+    assert not is_kernel(torch.ops.aten.view.default) and not is_kernel(torch.ops.aten.empty.memory_format)
+    assert not is_kernel(torch.ops.aten.transpose.int) and not is_kernel(torch.ops.aten.split.Tensor)
+    assert is_kernel(torch.ops.aten.bmm.default) and is_kernel(torch.ops.aten._foreach_copy_.default)
+
+
+@pytest.mark.parametrize("kwargs, name", [({"hook": "ours"}, "hook"), ({"path": "cuda"}, "path"),
+                                          ({"iterations": 3}, "iterations")])
+def test_bad_arguments_are_named(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        count_hook_kernels(shapes=[(4, 4)], **kwargs)
+
+
+def test_ops_do_not_grow_with_the_number_of_matrices():
+    """Twelve same-shape layers cost the ops of one: the step batches across buckets and matrices."""
+    one = count_hook_kernels(shapes=[(64, 48), (48,)], rank=4, path="meta").ops
+    twelve = count_hook_kernels(shapes=[(64, 48), (48,)] * 12, rank=4, path="meta").ops
+    assert twelve == one
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fp16_wire, bound", [(False, FP32_BOUND), (True, FP16_BOUND)], ids=["fp32", "fp16"])
+def test_gpt2_small_compressed_step_stays_within_its_kernel_budget(fp16_wire, bound):
+    cpu = count_hook_kernels("gpt2", rank=32, fp16_wire=fp16_wire, path="cpu")
+    meta = count_hook_kernels("gpt2", rank=32, fp16_wire=fp16_wire, path="meta")
+    assert cpu.buckets == 13 and cpu.collectives == (4 if fp16_wire else 2)  # DDP's buckets; one step for all
+    assert cpu.ops <= bound and meta.ops <= bound, (cpu.ops, meta.ops, cpu.by_op)
+    assert "aten.linalg_qr" not in cpu.by_op and "aten.clone" not in cpu.by_op
