@@ -69,6 +69,7 @@ def make_ddp(spec: str, model: nn.Module, device: torch.device) -> DDP:
         every = 1 if kind == "powersgd_diag" else None
         state = gradpress.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=START_ITER,
                                         approximation_error_every_n_iters=every,
+                                        global_residual_every_n_iters=every,
                                         bytes_per_weight=2 if kind == "powersgd_fp16" else 4)
         hook = gradpress.batched_powerSGD_hook if kind == "batched" else gradpress.powerSGD_hook
     else:

@@ -29,16 +29,17 @@ the matrix sketched (1 <= s <= min(n, m); about n for n rows of spread-out, unre
 It is exactly 0 when P Q^T equals the mean (full rank), and a new Omega is drawn at every measurement,
 so measurements along a run average out.
 
-Measuring costs two norms per compressed matrix, taken on the device from tensors the step holds anyway,
-plus the sketch (``M Omega``, k/r times the cost of ``P = M Q``) and its all-reduce, on the steps chosen
-by ``approximation_error_every_n_iters`` (``PowerSGDState``; ``Config`` for the aggregator). Nothing is
-read on the host until you ask for the numbers:
+The approximation error costs two norms per compressed matrix, taken on the device from tensors the
+step holds anyway, on the steps chosen by ``approximation_error_every_n_iters``; the global residual
+costs the sketch (``M Omega``, k/r times the cost of ``P = M Q``) and its all-reduce, on the steps chosen
+by ``global_residual_every_n_iters`` (``PowerSGDState``; ``Config`` for the aggregator). Nothing is read
+on the host until you ask for the numbers:
 
 >>> import torch, gradpress
 >>> layer = torch.nn.Linear(64, 32)
 >>> powersgd = gradpress.PowerSGD(layer.named_parameters(), gradpress.Config(
 ...     rank=8, num_iters_per_step=None, start_compressing_after_num_steps=0,
-...     approximation_error_every_n_iters=1))
+...     approximation_error_every_n_iters=1, global_residual_every_n_iters=1))
 >>> layer(torch.randn(8, 64)).square().sum().backward()
 >>> powersgd.aggregate_([p.grad for p in layer.parameters()])
 >>> list(powersgd.approximation_error())            # by name: the bias is sent exactly

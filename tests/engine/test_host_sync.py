@@ -276,7 +276,8 @@ def _hook_steps(rank, world, hook_name, num_iters, measure_every=None):
     params = [torch.zeros(shape) for shape in SHAPES]
     buckets = [FakeBucket(0, params[2:], False, torch.float32), FakeBucket(1, params[:2], True, torch.float32)]
     state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=0,
-                                    num_iters_per_step=num_iters, approximation_error_every_n_iters=measure_every)
+                                    num_iters_per_step=num_iters, approximation_error_every_n_iters=measure_every,
+                                    global_residual_every_n_iters=measure_every)
     hook = getattr(gradpress, hook_name)
     with as_on_an_accelerator(), no_host_reads():
         for step in range(5):

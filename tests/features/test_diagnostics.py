@@ -185,7 +185,8 @@ class _Writer:
 def test_log_approximation_error_writes_one_scalar_per_parameter_and_the_summary():
     layer = nn.Linear(16, 12)
     powersgd = PowerSGD(layer.named_parameters(), Config(rank=2, start_compressing_after_num_steps=0,
-                                                         approximation_error_every_n_iters=1))
+                                                         approximation_error_every_n_iters=1,
+                                                         global_residual_every_n_iters=1))
     writer = _Writer()
     assert gradpress.log_approximation_error(writer, powersgd, 0) == {} and writer.scalars == []
     layer(torch.randn(8, 16)).square().mean().backward()
@@ -416,7 +417,7 @@ def test_the_global_residual_decreases_strictly_with_the_rank_once_converged(num
     assert values == pytest.approx(exact, rel=0.25)
 
 
-def _collectives(rank, world, num_iters):
+def _collectives(rank, world, num_iters, global_every=3):
     from gradpress.tools.bench.buckets import FakeBucket
     from gradpress.hooks import powersgd as hook_module
 
@@ -441,7 +442,8 @@ def _collectives(rank, world, num_iters):
     buckets = [FakeBucket(0, params[4:], False, torch.float32), FakeBucket(1, params[2:4], False, torch.float32),
                FakeBucket(2, params[:2], True, torch.float32)]
     state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=0,
-                                    num_iters_per_step=num_iters, approximation_error_every_n_iters=3)
+                                    num_iters_per_step=num_iters, approximation_error_every_n_iters=3,
+                                    global_residual_every_n_iters=global_every)
     per_iteration = []
     from gradpress.comm import make_communicator
 
@@ -480,3 +482,11 @@ def test_the_sketch_is_one_more_collective_per_step_on_measured_steps_in_the_sam
     for step in (0, 3):
         assert compressed[step] == plain[0] + sketches, step
     assert len(residuals) == 4 and all(0 < value < 1 for value in residuals.values())  # the vector is exact
+
+
+def test_the_per_worker_error_alone_costs_no_collective():
+    """approximation_error_every_n_iters without global_residual_every_n_iters: every compressed step
+    issues the same collectives, measured or not, and the global residual is never measured."""
+    per_iteration, residuals = run(_collectives, WORLD, None, None)[0]
+    compressed = per_iteration[2:]
+    assert all(c == compressed[1] for c in compressed) and residuals == {}

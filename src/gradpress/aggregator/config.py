@@ -38,6 +38,9 @@ class Config:
         approximation_error_every_n_iters: measure each compressed matrix's approximation error on
             every n-th compressed step (the first included), on the device; read it with
             :meth:`PowerSGD.approximation_error` (:mod:`gradpress.diagnostics`). ``None``: never.
+        global_residual_every_n_iters: the same for the global residual of the workers' mean
+            (:meth:`PowerSGD.global_residual`), which costs one more all-reduce (of a sketch) on each
+            measured step. ``None``: never.
 
     >>> Config(rank=2, bytes_per_weight=2).engine_config().bytes_per_weight
     2
@@ -53,9 +56,11 @@ class Config:
     warm_up_beta_factor: float | None = None
     warm_up_bytes_per_weight: int | None = None
     approximation_error_every_n_iters: int | None = None
+    global_residual_every_n_iters: int | None = None
 
     def __post_init__(self) -> None:
         check_measure_every(self.approximation_error_every_n_iters)
+        check_measure_every(self.global_residual_every_n_iters, "global_residual_every_n_iters")
         steps = self.start_compressing_after_num_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"start_compressing_after_num_steps must be an integer >= 0, got {steps!r}")

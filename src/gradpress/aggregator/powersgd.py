@@ -212,6 +212,7 @@ class PowerSGD(Aggregator):
         comm = make_communicator(self.process_group, self.comm_device, issuer="gradpress.PowerSGD.aggregate_")
         compressed_step = self.step_counter - self.config.start_compressing_after_num_steps
         measure = should_measure(self.config.approximation_error_every_n_iters, compressed_step)
+        global_residual = should_measure(self.config.global_residual_every_n_iters, compressed_step)
         if self.lr_scheduler is not None:
             self._session.rescale_to_lr(self.lr_scheduler.get_last_lr()[0])
         session = self._session
@@ -226,7 +227,8 @@ class PowerSGD(Aggregator):
                 keys = tuple(i for i, _ in group)
                 segment = session.store.get((device, dtype), keys, [t.shape for t in context.tensors], device,
                                             work_dtype_for(dtype), self._ranks_of(keys))
-                session.run(segment, context.tensors, comm, compressed_step, measure=measure)
+                session.run(segment, context.tensors, comm, compressed_step, measure=measure,
+                            global_residual=global_residual)
             self.finite = session.finish()
         except BaseException:
             session.discard()
@@ -296,9 +298,10 @@ class PowerSGD(Aggregator):
         return {
             "version": _STATE_DICT_VERSION,
             "placement": placement(self.process_group),
-            # warm_up_bytes_per_weight only when set: checkpoints keep the keys they had before it existed.
+            # Options added later only when set: checkpoints keep the keys they had before they existed.
             "config": {name: value for name, value in asdict(self.config).items()
-                       if name != "warm_up_bytes_per_weight" or value is not None},
+                       if name not in ("warm_up_bytes_per_weight", "global_residual_every_n_iters")
+                       or value is not None},
             "step_counter": self.step_counter,
             "total_numel": self.total_numel,
             "total_floats_sent": self.total_floats_sent,

@@ -16,12 +16,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..powersgd.memory import work_dtype_for
+from ..powersgd.memory import Segment, work_dtype_for
 from ..powersgd.session import EngineSession
 from ..powersgd.transport import Communicator
 from .parameters import ParameterKeys
 
-__all__ = ["StepGroup", "WaitingBuckets"]
+__all__ = ["StepGroup", "WaitingBuckets", "bucket_segment"]
+
+
+def bucket_segment(params: ParameterKeys, session: EngineSession, index: int, parameters: Sequence[Tensor],
+                   tensors: list[Tensor]) -> Segment:
+    """The segment of one bucket of ``parameters`` on its own (slot ``index``, the parameters' stable keys
+    and ranks): where each bucket's step commits alone (FSDP, the interleaved ZeRO step)."""
+    keys = params.keys_for(parameters)
+    ranks = params.ranks_for(keys, parameters, tensors)
+    return session.store.get(index, keys, [t.shape for t in tensors], tensors[0].device,
+                             work_dtype_for(tensors[0].dtype), ranks)
 
 
 @dataclass
@@ -69,17 +79,18 @@ class WaitingBuckets:
         self._entries = []
 
     def run(self, params: ParameterKeys, session: EngineSession, comm: Communicator, compressed_step: int, *,
-            measure: bool, track: bool) -> None:
+            measure: bool, track: bool, global_residual: bool) -> None:
         """At the last bucket: start one engine step per (device, dtype) over every held bucket (each
         segment's parameters in key order, at their ranks), whose completions run once the outputs are
-        written (the caller's ``session.finish()``)."""
+        written (the caller's ``session.finish()``); ``measure``, ``track``, ``global_residual``: see
+        :meth:`~gradpress.powersgd.session.EngineSession.run`."""
         policy = params.policy is not None or params.adaptive is not None
         for group in self.take(params, params.ranks_for):
             segment = session.store.get(("step", group.device, group.dtype), tuple(group.keys),
                                         [t.shape for t in group.tensors], group.device, work_dtype_for(group.dtype),
                                         group.ranks if policy else None)
             session.run(segment, group.tensors, comm, compressed_step, measure=measure, track=track,
-                        on_done=group.done, on_fail=group.failed)
+                        global_residual=global_residual, on_done=group.done, on_fail=group.failed)
 
     def take(self, keys: ParameterKeys, ranks: Callable[..., list[int | None] | None]) -> list[StepGroup]:
         """Every held bucket, grouped by (device, dtype) in key order (``keys`` assigns the keys, in the

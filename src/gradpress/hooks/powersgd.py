@@ -20,7 +20,7 @@ Differences from PyTorch that users can rely on (each has a test):
 
 import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import Any, Protocol
 
@@ -33,11 +33,11 @@ from ..comm import check_process_group, make_communicator
 from ..diagnostics import check_measure_every
 from ..policy import RankRules
 from ..powersgd.config import EngineConfig
-from ..powersgd.memory import Segment, work_dtype_for
+from ..powersgd.memory import Segment
 from ..powersgd.seeding import RESIZE_DRAW
 from ..powersgd.session import EngineSession, MemoryReport
 from ..powersgd.transport import Communicator
-from .iteration import WaitingBuckets
+from .iteration import WaitingBuckets, bucket_segment
 from .parameters import ParameterKeys
 from .state_checkpoint import StateCheckpoint
 from .state_report import StateReport
@@ -126,9 +126,11 @@ class PowerSGDState(StateReport, StateCheckpoint):
             are still untrained); then full feedback. ``None``: off.
         approximation_error_every_n_iters: measure each compressed matrix's relative approximation
             error ``||M - P Q^T|| / ||M||`` on every n-th compressed iteration (the first included), on
-            the device, from tensors the step holds anyway (two norms per matrix); read it with
-            :meth:`approximation_error`, which names parameters after :meth:`name_parameters`.
-            ``None`` (default): never.
+            the device, from tensors the step holds anyway (two norms per matrix, no collective); read it
+            with :meth:`approximation_error` (names after :meth:`name_parameters`). ``None`` (default): never.
+        global_residual_every_n_iters: the same for the global residual of the workers' mean
+            (:meth:`global_residual`), which costs one more all-reduce (of a sketch, ``n x 16`` per matrix)
+            on each measured iteration. ``None`` (default): never.
         rank_policy: which parameters are compressed and at what rank, by name:
             ``{"embed*": None, "*.attn.*": 16}`` (shell patterns, the first match decides, ``None`` sends
             the parameter exactly, unmatched ones take ``matrix_approximation_rank``) or a function
@@ -164,7 +166,7 @@ class PowerSGDState(StateReport, StateCheckpoint):
     __slots__ = ("process_group", "start_powerSGD_iter", "compression_stats_logging_frequency",
                  "batch_tensors_with_same_shape", "comm_device", "iter", "next_stats_report", "_session",
                  "_params", "_comm", "lr_scheduler", "_lr_iter", "approximation_error_every_n_iters",
-                 "last_measured_iter", "_bucket_memory", "_waiting", "__weakref__")
+                 "last_measured_iter", "_bucket_memory", "_waiting", "global_residual_every_n_iters", "__weakref__")
 
     def __init__(
         self,
@@ -188,6 +190,7 @@ class PowerSGDState(StateReport, StateCheckpoint):
         warm_up_beta_factor: float | None = None,
         warm_up_bytes_per_weight: int | None = None,
         approximation_error_every_n_iters: int | None = None,
+        global_residual_every_n_iters: int | None = None,
         rank_policy: RankRules | None = None,
         adaptive_rank: AdaptiveRank | dict[str, Any] | None = None,
     ) -> None:
@@ -213,6 +216,7 @@ class PowerSGDState(StateReport, StateCheckpoint):
                 or start_powerSGD_iter < 0:
             raise ValueError(f"start_powerSGD_iter must be an integer >= 0, got {start_powerSGD_iter!r}")
         check_measure_every(approximation_error_every_n_iters)
+        check_measure_every(global_residual_every_n_iters, "global_residual_every_n_iters")
         config = EngineConfig(
             rank=matrix_approximation_rank, min_compression_rate=min_compression_rate,
             use_error_feedback=use_error_feedback, warm_start=warm_start,
@@ -242,16 +246,14 @@ class PowerSGDState(StateReport, StateCheckpoint):
         self.comm_device = comm_device
         self.iter = 0
         self.next_stats_report = 0
-        # Each bucket's hook only starts its first phase; every later phase runs when the last bucket drains
-        # the pipeline, so the autograd thread never waits on the link mid-backward (measured on a real
-        # backward pass: 7-11% faster steps than advancing on every submit; docs/design.md#ordering).
-        # The outputs and new memory of all buckets of an iteration are written at its last bucket, the
-        # memory only if all are finite.
+        # Per-bucket steps (commit_each_bucket) start only their first phase at submit; the last bucket
+        # drains the rest, so the autograd thread never waits on the link mid-backward (docs/design.md#ordering).
         self._session = EngineSession(config, advance_on_submit=False)
         self._comm: Communicator | None = None
         self.lr_scheduler = lr_scheduler
         self._lr_iter = -1  # the iteration at which the learning rate was last read
         self.approximation_error_every_n_iters = approximation_error_every_n_iters
+        self.global_residual_every_n_iters = global_residual_every_n_iters
         #: The iteration whose measurement :meth:`approximation_error` shows (``None``: none yet).
         self.last_measured_iter: int | None = None
         if isinstance(adaptive_rank, dict):  # the checkpoint form (unpickling)
@@ -372,13 +374,6 @@ class PowerSGDState(StateReport, StateCheckpoint):
             self._comm = make_communicator(self.process_group, self.comm_device, issuer="powerSGD_hook")
         return self._comm
 
-    def _segment_for(self, index: int, params: Sequence[Tensor], grads: list[Tensor]) -> Segment:
-        """The segment of a bucket of ``params`` (keyed by their stable keys, at their ranks)."""
-        keys = self._params.keys_for(params)
-        ranks = self._params.ranks_for(keys, params, grads)
-        return self._session.store.get(index, keys, [g.shape for g in grads], grads[0].device,
-                                       work_dtype_for(grads[0].dtype), ranks)
-
     def _hand_over(self, bucket: Any, result: Tensor, start: Callable[..., object], compressed: bool,
                    finish: Callable[[], Any] | None = None) -> torch.futures.Future:
         """Give ``bucket``'s work to the engine with ``start(on_done=, on_fail=)`` (one session call) and
@@ -455,7 +450,8 @@ class PowerSGDState(StateReport, StateCheckpoint):
         bucket stands for (default: the plan's); ``track``: feed the adaptive rank."""
         self._sync_lr()
         run = partial(self._session.run, segment, tensors, self._communicator(), self.iter - self.start_powerSGD_iter,
-                      numel=numel, dtype=result.dtype, measure=self._measure(), track=track)
+                      numel=numel, dtype=result.dtype, measure=self._measure(), track=track,
+                      global_residual=self._measure_global())
         return self._hand_over(bucket, result, run, compressed=True, finish=finish)
 
     def compress_with_step(self, bucket: Any, tensors: list[Tensor], result: Tensor, *,
@@ -463,14 +459,15 @@ class PowerSGDState(StateReport, StateCheckpoint):
         """:meth:`compress_bucket` for all buckets of the iteration at once, in one engine step per (device,
         dtype) at the last bucket (:mod:`gradpress.hooks.iteration`); :meth:`commit_each_bucket` turns it off."""
         if self._session.commit_each_bucket:
-            segment = self._segment_for(bucket.index(), bucket.parameters(), tensors)
+            segment = bucket_segment(self._params, self._session, bucket.index(), bucket.parameters(), tensors)
             return self.compress_bucket(bucket, segment, tensors, result, track=track)
         def start(on_done: Callable[[], None], on_fail: Callable[[BaseException], None]) -> None:
             self._waiting.add(bucket.parameters(), tensors, on_done, on_fail)
             if bucket.is_last():
                 self._sync_lr()
                 self._waiting.run(self._params, self._session, self._communicator(),
-                                  self.iter - self.start_powerSGD_iter, measure=self._measure(), track=track)
+                                  self.iter - self.start_powerSGD_iter, measure=self._measure(), track=track,
+                                  global_residual=self._measure_global())
         return self._hand_over(bucket, result, start, compressed=True)
 
 

@@ -43,6 +43,7 @@ class _State(Protocol):
     batch_tensors_with_same_shape: bool
     comm_device: torch.device | None
     approximation_error_every_n_iters: int | None
+    global_residual_every_n_iters: int | None
     iter: int
     next_stats_report: int
     total_numel_before_compression: int
@@ -121,6 +122,8 @@ class StateCheckpoint:
                 "feedback_every_n_iters": self.feedback_every_n_iters,
                 "warm_up_beta_factor": self.warm_up_beta_factor,
                 "approximation_error_every_n_iters": self.approximation_error_every_n_iters,
+                **({} if self.global_residual_every_n_iters is None
+                   else {"global_residual_every_n_iters": self.global_residual_every_n_iters}),
                 # A mapping policy is plain data; a function policy is kept by pickling only (__getstate__).
                 "rank_policy": self.rank_policy if isinstance(self.rank_policy, dict) else None,
                 "adaptive_rank": None if self.adaptive_rank is None else self.adaptive_rank.to_dict(),

@@ -28,6 +28,7 @@ class _State(Protocol):
     next_stats_report: int
     compression_stats_logging_frequency: int
     approximation_error_every_n_iters: int | None
+    global_residual_every_n_iters: int | None
     last_measured_iter: int | None
     total_numel_before_compression: int
     total_numel_after_compression: int
@@ -155,6 +156,10 @@ class StateReport:
             self.last_measured_iter = self.iter
         return measure
 
+    def _measure_global(self: _State) -> bool:
+        """Whether this iteration measures the global residual (one more all-reduce, of a sketch)."""
+        return should_measure(self.global_residual_every_n_iters, self.iter - self.start_powerSGD_iter)
+
     def _report_stats(self: _State) -> None:
         if self.iter >= self.next_stats_report:
             rate, before, after = self.compression_stats()
@@ -166,6 +171,7 @@ class StateReport:
                 logger.info("Approximation error: overall %.4f, mean %.4f, worst %.4f (%s), over %s parameters",
                             summary.overall, summary.mean, summary.worst, summary.worst_name,
                             summary.parameters)
+            measured = self.global_residual_every_n_iters is not None and logger.isEnabledFor(logging.INFO)
             global_summary = self.global_residual_summary() if measured else None
             if global_summary is not None:
                 logger.info("Global residual (of the workers' mean, sketched): overall %.4f, captured energy %.4f, "

@@ -12,7 +12,8 @@ Lightning's ``DDPStrategy`` (2.6):
 3. ``optimizer_step``: runs the averager on the stepped optimizer's parameters after every step, and
    logs a ``PowerSGDState``'s approximation errors and global residuals (``powersgd/approximation_error/*``,
    ``powersgd/global_residual/*`` with ``captured_energy``) through the trainer's loggers after each step
-   that measured them (``approximation_error_every_n_iters``; names from the LightningModule).
+   that measured them (``approximation_error_every_n_iters``, ``global_residual_every_n_iters``; names from
+   the LightningModule).
 4. ``save_checkpoint`` / ``load_checkpoint`` / ``remove_checkpoint``: keep each rank's hook and averager
    state with the checkpoint (``comm_state_storage``); with local SGD (a model averager or a
    ``PostLocalSGDState``), also each rank's parameters and optimizer state, which differ between averages

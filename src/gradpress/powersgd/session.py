@@ -129,10 +129,11 @@ class EngineSession:
     # --- running steps ------------------------------------------------------------------------------
     def run(self, segment: Segment, tensors: Sequence[Tensor], comm: Communicator, compressed_step: int, *,
             numel: int | None = None, dtype: torch.dtype | None = None, measure: bool = False,
-            track: bool = False, on_done: Callable[[], None] = lambda: None,
+            track: bool = False, global_residual: bool = False, on_done: Callable[[], None] = lambda: None,
             on_fail: Callable[[BaseException], None] = lambda error: None) -> int:
         """Compress ``tensors`` (``segment``'s, in plan order) in compressed step number ``compressed_step``
-        (see :func:`~gradpress.powersgd.step.compress_step`; ``measure``, ``track`` too), averaging over
+        (see :func:`~gradpress.powersgd.step.compress_step`; ``measure``, ``track``, ``global_residual``
+        too), averaging over
         ``comm``: start the step in the ordered pipeline, join it to the optimizer step's commit (or let it
         commit alone under :attr:`commit_each_bucket`) and count it. Returns the bytes it sends.
 
@@ -143,7 +144,7 @@ class EngineSession:
         """
         commit = None if self.commit_each_bucket else self.commit
         task, sent = compress_step(segment, tensors, comm, self.config, compressed_step, commit,
-                                   measure=measure, track=track, global_residual=measure)
+                                   measure=measure, track=track, global_residual=global_residual)
         self._submit(task, on_done, on_fail)
         wire = step_wire_dtype(segment, tensors, self.config)
         return self.count(segment.plan.numel if numel is None else numel, sent,

@@ -153,8 +153,9 @@ def _powersgd(num_iters_per_step: int | None) -> HookBuilder:
             "matrix_approximation_rank": method.rank or 1, "start_powerSGD_iter": config.start_iter,
             "min_compression_rate": config.min_compression_rate, "random_seed": config.seed,
             "num_iters_per_step": num_iters_per_step, "warm_up_beta_factor": config.warm_up_beta,
-            # Measured at (about) every evaluation, where the curve records it.
+            # Measured at (about) every evaluation, where the curve records both.
             "approximation_error_every_n_iters": max(1, config.steps // config.evals),
+            "global_residual_every_n_iters": max(1, config.steps // config.evals),
             **(config.powersgd_options or {})}
         return PowerSGDState(None, **options), powerSGD_hook
     return build
