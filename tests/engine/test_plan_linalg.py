@@ -57,8 +57,9 @@ def _assert_orthonormal(q, atol):
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 40), st.integers(1, 6), st.sampled_from(["random", "zero", "deficient"]),
-       st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
-def test_orthogonalize_gives_orthonormal_finite_columns(batch, n, rank, kind, dtype):
+       st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+       st.sampled_from(["householder", "cholesky"]))
+def test_orthogonalize_gives_orthonormal_finite_columns(batch, n, rank, kind, dtype, method):
     rank = min(rank, n)
     g = torch.Generator().manual_seed(n * 31 + rank)
     m = torch.randn(batch, n, rank, generator=g)
@@ -67,7 +68,7 @@ def test_orthogonalize_gives_orthonormal_finite_columns(batch, n, rank, kind, dt
     elif kind == "deficient":
         m[:, :, -1] = 0
     m = m.to(dtype)
-    out = orthogonalize_(m)
+    out = orthogonalize_(m, method=method)
     assert out is m and out.dtype == dtype
     assert torch.isfinite(out).all()
     _assert_orthonormal(out, atol={torch.float16: 3e-3, torch.bfloat16: 3e-2}.get(dtype, 1e-5))
@@ -78,6 +79,11 @@ def test_orthogonalize_spans_the_input():
     q = orthogonalize_(m.clone())
     # Projecting the input on span(q) changes nothing.
     torch.testing.assert_close(q @ (q.transpose(1, 2) @ m), m)
+
+
+def test_orthogonalize_names_a_bad_method():
+    with pytest.raises(ValueError, match="method"):
+        orthogonalize_(torch.zeros(1, 3, 2), method="qr")
 
 
 def test_orthogonalize_rejects_wide_matrices():
@@ -94,7 +100,7 @@ def _spectrum(n, r, decades, dtype, generator):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("n, r", [(768, 32), (40, 32), (32, 32), (100, 4), (3, 2)])
-def test_orthogonalize_against_householder_on_adversarial_spectra(n, r, dtype):
+def test_cholesky_qr_against_householder_on_adversarial_spectra(n, r, dtype):
     """Cholesky-QR against Householder QR (LAPACK, float64): orthonormal to the working precision for
     condition numbers up to 1e20, duplicated columns, a zero matrix, a rank-1 matrix at 1e-30 and 1e15;
     and for well-conditioned matrices the same span as Householder's to rounding."""
@@ -106,7 +112,7 @@ def test_orthogonalize_against_householder_on_adversarial_spectra(n, r, dtype):
     rank_one = torch.randn(n, 1, dtype=dtype, generator=g) @ torch.randn(1, r, dtype=dtype, generator=g)
     batch += [duplicated, torch.zeros(n, r, dtype=dtype), rank_one * 1e-30, rank_one * 1e15]
     x = torch.stack(batch)
-    q = orthogonalize_(x.clone())
+    q = orthogonalize_(x.clone(), method="cholesky")
     assert torch.isfinite(q).all()
     _assert_orthonormal(q, atol=1e-6 if dtype == torch.float32 else 1e-12)
     # Well conditioned (up to 1e4): span(q) is span(x) as Householder finds it.
@@ -125,8 +131,8 @@ def test_orthogonalize_groups_batches_shapes_and_ranks_together():
     g = torch.Generator().manual_seed(0)
     groups = [torch.randn(3, 50, 4, generator=g), torch.randn(2, 20, 4, generator=g),
               torch.randn(2, 30, 1, generator=g), torch.randn(1, 8, 8, generator=g)]
-    alone = [orthogonalize_(x.clone()) for x in groups]
+    alone = [orthogonalize_(x.clone(), method="cholesky") for x in groups]
     together = [x.clone() for x in groups]
-    orthogonalize_groups_(together)
+    orthogonalize_groups_(together, method="cholesky")
     for a, b in zip(alone, together):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

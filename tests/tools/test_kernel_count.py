@@ -39,4 +39,7 @@ def test_gpt2_small_compressed_step_stays_within_its_kernel_budget(fp16_wire, bo
     meta = count_hook_kernels("gpt2", rank=32, fp16_wire=fp16_wire, path="meta")
     assert cpu.buckets == 13 and cpu.collectives == (4 if fp16_wire else 2)  # DDP's buckets; one step for all
     assert cpu.ops <= bound and meta.ops <= bound, (cpu.ops, meta.ops, cpu.by_op)
-    assert "aten.linalg_qr" not in cpu.by_op and "aten.clone" not in cpu.by_op
+    # The accelerator path orthogonalizes without Householder QR (a cuSOLVER loop per matrix on a GPU);
+    # the CPU path takes one batched LAPACK QR per shape group.
+    assert "aten.linalg_qr" not in meta.by_op and cpu.by_op.get("aten.linalg_qr", 0) <= 8
+    assert "aten.clone" not in cpu.by_op and "aten.clone" not in meta.by_op

@@ -144,7 +144,8 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
         torch._foreach_copy_(unsent, list(unsent_buffer.split([t.numel() for t in unsent])))
     if segment.group_views:
         # 4. Orthogonalize every P (batched Cholesky-QR), then Q^T = P^T M.
-        orthogonalize_groups_([p for _, _, p, _ in segment.group_views], config.orthogonalization_epsilon)
+        orthogonalize_groups_([p for _, _, p, _ in segment.group_views], config.orthogonalization_epsilon,
+                              "cholesky" if _reading_waits(segment.device) else "householder")
         for (_, _, p, qt), m in zip(segment.group_views, segment.m_group_views):
             torch.bmm(p.transpose(1, 2), m, out=qt)
         # 5. Mean of Q.
@@ -316,7 +317,8 @@ def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicat
     for it in range(iterations):
         right = (first_iteration + it) % 2 == 0  # multiply from the right: P = R Q̂
         for _, _, p, qt in segment.group_views:
-            orthogonalize_(qt.transpose(1, 2) if right else p, epsilon)
+            orthogonalize_(qt.transpose(1, 2) if right else p, epsilon,
+                           "cholesky" if _reading_waits(segment.device) else "householder")
         _products(segment, matrices, with_memory, earlier, right)
         start, end = (0, p_end) if right else (q_start, segment.wire.numel())
         if it == 0 and unsent:

@@ -94,7 +94,8 @@ class _Shapes(nn.Module):
         return sum((p * p).sum() for p in self.weights) / 2  # type: ignore[return-value]
 
 
-def _state(hook: str, rank: int, fp16_wire: bool, process_group: Any) -> tuple[Any, Callable[..., Any]]:
+def _state(hook: str, rank: int, fp16_wire: bool, process_group: Any,
+           warm_up: bool = False) -> tuple[Any, Callable[..., Any]]:
     if hook == "torch":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tp
         state = tp.PowerSGDState(process_group=process_group, matrix_approximation_rank=rank, start_powerSGD_iter=2,
@@ -102,6 +103,8 @@ def _state(hook: str, rank: int, fp16_wire: bool, process_group: Any) -> tuple[A
         return state, tp.powerSGD_hook
     import gradpress
     extra: dict[str, Any] = {"bytes_per_weight": 2} if fp16_wire else {}
+    if fp16_wire and warm_up:
+        extra["warm_up_bytes_per_weight"] = 2
     ours = gradpress.PowerSGDState(process_group=process_group, matrix_approximation_rank=rank,
                                    start_powerSGD_iter=2, min_compression_rate=2, **extra)
     return ours, gradpress.powerSGD_hook
@@ -134,24 +137,25 @@ def _one_rank_group() -> Iterator[Any]:
 
 
 def _count_cpu(shapes: Sequence[Sequence[int]], hook: str, rank: int, fp16_wire: bool,
-               iterations: int) -> KernelCount:
+               iterations: int, warm_up: bool) -> KernelCount:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     with _one_rank_group():
         model = DDP(_Shapes(shapes, torch.Generator().manual_seed(0)))
-        state, function = _state(hook, rank, fp16_wire, None)
+        state, function = _state(hook, rank, fp16_wire, None, warm_up)
         counter: Counter[str] = Counter()
         calls, on = [0], [False]
         model.register_comm_hook(state, _counted(function, counter, calls, on))
+        counted = 1 if warm_up else iterations - 1
         for iteration in range(iterations):
-            on[0] = iteration == iterations - 1
+            on[0] = iteration == counted
             model().backward()
             model.zero_grad(set_to_none=False)
-    return _result(hook, "cpu", fp16_wire, rank, calls[0], counter)
+    return _result(hook, "cpu" + (" warm-up" if warm_up else ""), fp16_wire, rank, calls[0], counter)
 
 
 def _count_meta(shapes: Sequence[Sequence[int]], hook: str, rank: int, fp16_wire: bool,
-                iterations: int) -> KernelCount:
+                iterations: int, warm_up: bool) -> KernelCount:
     from ...comm import LocalCommunicator
 
     if hook == "torch":
@@ -160,17 +164,18 @@ def _count_meta(shapes: Sequence[Sequence[int]], hook: str, rank: int, fp16_wire
     buckets = make_buckets(params, DEFAULT_BUCKET_CAPS)
     for bucket in buckets:
         bucket.set_buffer(torch.empty(bucket.buffer().numel(), device="meta"))
-    state, function = _state(hook, rank, fp16_wire, None)
+    state, function = _state(hook, rank, fp16_wire, None, warm_up)
     state._comm = LocalCommunicator()
     counter: Counter[str] = Counter()
     calls, on = [0], [False]
-    counted = _counted(function, counter, calls, on)
+    hook_counted = _counted(function, counter, calls, on)
+    counted = 1 if warm_up else iterations - 1
     for iteration in range(iterations):
-        on[0] = iteration == iterations - 1
-        futures = [counted(state, bucket) for bucket in buckets]
+        on[0] = iteration == counted
+        futures = [hook_counted(state, bucket) for bucket in buckets]
         for future in futures:
             future.wait()
-    return _result(hook, "meta", fp16_wire, rank, calls[0], counter)
+    return _result(hook, "meta" + (" warm-up" if warm_up else ""), fp16_wire, rank, calls[0], counter)
 
 
 def _result(hook: str, path: str, fp16_wire: bool, rank: int, calls: int, counter: Counter[str]) -> KernelCount:
@@ -182,12 +187,14 @@ def _result(hook: str, path: str, fp16_wire: bool, rank: int, calls: int, counte
 
 def count_hook_kernels(model: str = "gpt2", *, hook: str = "gradpress", path: str = "cpu", rank: int = 32,
                        fp16_wire: bool = False, shapes: Sequence[Sequence[int]] | None = None,
-                       iterations: int = 4) -> KernelCount:
+                       iterations: int = 4, warm_up: bool = False) -> KernelCount:
     """Kernel-launching ATen ops in one compressed iteration of ``hook`` (``"gradpress"`` or ``"torch"``,
     PyTorch's ``powerSGD_hook``) on the gradient shapes of ``model`` (a :func:`model_parameters` name) or
     ``shapes``, at ``rank``, with ``start_powerSGD_iter=2`` and ``min_compression_rate=2``; ``fp16_wire``:
     gradpress's half-precision wire (``bytes_per_weight=2``). The last of ``iterations`` iterations is
     counted (at least two compressed ones come first, so DDP's buckets are rebuilt and the factors drawn).
+    ``warm_up``: count the last exact iteration before compression starts instead (its buckets rebuilt),
+    on gradpress's half-precision warm-up wire (``warm_up_bytes_per_weight=2``) with ``fp16_wire``.
 
     ``path``: ``"cpu"`` (a one-rank gloo DDP model; initializes and destroys a process group unless one
     exists) or ``"meta"`` (the accelerator code path, no values)."""
@@ -200,4 +207,4 @@ def count_hook_kernels(model: str = "gpt2", *, hook: str = "gradpress", path: st
     if shapes is None:
         shapes = [tuple(p.shape) for p in model_parameters(model)]
     count = _count_cpu if path == "cpu" else _count_meta
-    return count(shapes, hook, rank, fp16_wire, iterations)
+    return count(shapes, hook, rank, fp16_wire, iterations, warm_up)
