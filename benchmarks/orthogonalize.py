@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, function in (("householder", householder), ("cholesky", cholesky)):
             sync()
             start = time.perf_counter()
-            result = function()
+            function()
             sync()
             if repeat:
                 times[name].append(time.perf_counter() - start)
