@@ -156,13 +156,13 @@ class WireSpans:
     compressed matrix (group order). They tile the wire (it has no padding: only the error memory's
     matrices are aligned), so every element has one span.
 
-    ``lengths``: ``(S,)`` int64 on the segment's device, each span's length, uploaded once (:meth:`Segment.wire_spans`);
-    a phase's per-element scale is ``repeat_interleave(scales, lengths[a:b], output_size=...)`` on the device,
-    so no per-element table is ever built. ``first``: wire offset -> number of the first span at or after
-    it, for the offsets where phases begin or end (0, end of P, start of Q, the end).
+    ``sizes``: each span's length; ``lengths``: the same as an ``(S,)`` int64 tensor on the segment's
+    device (uploaded once, :meth:`Segment.wire_spans`), for an accelerator's per-element scale ``repeat_interleave(scales, lengths[a:b], output_size=...)`` on the device, so no
+    per-element table is ever built. ``first``: wire offset -> number of the first span at or after it,
+    for the offsets where phases begin or end (0, end of P, start of Q, the end).
     """
 
-    __slots__ = ("lengths", "first")
+    __slots__ = ("sizes", "lengths", "first")
 
     def __init__(self, segment: Segment) -> None:
         plan = segment.plan
@@ -175,6 +175,7 @@ class WireSpans:
         unsent_count = len([length for length in unsent if length])
         self.first = {0: 0, plan.p_numel: p_count, plan.p_numel + plan.uncompressed_numel: p_count + unsent_count,
                       segment.wire.numel(): len(spans)}
+        self.sizes = spans
         self.lengths = upload(torch.tensor(spans, dtype=torch.int64), segment.device)
 
 
