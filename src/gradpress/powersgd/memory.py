@@ -157,8 +157,9 @@ class WireSpans:
     matrices are aligned), so every element has one span.
 
     ``sizes``: each span's length; ``lengths``: the same as an ``(S,)`` int64 tensor on the segment's
-    device (uploaded once, :meth:`Segment.wire_spans`), for an accelerator's per-element scale ``repeat_interleave(scales, lengths[a:b], output_size=...)`` on the device, so no
-    per-element table is ever built. ``first``: wire offset -> number of the first span at or after it,
+    device (uploaded once, :meth:`Segment.wire_spans`), for an accelerator's per-element scale
+    ``repeat_interleave(scales, lengths[a:b], output_size=...)`` on the device, so no per-element table
+    is ever built. ``first``: wire offset -> number of the first span at or after it,
     for the offsets where phases begin or end (0, end of P, start of Q, the end).
     """
 

@@ -695,11 +695,10 @@ def _mean(buffer: Tensor, comm: Communicator, wire_dtype: torch.dtype, spans: Sp
     yield comm.allreduce_max(peaks)
     exponent = torch.frexp(peaks.mul_(comm.world_size)).exponent
     scales = torch.exp2(exponent.clamp_(min=_MIN_EXPONENT).sub_(14).to(buffer.dtype))
-    per_span = spans.lengths is None
     scale = None
-    if spans.views and per_span:
+    if spans.views and spans.lengths is None:
         torch._foreach_mul_(spans.views, list(torch.reciprocal(scales).unbind(0)))  # powers of two: exact
-    elif spans.views:
+    elif spans.views and spans.lengths is not None:
         scale = torch.repeat_interleave(scales, spans.lengths, output_size=buffer.numel())
         buffer.div_(scale)  # by powers of two: exact
     wire = buffer.to(wire_dtype)
