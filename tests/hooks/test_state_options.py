@@ -322,3 +322,28 @@ def test_compression_stats_are_zero_before_start_and_the_start_is_logged_once(ca
     assert len(starts) == 1 and "after 3 iterations" in starts[0].getMessage()
     assert "(0, 0, 0)" in starts[0].getMessage()
     assert "(0, 0, 0) until iteration" in PowerSGDState.compression_stats.__doc__
+
+
+def test_last_step_bytes_stats_reads_one_compressed_iteration_not_the_warm_up():
+    import gradpress
+    """bytes_stats() is cumulative and includes the warm-up; last_step_bytes_stats() is the last compressed
+    iteration's, equal to the plan's bytes per step."""
+    from gradpress.comm import LocalCommunicator
+    from gradpress.hooks.bucket import DenseBucket
+    from gradpress.powersgd import make_plan
+
+    shapes = [(32, 16), (16,), (8, 8)]
+    params = [torch.zeros(shape) for shape in shapes]
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                    min_compression_rate=0, warm_up_bytes_per_weight=2)
+    state._comm = LocalCommunicator()
+    assert state.last_step_bytes_stats() == (0, 0, 0)
+    for step in range(4):
+        buffer = torch.randn(sum(torch.Size(s).numel() for s in shapes))
+        gradpress.powerSGD_hook(state, DenseBucket(0, True, params, buffer)).wait()
+        if step == 1:
+            assert state.last_step_bytes_stats() == (0, 0, 0)  # the warm-up is not a compressed step
+    plan = make_plan(shapes, 2, 0)
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    assert state.last_step_bytes_stats() == (numel / plan.numel_sent, 4 * numel, 4 * plan.numel_sent)
+    assert state.bytes_stats()[2] > 2 * 4 * plan.numel_sent  # cumulative: the warm-up's and both steps'

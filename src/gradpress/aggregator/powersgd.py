@@ -193,6 +193,12 @@ class PowerSGD(Aggregator):
             total += plan.mean_numel_sent(self.config.num_iters_per_step) * wire.itemsize
         return total
 
+    def last_step_bytes_stats(self) -> tuple[float, int, int]:
+        """``(rate, bytes before, bytes after)`` of the last step that compressed, as measured (the
+        cumulative figures are ``total_bytes_sent`` and ``total_numel``); ``(0, 0, 0)`` before the first."""
+        before, after = self._session.last_step_bytes
+        return (before / after if after > 0 else 0, before, after)
+
     @property
     def compression_rate(self) -> float:
         """``numel / floats_per_step``: how many times fewer floats a compressed step sends."""

@@ -80,6 +80,18 @@ class StateReport:
         before, after = self.total_bytes_before_compression, self.total_bytes_after_compression
         return (before / after if after > 0 else 0, before, after)
 
+    def last_step_bytes_stats(self) -> tuple[float, int, int]:
+        """``(rate, bytes before, bytes after)`` of the last iteration that compressed: the per-step
+        reading that tables of "x fewer bytes per step" quote (:meth:`bytes_stats` is cumulative and
+        includes the warm-up). ``(0, 0, 0)`` before the first compressed iteration.
+
+        >>> state = PowerSGDState(None)   # doctest: +SKIP
+        >>> state.last_step_bytes_stats()   # doctest: +SKIP
+        (0, 0, 0)
+        """
+        before, after = self._session.last_step_bytes
+        return (before / after if after > 0 else 0, before, after)
+
     def name_parameters(self, module: nn.Module | Iterable[tuple[str, Tensor]]) -> None:
         """Name parameters in :meth:`approximation_error` after ``module.named_parameters()`` (a DDP or
         FSDP wrapper's ``module.`` prefix is dropped) or after ``(name, parameter)`` pairs. The hook

@@ -104,7 +104,8 @@ class EngineSession:
     """
 
     __slots__ = ("config", "store", "pipeline", "commit", "commit_each_bucket", "last_lr", "numel_in",
-                 "numel_sent", "bytes_in", "bytes_sent", "_pending", "_span_lengths")
+                 "numel_sent", "bytes_in", "bytes_sent", "_pending", "_span_lengths", "last_step_bytes",
+                 "_step_bytes")
 
     def __init__(self, config: EngineConfig, *, advance_on_submit: bool = True) -> None:
         self.config = config
@@ -123,6 +124,10 @@ class EngineSession:
         self.bytes_sent = 0
         # Completions waiting for the commit, each with what to run instead if the step fails.
         self._pending: list[tuple[Callable[[], None], Callable[[BaseException], None]]] = []
+        #: ``(bytes in, bytes sent)`` of the last optimizer step that compressed (:meth:`run`'s tasks; the
+        #: warm-up's exact averages are not counted), ``(0, 0)`` before the first.
+        self.last_step_bytes: tuple[int, int] = (0, 0)
+        self._step_bytes: tuple[int, int] | None = None  # the step in flight's, while it compresses
         # The half-precision warm-up's span lengths per layout, uploaded once (see average).
         self._span_lengths: dict[tuple[torch.device, tuple[int, ...]], Tensor] = {}
 
@@ -147,8 +152,11 @@ class EngineSession:
                                    measure=measure, track=track, global_residual=global_residual)
         self._submit(task, on_done, on_fail)
         wire = step_wire_dtype(segment, tensors, self.config)
-        return self.count(segment.plan.numel if numel is None else numel, sent,
-                          tensors[0].dtype if dtype is None else dtype, wire)
+        grad_dtype = tensors[0].dtype if dtype is None else dtype
+        numel_in = segment.plan.numel if numel is None else numel
+        bytes_in, bytes_sent = self._step_bytes or (0, 0)
+        self._step_bytes = (bytes_in + numel_in * grad_dtype.itemsize, bytes_sent + sent * wire.itemsize)
+        return self.count(numel_in, sent, grad_dtype, wire)
 
     def average(self, tensors: Sequence[Tensor], comm: Communicator, *, flat: Tensor | None = None,
                 counted: bool = True, on_done: Callable[[], None] = lambda: None,
@@ -198,6 +206,8 @@ class EngineSession:
     def finish(self) -> Tensor | None:
         """End the optimizer step: run every task to its end, commit them together, run the waiting
         completions. Returns the step's all-finite flag (``None``: nothing was committed)."""
+        if self._step_bytes is not None:
+            self.last_step_bytes, self._step_bytes = self._step_bytes, None
         try:
             self.pipeline.drain()
             finite = self.commit.apply()
