@@ -133,7 +133,7 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
             torch._foreach_add_(segment.m_views, segment.error_views)
     # 2. P = M Q, one bmm per shape group, into the wire.
     for (_, _, p, qt), m in zip(segment.group_views, segment.m_group_views):
-        torch.bmm(m, qt.transpose(1, 2), out=p)
+        _product(m, qt.transpose(1, 2), p)
     # 3. One collective for all P's and all uncompressed tensors.
     if unsent:
         torch._foreach_copy_(list(unsent_buffer.split([t.numel() for t in unsent])), unsent)
@@ -148,7 +148,7 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
         orthogonalize_groups_([p for _, _, p, _ in segment.group_views], config.orthogonalization_epsilon,
                               "cholesky" if _reading_waits(segment.device) else "householder")
         for (_, _, p, qt), m in zip(segment.group_views, segment.m_group_views):
-            torch.bmm(p.transpose(1, 2), m, out=qt)
+            _product(p.transpose(1, 2), m, qt)
         # 5. Mean of Q.
         yield from _send(segment, sent, segment.wire.numel(), comm, wire_dtype)
     # Measuring: one more all-reduce, of the sketched M's (the global residual; same steps on every rank).
@@ -209,7 +209,7 @@ def _commit_batched(segment: Segment, matrices: list[Tensor], error_feedback: bo
     if new_memory and add_memory and finiteness is Finiteness.FINITE:
         measure_m(0)
         for (group, p, qt, _), errors in zip(groups, [e for _, e, _, _ in segment.group_views]):
-            torch.bmm(p, qt, out=errors)
+            _outer(p, qt, errors)
         torch._foreach_copy_(matrices, segment.error_views)
         if rounded:
             torch._foreach_copy_(segment.error_views, matrices)
@@ -222,7 +222,7 @@ def _commit_batched(segment: Segment, matrices: list[Tensor], error_feedback: bo
         segment.swap_memory()
     elif not new_memory and fresh is None:
         for group, p, qt, m in groups:
-            torch.bmm(p, qt, out=m)
+            _outer(p, qt, m)
         torch._foreach_copy_(matrices, segment.m_views)
         if output_norms is not None:
             _group_norms(groups, [m for _, _, _, m in groups], output_norms)
@@ -232,7 +232,7 @@ def _commit_batched(segment: Segment, matrices: list[Tensor], error_feedback: bo
         for group, p, qt, m in groups:
             b = group.batch
             output = segment.workspace.matrices(b, group.n, group.m, segment.device, segment.dtype)
-            torch.bmm(p, qt, out=output)
+            _outer(p, qt, output)
             members = matrices[position: position + b]
             torch._foreach_copy_(members, list(output.unbind(0)))
             if rounded:
@@ -257,6 +257,31 @@ def _commit_batched(segment: Segment, matrices: list[Tensor], error_feedback: bo
             signals.add_(output_norms)
         else:
             signals.add_(torch.where(finite.to(segment.device), output_norms, torch.zeros_like(output_norms)))
+
+
+def _product(a: Tensor, b: Tensor, out: Tensor) -> None:
+    """``out = a @ b`` for a group ``(B, ., .)``: one ``bmm``; on the CPU one ``mm`` per matrix where the
+    group holds one matrix or the product is rank-1 (a matrix-vector product, which MKL's batched path
+    handles poorly; BENCHMARKS.md, "Where the speed comes from")."""
+    if out.device.type == "cpu" and (out.shape[0] == 1 or min(out.shape[1], out.shape[2]) == 1):
+        for x, y, o in zip(a.unbind(0), b.unbind(0), out.unbind(0)):
+            torch.mm(x, y, out=o)
+    else:
+        torch.bmm(a, b, out=out)
+
+
+def _outer(p: Tensor, qt: Tensor, out: Tensor) -> None:
+    """``out = P Q^T`` for a group: one ``bmm``; on the CPU, for large matrices and r <= 4, r fused
+    multiply-adds per matrix instead (the GEMM with inner dimension r is 2-3x slower there, measured with
+    MKL), and one ``mm`` per matrix for a group of one."""
+    rank, numel = p.shape[2], out.shape[1] * out.shape[2]
+    if out.device.type == "cpu" and ((rank <= 2 and numel >= 1 << 16) or (rank <= 4 and numel >= 1 << 20)):
+        for x, y, o in zip(p.unbind(0), qt.unbind(0), out.unbind(0)):
+            torch.mul(x[:, :1], y[:1], out=o)
+            for k in range(1, rank):
+                o.addcmul_(x[:, k:k + 1], y[k:k + 1])
+    else:
+        _product(p, qt, out)
 
 
 def _group_norms(groups: list[tuple[GroupPlan, Tensor, Tensor, Tensor]], outputs: list[Tensor], out: Tensor) -> None:
