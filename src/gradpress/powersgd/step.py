@@ -208,13 +208,14 @@ def _commit_batched(segment: Segment, matrices: list[Tensor], error_feedback: bo
 
     if new_memory and add_memory and finiteness is Finiteness.FINITE:
         measure_m(0)
-        for (group, p, qt, _), errors in zip(groups, [e for _, e, _, _ in segment.group_views]):
+        error_groups = [errors for _, errors, _, _ in segment.group_views]
+        for (_, p, qt, _), errors in zip(groups, error_groups):
             _outer(p, qt, errors)
         torch._foreach_copy_(matrices, segment.error_views)
         if rounded:
             torch._foreach_copy_(segment.error_views, matrices)
         if output_norms is not None:
-            _group_norms(groups, [e for _, e, _, _ in segment.group_views], output_norms)
+            _group_norms(groups, error_groups, output_norms)
         flat_m.sub_(segment.error_memory)
         measure_m(1)
         if damping is not None:
@@ -260,10 +261,10 @@ def _commit_batched(segment: Segment, matrices: list[Tensor], error_feedback: bo
 
 
 def _product(a: Tensor, b: Tensor, out: Tensor) -> None:
-    """``out = a @ b`` for a group ``(B, ., .)``: one ``bmm``; on the CPU one ``mm`` per matrix where the
-    group holds one matrix or the product is rank-1 (a matrix-vector product, which MKL's batched path
-    handles poorly; BENCHMARKS.md, "Where the speed comes from")."""
-    if out.device.type == "cpu" and (out.shape[0] == 1 or min(out.shape[1], out.shape[2]) == 1):
+    """``out = a @ b`` for a group ``(B, ., .)``: one ``bmm``, or on the CPU one ``mm`` per matrix where
+    :func:`_per_matrix_product` says so (the kernel choice of :func:`_matmul`, without its copies: the
+    batched step's layout does not depend on the bucket)."""
+    if _per_matrix_product(out):
         for x, y, o in zip(a.unbind(0), b.unbind(0), out.unbind(0)):
             torch.mm(x, y, out=o)
     else:
@@ -271,17 +272,26 @@ def _product(a: Tensor, b: Tensor, out: Tensor) -> None:
 
 
 def _outer(p: Tensor, qt: Tensor, out: Tensor) -> None:
-    """``out = P Q^T`` for a group: one ``bmm``; on the CPU, for large matrices and r <= 4, r fused
-    multiply-adds per matrix instead (the GEMM with inner dimension r is 2-3x slower there, measured with
-    MKL), and one ``mm`` per matrix for a group of one."""
-    rank, numel = p.shape[2], out.shape[1] * out.shape[2]
-    if out.device.type == "cpu" and ((rank <= 2 and numel >= 1 << 16) or (rank <= 4 and numel >= 1 << 20)):
+    """``out = P Q^T`` for a group: :func:`_product`, or on the CPU, where :func:`_fused_outer` says so, r
+    fused multiply-adds per matrix (:func:`_outer_sum`)."""
+    if _fused_outer(p.shape[2], out.shape[1] * out.shape[2], out.device):
         for x, y, o in zip(p.unbind(0), qt.unbind(0), out.unbind(0)):
-            torch.mul(x[:, :1], y[:1], out=o)
-            for k in range(1, rank):
-                o.addcmul_(x[:, k:k + 1], y[k:k + 1])
+            _outer_sum(x, y, o)
     else:
         _product(p, qt, out)
+
+
+def _per_matrix_product(out: Tensor) -> bool:
+    """Whether a group's product ``out`` (B, ., .) takes one ``mm`` per matrix: on the CPU, for a group of
+    one or a rank-1 product (a matrix-vector product, which MKL's batched path handles poorly)."""
+    return out.device.type == "cpu" and (out.shape[0] == 1 or min(out.shape[1], out.shape[2]) == 1)
+
+
+def _fused_outer(rank: int, numel: int, device: torch.device) -> bool:
+    """Whether ``P Q^T`` of rank ``rank`` into ``numel`` elements takes r fused multiply-adds instead of a
+    GEMM: on the CPU, for large matrices and r <= 4, where that GEMM (inner dimension r) is 2-3x slower
+    (measured with MKL; see BENCHMARKS.md)."""
+    return device.type == "cpu" and ((rank <= 2 and numel >= 1 << 16) or (rank <= 4 and numel >= 1 << 20))
 
 
 def _group_norms(groups: list[tuple[GroupPlan, Tensor, Tensor, Tensor]], outputs: list[Tensor], out: Tensor) -> None:
@@ -815,7 +825,7 @@ def _matmul(a: Tensor, b: Tensor, out: Tensor) -> None:
         a = a.clone()
     else:
         b = b.clone()
-    if out.device.type == "cpu" and (a.shape[0] == 1 or min(out.shape[1], out.shape[2]) == 1):
+    if _per_matrix_product(out):
         for x, y, o in zip(a.unbind(0), b.unbind(0), out.unbind(0)):
             o.copy_(torch.mm(x, y))
     else:
@@ -826,13 +836,11 @@ def _outer_sum(p: Tensor, qt: Tensor, out: Tensor, accumulate: bool = False,
                alpha: float = 1.0) -> None:
     """``out = p @ qt`` (or ``out += alpha * p @ qt`` with ``accumulate``), ``p`` (n, r), ``qt`` (r, m).
 
-    On CPU, for large matrices and r <= 4, that GEMM (inner dimension r) is 2-3x slower than r fused
-    multiply-adds over the output (measured with MKL; see BENCHMARKS.md), so those take the elementwise
-    path (elementwise: the same numbers wherever the operands sit in memory).
+    Where :func:`_fused_outer` says so, r fused multiply-adds over the output (elementwise: the same
+    numbers wherever the operands sit in memory).
     """
     rank = p.shape[1]
-    numel = out.numel()
-    if out.device.type == "cpu" and ((rank <= 2 and numel >= 1 << 16) or (rank <= 4 and numel >= 1 << 20)):
+    if _fused_outer(rank, out.numel(), out.device):
         first = 0
         if not accumulate:
             torch.mul(p[:, :1], qt[:1], out=out)
