@@ -13,6 +13,7 @@ pickle/zip traceback.
 """
 from __future__ import annotations
 
+import io
 import logging
 import math
 import os
@@ -29,7 +30,8 @@ import torch.distributed as dist
 from .comm import gather_objects, scatter_objects
 
 __all__ = ["save", "load", "placement", "check_placement", "reject_gathered", "gather_state", "scatter_state",
-           "state_nbytes", "to_cpu", "ARRIVAL_TIMEOUT"]
+           "state_nbytes", "to_cpu", "ARRIVAL_TIMEOUT", "PER_RANK_FORMAT", "per_rank_state", "read_per_rank",
+           "check_world_size_policy", "dcp_stateful"]
 
 logger = logging.getLogger(__name__)
 
@@ -358,6 +360,110 @@ def _arrival_message(name: str, rank: int, world: int, timeout: float, arrived: 
             "call it before that work or pass a larger arrival_timeout")
 
 
+#: ``format`` of a state_dict whose per-rank part is keyed by the global rank (:func:`per_rank_state`).
+PER_RANK_FORMAT = "gradpress.per_rank"
+
+_WORLD_SIZE_POLICIES = ("raise", "fresh")
+
+
+def check_world_size_policy(on_world_size_change: Any) -> str:
+    """``on_world_size_change`` checked: ``"raise"`` or ``"fresh"`` (``ValueError`` naming both)."""
+    if on_world_size_change not in _WORLD_SIZE_POLICIES:
+        raise ValueError(f"on_world_size_change must be one of {_WORLD_SIZE_POLICIES}, got {on_world_size_change!r}")
+    return str(on_world_size_change)
+
+
+def _global_placement() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def per_rank_state(local: Any, shared: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A state_dict that ``torch.distributed.checkpoint`` keeps per rank: ``local`` (this rank's own
+    values: error memory, residuals, counters of its bytes) serialized under the key
+    ``per_rank.rank_<global rank>``, which no other rank saves, so DCP neither deduplicates it nor
+    needs a template of its tensors' shapes (a fresh object's ``state_dict()`` holds its own entry,
+    which DCP's in-place load replaces with the saved one); ``world_size`` (the default group's,
+    identical on every rank, kept once) says how many ranks saved theirs. ``shared``: values identical
+    on every rank (counters) or sharded (DTensors), merged in as they are. The same dict goes through
+    ``torch.save`` and :func:`gather_state`; :func:`read_per_rank` reads it back."""
+    rank, world = _global_placement()
+    payload = io.BytesIO()
+    torch.save(to_cpu(local), payload)
+    return {**(shared or {}), "format": PER_RANK_FORMAT, "world_size": world,
+            "per_rank": {f"rank_{rank}": payload.getvalue()}}
+
+
+def read_per_rank(state: Mapping[str, Any], owner: str, *, on_world_size_change: str = "raise",
+                  allow_other_rank: bool = False) -> tuple[Any, bool]:
+    """``(this rank's values, True)`` from :func:`per_rank_state`'s dict, or ``(None, False)`` where
+    they start fresh. A dict of another format (checkpoints from before this layout) comes back as it
+    is, ``(state, True)``.
+
+    Saved by another world size (``world_size`` differs; after a DCP load into a larger world with
+    ``allow_partial_load`` a new rank keeps its own template entry, and ``world_size`` is the saved one),
+    or holding no entry at all: ``on_world_size_change="raise"``
+    raises a ``ValueError`` naming both sizes and the remedy; ``"fresh"`` returns ``(None, False)`` (the
+    per-rank values start as constructed; what is sharded or identical on every rank still loads).
+    A dict of this world size holding only other ranks' entries (rank 0's file loaded on rank 1) raises a
+    ``ValueError`` naming both ranks, whatever ``on_world_size_change``; ``allow_other_rank``: a dict
+    holding one other rank's entry gives that entry (on purpose)."""
+    check_world_size_policy(on_world_size_change)
+    if state.get("format") != PER_RANK_FORMAT:
+        return state, True
+    rank, world = _global_placement()
+    entries = state.get("per_rank") or {}
+    blob = entries.get(f"rank_{rank}")
+    if not blob and allow_other_rank:
+        saved = [b for b in entries.values() if b]
+        blob = saved[0] if len(saved) == 1 else None
+    saved_world = int(state.get("world_size", 0))
+    if blob and (saved_world == world or allow_other_rank):
+        return torch.load(io.BytesIO(bytes(blob)), weights_only=True), True
+    others = sorted(key for key, value in entries.items() if value and key != f"rank_{rank}")
+    if not blob and saved_world == world and others:  # one rank's file loaded on another: not a new world
+        raise ValueError(
+            f"{owner} checkpoint was saved with rank={others[0].removeprefix('rank_')} but this process has "
+            f"rank={rank} (it holds the per-rank state of {', '.join(others)} of {saved_world} ranks, none of "
+            f"rank_{rank}); its error memory is per rank: load each rank's own, or pass allow_other_rank=True "
+            "to load it anyway")
+    if on_world_size_change == "fresh":
+        logger.warning("%s: the checkpoint was saved by %s ranks, this run has %d (rank %d): "
+                       "on_world_size_change='fresh', this rank's per-rank state starts fresh", owner,
+                       saved_world, world, rank)
+        return None, False
+    raise ValueError(
+        f"{owner} checkpoint was saved by {saved_world} ranks, this run has {world} (rank {rank} finds "
+        f"{'no entry of its own' if not blob else 'the entry of a rank of another run'}): per-rank state "
+        f"(error memory, residuals) cannot be split or merged across world sizes. To resume without it, "
+        f"load with on_world_size_change='fresh' (each rank's per-rank state then starts fresh, which costs "
+        f"a few steps of quality; sharded and shared state still loads); to load into a larger world through "
+        f"torch.distributed.checkpoint, also pass planner=DefaultLoadPlanner(allow_partial_load=True)")
+
+
+class dcp_stateful:  # noqa: N801  (used like a function)
+    """``obj`` (a ``PowerSGDState``, a ``PowerSGD`` aggregator, an averager, a ``PostLocalSGDOptimizer``)
+    as a ``torch.distributed.checkpoint`` Stateful whose load applies ``on_world_size_change``: with
+    ``"fresh"``, a checkpoint saved by another world size loads its sharded and shared parts, and the
+    per-rank parts (error memory, residuals) start fresh, as :func:`scatter_state`'s option does. The
+    objects themselves are Stateful already; they raise on another world size.
+
+    >>> dcp.load({"powersgd": gradpress.checkpoint.dcp_stateful(state, "fresh")}, checkpoint_id=path,  # doctest: +SKIP
+    ...          planner=DefaultLoadPlanner(allow_partial_load=True))   # a larger world: no entry of its own
+    """
+
+    def __init__(self, obj: Any, on_world_size_change: str = "fresh") -> None:
+        self.obj = obj
+        self.on_world_size_change = check_world_size_policy(on_world_size_change)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.obj.load_state_dict(state_dict, on_world_size_change=self.on_world_size_change)
+
+
 def state_nbytes(state_dict: Any) -> int:
     """Bytes of the tensors in a (nested) state dict: what one rank's hook state adds to a checkpoint.
     For ``PowerSGDState`` it is the error memory (fp32 ``n x m`` per compressed matrix, i.e. about the
@@ -365,7 +471,9 @@ def state_nbytes(state_dict: Any) -> int:
     ``num_iters_per_step``)."""
     if isinstance(state_dict, torch.Tensor):
         return state_dict.numel() * state_dict.element_size()
-    if isinstance(state_dict, dict):
+    if isinstance(state_dict, (bytes, bytearray)) and state_dict:  # a per-rank entry (per_rank_state)
+        return state_nbytes(torch.load(io.BytesIO(bytes(state_dict)), weights_only=True))
+    if isinstance(state_dict, Mapping):
         return sum(state_nbytes(value) for value in state_dict.values())
     if isinstance(state_dict, (list, tuple)):
         return sum(state_nbytes(value) for value in state_dict)

@@ -86,10 +86,10 @@ def train_on_shards(rank: int, world: int, front: str, shard: int, dtype: torch.
         else:
             gradpress.optimizer_step(opt, aggregator)
     if front == "hook":
-        memory = state.state_dict()["memory"]
+        memory = state.local_state_dict()["memory"]
         _, plain, sent = state.compression_stats()
     else:
-        memory = aggregator.state_dict()["memory"]
+        memory = aggregator.local_state_dict()["memory"]
         sent, plain = aggregator.floats_per_step, aggregator.numel
     return {"params": torch.cat([p.detach().reshape(-1) for p in net.parameters()]),
             "losses": torch.stack(losses),

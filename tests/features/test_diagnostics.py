@@ -165,7 +165,7 @@ def test_measuring_changes_no_number_of_the_training():
             layer.zero_grad()
             layer(torch.randn(8, 16)).square().mean().backward()
             powersgd.aggregate_([p.grad for p in layer.parameters()])
-        return layer.weight.grad.clone(), powersgd.state_dict()["memory"]
+        return layer.weight.grad.clone(), powersgd.local_state_dict()["memory"]
 
     grad, memory = train(None)
     grad_measured, memory_measured = train(1)

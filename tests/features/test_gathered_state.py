@@ -134,12 +134,12 @@ def _scatter_from_other_world_size(rank: int, world_size: int, mode: str) -> tup
     if rank == 0:  # as if saved by 3 ranks
         gathered = {**gathered, "world_size": 3, "ranks": gathered["ranks"] + [gathered["ranks"][0]]}
     fresh = _fresh_state()
-    before = fresh.state_dict()
+    before = fresh.local_state_dict()
     try:
         loaded = gradpress.scatter_state(fresh, gathered if rank == 0 else None, on_world_size_change=mode)
     except ValueError as error:
         return "error", str(error)
-    after = fresh.state_dict()
+    after = fresh.local_state_dict()
     unchanged = after["iter"] == before["iter"] == 0 and after["memory"] == before["memory"]
     return "ok", loaded, unchanged, state.iter
 

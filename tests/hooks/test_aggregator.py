@@ -177,7 +177,7 @@ def test_error_feedback_conserves_mass_in_float64(num_iters):
             if g is not None:
                 local[i] += g
                 applied[i] += o
-    memory = powersgd.state_dict()["memory"]
+    memory = powersgd.local_state_dict()["memory"]
     compressed = 0
     for i, p in enumerate(params):
         error = memory[i]["error"].reshape(p.shape) if i in memory else torch.zeros_like(p)
@@ -436,7 +436,7 @@ def _trace(config, steps=12, lrs=None, **kwargs):
         g = [None if p.grad is None else p.grad.clone() for p in params]
         grads.append(g)
         outs.append(powersgd.aggregate(g))
-    memory = powersgd.state_dict()["memory"]
+    memory = powersgd.local_state_dict()["memory"]
     errors = [memory[i]["error"].reshape(p.shape) if i in memory else torch.zeros_like(p)
               for i, p in enumerate(params)]
     return grads, outs, errors, powersgd

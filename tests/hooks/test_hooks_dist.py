@@ -169,7 +169,7 @@ def train_recording(rank, world, steps, r, num_iters=None):
         net.zero_grad()
         models.loss_fn(net, x, y).backward()
         _sgd_step(net)
-    sd = state.state_dict()
+    sd = state.local_state_dict()
     plan = gradpress.make_plan([p.shape for p in net.parameters()], r, 2)
     # Elements sent over all compressed steps, from the plan's arithmetic (parity alternates per step).
     sent = sum(plan.numel_sent_per_step(num_iters, step * (num_iters or 0)) for step in range(steps - 2))
@@ -267,7 +267,7 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path, use_pickle, n
 def load_moves_devices_and_checks_options(rank, world):
     net, state, opt = _setup("powerSGD_hook")
     _train(net, state, rank, 5, 0, opt)
-    sd = state.state_dict()
+    sd = state.local_state_dict()
     assert all(isinstance(v["error"], torch.Tensor) for v in sd["memory"].values())
     assert "process_group" not in str(sd["options"])
     other = gradpress.PowerSGDState(None, matrix_approximation_rank=3, start_powerSGD_iter=3)
@@ -457,7 +457,7 @@ def _one_state_moved_to_a_new_model(rank, world_size, hook_name):
                 models.loss_fn(net, *models.batch(rank, step)).backward()
             same &= all(torch.equal(a.grad, b.grad) for a, b in zip(second.parameters(), exact.parameters()))
     moved = [str(w.message) for w in caught if "another DDP model" in str(w.message)]
-    shapes = state.state_dict()["param_shapes"]
+    shapes = state.local_state_dict()["param_shapes"]
     iters = state.iter
     try:
         models.loss_fn(first, *models.batch(rank, 9)).backward()

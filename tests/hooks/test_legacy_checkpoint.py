@@ -84,11 +84,11 @@ def _build() -> dict[str, object]:
     hook_state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2,
                                          min_compression_rate=0)
     hook_out = _run_hook(hook_state, gradpress.powerSGD_hook, params, 5)
-    hook_saved = hook_state.state_dict()
+    hook_saved = hook_state.local_state_dict()
     hook_next = _run_hook(hook_state, gradpress.powerSGD_hook, params, 1)
     batched_state = gradpress.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
     batched_out = _run_hook(batched_state, gradpress.batched_powerSGD_hook, params, 4)
-    batched_saved = batched_state.state_dict()
+    batched_saved = batched_state.local_state_dict()
     batched_next = _run_hook(batched_state, gradpress.batched_powerSGD_hook, params, 1)
     schedule = _Schedule()
     multi_state = gradpress.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2,
@@ -105,8 +105,8 @@ def _build() -> dict[str, object]:
         aggregated.extend(grads)
     return {"hook": hook_saved, "hook_out": hook_out, "hook_next": hook_next,
             "batched": batched_saved, "batched_out": batched_out, "batched_next": batched_next,
-            "multi": multi_state.state_dict(), "multi_out": multi_out,
-            "aggregator": aggregator.state_dict(), "aggregator_out": aggregated}
+            "multi": multi_state.local_state_dict(), "multi_out": multi_out,
+            "aggregator": aggregator.local_state_dict(), "aggregator_out": aggregated}
 
 
 #: Relative to the largest magnitude of a tensor: float32 rounding across CPUs, far below an engine's error.
@@ -166,7 +166,7 @@ def test_old_hook_checkpoints_load_and_resume() -> None:
                                ("batched", gradpress.batched_powerSGD_hook, dict(matrix_approximation_rank=1))):
         state = gradpress.PowerSGDState(None, start_powerSGD_iter=2, **kwargs)
         state.load_state_dict(legacy[name])
-        saved = state.state_dict()
+        saved = state.local_state_dict()
         assert set(legacy[name]) <= set(saved), (name, set(legacy[name]) - set(saved))  # no key dropped
         _same(legacy[name]["memory"], saved["memory"], name)
         _same(legacy[name]["padded"], saved["padded"], name)
@@ -187,7 +187,7 @@ def test_old_multi_iteration_checkpoint_with_an_lr_scheduler_loads() -> None:
     state = gradpress.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2, min_compression_rate=0,
                                     num_iters_per_step=2, lr_scheduler=schedule, warm_up_beta_factor=0.5)
     state.load_state_dict(legacy)
-    saved = state.state_dict()
+    saved = state.local_state_dict()
     assert set(legacy) <= set(saved), set(legacy) - set(saved)
     _same(legacy["memory"], saved["memory"], "multi")
     for key in set(legacy) - {"memory", "padded"}:
@@ -200,7 +200,7 @@ def test_old_aggregator_checkpoint_loads() -> None:
                                                                 start_compressing_after_num_steps=1),
                                     init_sync=False)
     aggregator.load_state_dict(legacy)
-    saved = aggregator.state_dict()
+    saved = aggregator.local_state_dict()
     assert set(legacy) <= set(saved), set(legacy) - set(saved)
     _same(legacy["memory"], saved["memory"], "aggregator")
     for key in ("step_counter", "total_numel", "total_floats_sent", "total_bytes_sent", "config"):

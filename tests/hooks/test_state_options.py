@@ -89,7 +89,7 @@ def record(rank, world, steps, options, lrs=None, dtype=torch.float64, scale=1.0
 
         def done(f):
             applied = [g.clone() for g in bucket.gradients()]
-            memory = {k: v["error"] for k, v in state.state_dict()["memory"].items()} if compressing else {}
+            memory = {k: v["error"] for k, v in state.local_state_dict()["memory"].items()} if compressing else {}
             trace.append({"local": local, "applied": applied, "compressing": compressing,
                           "lr": lrs[Schedule.t] if lrs else None, "memory": memory,
                           "keys": [state._params.key_of(p) for p in bucket.parameters()]})
@@ -258,14 +258,14 @@ def test_update_state_advances_the_iteration_and_rescales_memory_to_a_new_lr():
             return list(lr)
 
     state = PowerSGDState(None, start_powerSGD_iter=5, lr_scheduler=Schedule())
-    state.load_state_dict({**state.state_dict(), "param_shapes": [[4, 4]],
+    state.load_state_dict({**state.local_state_dict(), "param_shapes": [[4, 4]],
                            "memory": {0: {"shape": [4, 4], "error": torch.ones(4, 4), "q": None, "p": None}}})
     state.update_state()
     assert state.iter == 1
     lr[0] = 0.025
     state.update_state()
     assert state.iter == 2
-    torch.testing.assert_close(state.state_dict()["memory"][0]["error"], torch.full((4, 4), 4.0))
+    torch.testing.assert_close(state.local_state_dict()["memory"][0]["error"], torch.full((4, 4), 4.0))
 
 
 def test_signature_defaults_equal_pytorchs():

@@ -7,6 +7,7 @@ and runs as MULTI_CPU, as under ``accelerate launch --cpu`` or ``torchrun``.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 from pathlib import Path
@@ -78,7 +79,7 @@ def train(rank: int, world: int, method: str, epochs: int, save_to: str | None =
         "losses": losses,
         "iter": getattr(state, "iter", None),
         "stats": None if state is None else state.compression_stats(),
-        "error": None if state is None else state.state_dict()["memory"],
+        "error": None if state is None else state.local_state_dict()["memory"],
     }
 
 
@@ -111,8 +112,10 @@ def test_save_state_and_load_state_resume_exactly_with_each_ranks_memory(straigh
     for rank in range(2):
         saved = torch.load(state_file(checkpoint, rank), weights_only=True)
         assert saved["rank"] == rank and saved["world_size"] == 2
-        key = next(iter(saved["comm_state"]["memory"]))
-        assert torch.equal(saved["comm_state"]["memory"][key]["error"], first[rank]["error"][key]["error"])
+        assert list(saved["comm_state"]["per_rank"]) == [f"rank_{rank}"]  # PowerSGDState.state_dict(): per rank
+        memory = torch.load(io.BytesIO(saved["comm_state"]["per_rank"][f"rank_{rank}"]), weights_only=True)["memory"]
+        key = next(iter(memory))
+        assert torch.equal(memory[key]["error"], first[rank]["error"][key]["error"])
     key = next(iter(first[0]["error"]))
     assert not torch.equal(first[0]["error"][key]["error"], first[1]["error"][key]["error"])  # per-rank memory
     resumed = run(train, 2, "powersgd", 1, None, checkpoint, timeout=300)

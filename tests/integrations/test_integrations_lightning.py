@@ -8,6 +8,7 @@ torchrun), so no Lightning run pays for starting processes.
 from __future__ import annotations
 
 import functools
+import io
 import os
 import warnings
 from collections import OrderedDict
@@ -219,12 +220,18 @@ def test_stopping_and_resuming_from_the_checkpoint_equals_never_stopping(runs, t
     assert f"{kind}-step=3.ckpt" not in files and f"{kind}-step=6.ckpt" in files
 
 
+def _own_entry(state: dict, rank: int) -> dict:
+    """Rank ``rank``'s values in a ``PowerSGDState.state_dict()``, which holds that rank's entry only."""
+    assert list(state["per_rank"]) == [f"rank_{rank}"]
+    return torch.load(io.BytesIO(state["per_rank"][f"rank_{rank}"]), weights_only=True)
+
+
 def test_checkpoint_holds_every_ranks_state(tmp_path):
     """Both storages: what the checkpoint file holds, and that the per-rank state differs by rank."""
     results = run(save_only, 2, str(tmp_path), timeout=300)
     single = torch.load(tmp_path / "checkpoint.ckpt", weights_only=True)["gradpress"]
     assert single["world_size"] == 2 and single["storage"] == "checkpoint" and len(single["ranks"]) == 2
-    memories = [entry["comm_state"]["memory"] for entry in single["ranks"]]
+    memories = [_own_entry(entry["comm_state"], rank)["memory"] for rank, entry in enumerate(single["ranks"])]
     assert memories[0].keys() == memories[1].keys() and memories[0]
     key = next(iter(memories[0]))
     assert not torch.equal(memories[0][key]["error"], memories[1][key]["error"])  # error memory is per rank
@@ -232,7 +239,7 @@ def test_checkpoint_holds_every_ranks_state(tmp_path):
     assert header == {"version": 1, "world_size": 2, "storage": "per_rank_files"}
     for rank in range(2):
         side = torch.load(rank_file(tmp_path / "per_rank_files.ckpt", rank), weights_only=True)
-        assert torch.equal(side["comm_state"]["memory"][key]["error"], memories[rank][key]["error"])
+        assert torch.equal(_own_entry(side["comm_state"], rank)["memory"][key]["error"], memories[rank][key]["error"])
     assert results[0] == results[1] == "ok"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -58,6 +59,19 @@ def test_fsdp_example_of_the_readme_compresses_across_replicas() -> None:
     assert "PowerSGD across 2 replicas: 12 iterations" in out
 
 
+def test_fsdp_islands_example_resumes_from_its_distributed_checkpoint_bit_for_bit(tmp_path: Path) -> None:
+    out = _torchrun("fsdp_islands_diloco.py", "--verify-resume", "--steps", "24",
+                    "--checkpoint-dir", str(tmp_path / "verify"))
+    assert "parameters equal to never stopping, bit for bit, on every rank: True" in out
+    # Saved at the end, then resumed from that checkpoint by a new torchrun.
+    ckpt, summary = tmp_path / "ckpt", tmp_path / "summary.json"
+    _torchrun("fsdp_islands_diloco.py", "--steps", "12", "--checkpoint-dir", str(ckpt))
+    out = _torchrun("fsdp_islands_diloco.py", "--steps", "24", "--checkpoint-dir", str(ckpt), "--json", str(summary))
+    assert f"resumed from {ckpt} at step 12" in out
+    result = json.loads(summary.read_text())
+    assert result["step"] == 24 and result["fragment_syncs"] > 0
+
+
 def test_hierarchical_example_of_the_readme_sends_half_the_flat_bytes_per_node() -> None:
     out = _torchrun("hierarchical_powersgd.py", "--steps", "8")
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]
@@ -97,6 +111,8 @@ def test_own_script_saves_on_rank_0_only_and_resumes_as_if_never_stopped(tmp_pat
     assert files == ["ckpt.pt"]  # one file, written by rank 0
     ckpt = gradpress.checkpoint.load(tmp_path / "whole" / "out" / "ckpt.pt")
     entries = ckpt["powersgd"]["ranks"]
+    assert [list(entry["per_rank"]) for entry in entries] == [["rank_0"], ["rank_1"]]
+    entries = [_own_entry(entry, rank) for rank, entry in enumerate(entries)]
     assert [entry["placement"]["rank"] for entry in entries] == [0, 1]  # every rank's own state
     assert not torch_equal(entries[0]["memory"], entries[1]["memory"])  # error memory differs per rank
     # What it costs, as docs/own-script.md says: per rank, n x m error memory + m x r factor per compressed matrix.
@@ -107,6 +123,13 @@ def test_own_script_saves_on_rank_0_only_and_resumes_as_if_never_stopped(tmp_pat
     resumed = _own_script(tmp_path / "split", "--max-iters", "40", "--init-from", "resume")
     assert resumed["hook_iter"] == resumed["iter_num"] == 40
     assert resumed["digest"] == whole["digest"]  # bitwise the run that never stopped
+
+
+def _own_entry(state: dict, rank: int) -> dict:
+    """Rank ``rank``'s values in a ``PowerSGDState.state_dict()`` (:func:`gradpress.checkpoint.per_rank_state`)."""
+    import torch
+
+    return torch.load(io.BytesIO(state["per_rank"][f"rank_{rank}"]), weights_only=True)
 
 
 def torch_equal(a: dict, b: dict) -> bool:

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..checkpoint import check_placement, check_saved_options, placement, reject_gathered
+from ..checkpoint import (check_placement, check_saved_options, per_rank_state, placement, read_per_rank,
+                          reject_gathered)
 from ..comm import broadcast_parameters, check_process_group, make_communicator
 from ..diagnostics import (ApproximationSummary, captured_energies, parameter_names, relative_errors,
                            should_measure, summarize)
@@ -46,6 +47,7 @@ class PowerSGD(Aggregator):
             optimizer_step(optimizer, powersgd)
         print(powersgd.compression_rate, powersgd.floats_per_step)
         torch.save(powersgd.state_dict(), f"powersgd.{rank}.pt")   # error memory is per worker
+        dcp.save({"model": model.state_dict(), "powersgd": powersgd}, checkpoint_id=path)  # or through DCP
 
     Non-finite steps (AMP): when anything averaged in a call of :meth:`aggregate_` is inf/NaN (an
     overflow on any worker), the error memory and factors of every worker stay bitwise as they were
@@ -299,8 +301,11 @@ class PowerSGD(Aggregator):
         return captured_energies(self._session.global_residual_norms(), self._name)
 
     # --- checkpoints ----------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Step counter, configuration and per-parameter error memory and factors, as plain tensors."""
+    def local_state_dict(self) -> dict[str, Any]:
+        """This worker's step counter, configuration, placement (rank and world size of ``process_group``)
+        and per-parameter error memory and factors, as plain tensors and numbers: what ``torch.save`` of
+        ``state_dict()`` held per worker before :meth:`state_dict` took the per-rank layout, and what
+        :meth:`load_state_dict` still accepts."""
         return {
             "version": _STATE_DICT_VERSION,
             "placement": placement(self.process_group),
@@ -317,14 +322,30 @@ class PowerSGD(Aggregator):
             "memory": self._session.memory_state(),
         }
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], *, allow_other_rank: bool = False) -> None:
-        """Restore :meth:`state_dict`'s output (tensors may come from another device).
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`local_state_dict` under this process's global rank
+        (:func:`~gradpress.checkpoint.per_rank_state`), so that ``torch.distributed.checkpoint`` keeps
+        every worker's (``dcp.save({"powersgd": powersgd})`` on every rank; the aggregator is a Stateful);
+        ``torch.save`` per worker and :func:`~gradpress.checkpoint.gather_state` take it as well."""
+        return per_rank_state(self.local_state_dict())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], *, allow_other_rank: bool = False,
+                        on_world_size_change: str = "raise") -> None:
+        """Restore :meth:`state_dict`'s or :meth:`local_state_dict`'s output (tensors may come from another
+        device).
 
         Raises ``ValueError`` if it was saved for other parameter shapes, another compression setting, or
         on another rank or world size (checkpoints without this record are accepted;
-        ``allow_other_rank=True`` skips the rank/world-size check).
+        ``allow_other_rank=True`` skips the rank/world-size check). ``on_world_size_change="fresh"``: a
+        :meth:`state_dict` saved by another world size is not loaded, and the aggregator stays as it is (as
+        constructed, in a resume: error memory from zero, ``step_counter`` from 0), as
+        :func:`~gradpress.checkpoint.scatter_state` does with that option.
         """
         reject_gathered(state_dict, "PowerSGD.load_state_dict")
+        state_dict, loaded = read_per_rank(state_dict, "PowerSGD", on_world_size_change=on_world_size_change,
+                                           allow_other_rank=allow_other_rank)
+        if not loaded:
+            return
         if state_dict.get("version") != _STATE_DICT_VERSION:
             raise ValueError(f"unsupported PowerSGD state_dict version {state_dict.get('version')!r}; "
                              f"expected {_STATE_DICT_VERSION}")

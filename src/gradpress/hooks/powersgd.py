@@ -11,7 +11,7 @@ Differences from PyTorch that users can rely on (each has a test):
   * no ``torch.cuda.synchronize``: CPU tensors work on machines that also have CUDA;
   * ``batched_powerSGD_hook`` works (PyTorch's resizes the bucket buffer and fails);
   * state is kept per parameter, so a checkpoint resumes correctly although DDP rebuilds its buckets
-    after the first iteration; ``state_dict()`` holds plain tensors;
+    after the first iteration; ``local_state_dict()`` holds plain tensors;
   * error memory, P and Q are fp32 for fp16/bf16 gradients, and non-finite values never enter them: an
     iteration whose averaged result is not finite (an inf/NaN gradient on any rank) leaves the memory of
     every rank bitwise as it was and hands DDP non-finite gradients, so a ``GradScaler`` skips it on

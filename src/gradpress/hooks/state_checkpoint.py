@@ -1,8 +1,9 @@
-"""A :class:`~gradpress.PowerSGDState`'s checkpoints: ``state_dict()`` / ``load_state_dict()`` (plain tensors
-and numbers, per rank) and pickling. A base class of ``PowerSGDState``; the state's core is in
-:mod:`gradpress.hooks.powersgd`.
+"""A :class:`~gradpress.PowerSGDState`'s checkpoints: ``local_state_dict()`` (this rank's plain tensors and
+numbers), ``state_dict()`` / ``load_state_dict()`` (the same, kept per rank by ``torch.distributed.checkpoint``:
+:func:`gradpress.checkpoint.per_rank_state`) and pickling. A base class of ``PowerSGDState``; the state's
+core is in :mod:`gradpress.hooks.powersgd`.
 
-The format: options, counters, the placement (rank and world size), parameter shapes, the adaptive
+The local format: options, counters, the placement (rank and world size), parameter shapes, the adaptive
 rank's decisions, ``"memory"`` (per-parameter error memory and factors, :meth:`EngineSession.memory_state
 <gradpress.powersgd.EngineSession.memory_state>`) and ``"padded"`` (``batched_powerSGD_hook``'s per-bucket
 memory, :class:`~gradpress.hooks.batched.PaddedBuckets`).
@@ -17,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ..adaptive import AdaptiveRank
-from ..checkpoint import check_placement, check_saved_options, placement, reject_gathered
+from ..checkpoint import (check_placement, check_saved_options, per_rank_state, placement, read_per_rank,
+                          reject_gathered)
 from ..policy import RankRules
 
 __all__ = ["StateCheckpoint"]
@@ -83,9 +85,12 @@ class _State(Protocol):
     @property
     def adaptive_rank(self) -> AdaptiveRank | None: ...
 
+    def local_state_dict(self) -> dict[str, Any]: ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
-    def load_state_dict(self, state_dict: dict[str, Any], *, allow_other_rank: bool = False) -> None: ...
+    def load_state_dict(self, state_dict: dict[str, Any], *, allow_other_rank: bool = False,
+                        on_world_size_change: str = "raise") -> None: ...
 
 
 class StateCheckpoint:
@@ -95,8 +100,11 @@ class StateCheckpoint:
     # Replaced whole by load_state_dict (a hook's per-bucket memory, or its checkpoint form).
     _bucket_memory: Any
 
-    def state_dict(self: _State) -> dict[str, Any]:
-        """Plain tensors and numbers: counters, options, and per-parameter error memory and Q.
+    def local_state_dict(self: _State) -> dict[str, Any]:
+        """This rank's state as plain tensors and numbers: counters, options, the placement (rank and world
+        size of ``process_group``) and per-parameter error memory and Q; what ``torch.save`` of
+        ``state_dict()`` held per rank before :meth:`state_dict` took the per-rank layout, and what
+        :meth:`load_state_dict` still accepts.
 
         No process group, nothing tied to a device or to DDP's bucket layout. Call between iterations
         (on every rank that will resume; each rank's error memory is its own).
@@ -144,14 +152,32 @@ class StateCheckpoint:
             "padded": dict(memory) if isinstance(memory := self._bucket_memory, dict) else memory.state_dict(),
         }
 
-    def load_state_dict(self: _State, state_dict: dict[str, Any], *, allow_other_rank: bool = False) -> None:
-        """Restore what :meth:`state_dict` saved; tensors may come from another device.
+    def state_dict(self: _State) -> dict[str, Any]:
+        """:meth:`local_state_dict` under this process's global rank (:func:`~gradpress.checkpoint.per_rank_state`):
+        ``{"format", "world_size", "per_rank": {"rank_<r>": <serialized local_state_dict>}}``. Every rank's
+        entry has its own key, so ``torch.distributed.checkpoint`` keeps each rank's (``dcp.save({"powersgd":
+        state})`` on every rank; the state is a Stateful); ``torch.save`` per rank and
+        :func:`~gradpress.checkpoint.gather_state` take it as well. Call between iterations."""
+        return per_rank_state(self.local_state_dict())
+
+    def load_state_dict(self: _State, state_dict: dict[str, Any], *, allow_other_rank: bool = False,
+                        on_world_size_change: str = "raise") -> None:
+        """Restore what :meth:`state_dict` or :meth:`local_state_dict` saved (files from before the per-rank
+        layout hold the latter); tensors may come from another device.
 
         Raises ``ValueError`` if the checkpoint was made with different compression options, or on another
         rank or world size (checkpoints without this record are accepted; ``allow_other_rank=True`` skips
-        the rank/world-size check).
+        the rank/world-size check). ``on_world_size_change="fresh"``: a :meth:`state_dict` saved by another
+        world size is not loaded, and the state stays as it is (as constructed, in a resume): error memory
+        from zero and ``iter`` from 0, so it sends plain allreduce again for its ``start_powerSGD_iter``
+        iterations, as :func:`~gradpress.checkpoint.scatter_state` does with that option.
         """
         reject_gathered(state_dict, "PowerSGDState.load_state_dict")
+        local, loaded = read_per_rank(state_dict, "PowerSGDState", on_world_size_change=on_world_size_change,
+                                      allow_other_rank=allow_other_rank)
+        if not loaded:
+            return
+        state_dict = local
         if state_dict.get("version") != _STATE_DICT_VERSION:
             raise ValueError(f"unsupported PowerSGDState state_dict version {state_dict.get('version')!r}; "
                              f"expected {_STATE_DICT_VERSION}")
@@ -176,7 +202,7 @@ class StateCheckpoint:
         self._bucket_memory = dict(state_dict.get("padded") or {})
 
     def __getstate__(self: _State) -> dict[str, Any]:
-        state = self.state_dict()
+        state = self.local_state_dict()
         if self.rank_policy is not None:
             state["options"]["rank_policy"] = self.rank_policy
         return state

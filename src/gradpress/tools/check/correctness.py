@@ -178,7 +178,7 @@ def _state_tensors(state: PowerSGDState) -> dict[str, torch.Tensor]:
             for index, item in enumerate(value):
                 walk(f"{prefix}.{index}", item)
 
-    walk("state", state.state_dict())
+    walk("state", state.local_state_dict())
     return out
 
 
