@@ -49,7 +49,7 @@ def _memory(state) -> dict:
     """Everything of a PowerSGDState that later numbers depend on, as plain copies."""
     if state is None:
         return {}
-    sd = state.state_dict()
+    sd = state.local_state_dict()
     out = {"iter": sd["iter"]}
     for kind in ("memory", "padded"):
         for key, entry in sd[kind].items():
@@ -193,7 +193,7 @@ def _aggregator_run(rank, num_iters, use_scaler, skip_step):
             loss = models.loss_fn(model, x, y)
         bad = skip_step is None and step == BAD
         if bad:
-            out["before"] = (powersgd.state_dict(), _params(model), copy.deepcopy(optimizer.state_dict()))
+            out["before"] = (powersgd.local_state_dict(), _params(model), copy.deepcopy(optimizer.state_dict()))
         handle = model.conv2.weight.register_hook(_poison) if bad and rank == 1 else None
         (scaler.scale(loss) if scaler is not None else loss).backward()
         if handle is not None:
@@ -209,10 +209,10 @@ def _aggregator_run(rank, num_iters, use_scaler, skip_step):
             out["stepped"].append(gradpress.optimizer_step(optimizer, powersgd))
         if bad:
             out["finite"] = getattr(powersgd, "finite", None)  # (absent in code without the commit)
-            out["after"] = (powersgd.state_dict(), _params(model), copy.deepcopy(optimizer.state_dict()))
+            out["after"] = (powersgd.local_state_dict(), _params(model), copy.deepcopy(optimizer.state_dict()))
         out["losses"].append(loss.detach())
     out["params"] = _params(model)
-    out["state"] = powersgd.state_dict()
+    out["state"] = powersgd.local_state_dict()
     return out
 
 
@@ -263,13 +263,13 @@ def _outer_runs(rank, world):
             optimizer.zero_grad()
             models.loss_fn(model, x, y).backward()
             if step == 4:  # rank 1's parameters blew up since the last synchronization
-                record["before"] = (copy.deepcopy(averager.state_dict()), _params(model))
+                record["before"] = (copy.deepcopy(averager.local_state_dict()), _params(model))
                 if rank == 1:
                     with torch.no_grad():
                         model.conv2.weight.view(-1)[3] = float("nan")
             optimizer.step()
             if step == 4:
-                record["after"] = (copy.deepcopy(averager.state_dict()), _params(model))
+                record["after"] = (copy.deepcopy(averager.local_state_dict()), _params(model))
         record["params"] = _params(model)
         record["skipped"] = getattr(averager, "num_skipped", None)  # (absent in code without the commit)
         record["averages"] = averager.num_averages
@@ -450,12 +450,12 @@ def test_optimizer_step_skips_a_non_finite_step_on_one_worker():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model.weight.grad = torch.full((6, 5), 2.0)
     stepped = [gradpress.optimizer_step(optimizer, powersgd)]
-    before = (model.weight.detach().clone(), powersgd.state_dict())
+    before = (model.weight.detach().clone(), powersgd.local_state_dict())
     model.weight.grad = torch.full((6, 5), 2.0)
     model.weight.grad[1, 1] = float("nan")
     stepped.append(gradpress.optimizer_step(optimizer, powersgd))
     assert torch.equal(model.weight.detach(), before[0])
-    assert _same(_aggregator_memory(before[1]), _aggregator_memory(powersgd.state_dict()))
+    assert _same(_aggregator_memory(before[1]), _aggregator_memory(powersgd.local_state_dict()))
     assert not model.weight.grad.any()  # zeroed as after any optimizer_step
     assert stepped == [True, False] and not bool(powersgd.finite)
     # Exact averaging (before compression starts) reports too.

@@ -85,12 +85,12 @@ def _aggregator():
 
 @pytest.mark.parametrize("make", [_hook_state, _aggregator], ids=["PowerSGDState", "PowerSGD"])
 def test_state_dict_records_rank_and_world_size(make):
-    assert make().state_dict()["placement"] == {"rank": 0, "world_size": 1}
+    assert make().local_state_dict()["placement"] == {"rank": 0, "world_size": 1}
 
 
 @pytest.mark.parametrize("make", [_hook_state, _aggregator], ids=["PowerSGDState", "PowerSGD"])
 def test_load_from_another_rank_or_world_size_is_refused(make):
-    sd = make().state_dict()
+    sd = make().local_state_dict()
     sd["placement"] = {"rank": 1, "world_size": 2}
     with pytest.raises(ValueError, match=r"world_size=2 but this process has world_size=1") as info:
         make().load_state_dict(sd)
@@ -103,13 +103,13 @@ def test_load_from_another_rank_or_world_size_is_refused(make):
 
 @pytest.mark.parametrize("make", [_hook_state, _aggregator], ids=["PowerSGDState", "PowerSGD"])
 def test_old_checkpoints_without_placement_still_load(make):
-    sd = make().state_dict()
+    sd = make().local_state_dict()
     del sd["placement"]
     make().load_state_dict(sd)
 
 
 def test_aggregator_shape_mismatch_names_parameter_and_shapes():
-    sd = _aggregator().state_dict()
+    sd = _aggregator().local_state_dict()
     sd["param_shapes"][1] = [7]
     with pytest.raises(ValueError, match=r"parameter #1 has shape \(7,\), this PowerSGD's has \(6,\)"):
         _aggregator().load_state_dict(sd)
@@ -132,8 +132,8 @@ def swap_rank_states(rank, world):
     try:
         agg.load_state_dict(gathered[(rank + 1) % world])
     except ValueError as exc:
-        return mine["placement"], str(exc)
-    return mine["placement"], None
+        return agg.local_state_dict()["placement"], str(exc)
+    return agg.local_state_dict()["placement"], None
 
 
 def test_loading_another_ranks_state_is_refused_across_processes():
@@ -160,7 +160,7 @@ def outer_averager_state_of_other_rank(rank, world):
         message = str(exc)
     fresh.load_state_dict(gathered[(rank + 1) % world], allow_other_rank=True)
     fresh.average_parameters(params)
-    return sd["powersgd"]["placement"], message
+    return averager.local_state_dict()["powersgd"]["placement"], message
 
 
 def test_outer_averager_refuses_compressed_state_of_another_rank_at_load():
@@ -191,8 +191,8 @@ def _gather_scatter(rank, world_size, what):
         gradpress.scatter_state(fresh, gathered if rank == 0 else None)
     except ValueError as error:
         return str(error)
-    mine = state.state_dict()["memory"][0]["error"]
-    return torch.equal(fresh.state_dict()["memory"][0]["error"], mine), fresh.step_counter
+    mine = state.local_state_dict()["memory"][0]["error"]
+    return torch.equal(fresh.local_state_dict()["memory"][0]["error"], mine), fresh.step_counter
 
 
 @pytest.mark.parametrize("what, message", [("other world size", "saved by 3 ranks, this run has 2"),
@@ -221,7 +221,7 @@ def _gather_scatter_outer_averager(rank, world_size):
     assert (gathered is None) == (rank != 1)
     fresh = OuterOptimizerAverager(period=1, compression=config)
     gradpress.scatter_state(fresh, gathered, src=1)
-    mine, loaded = averager.state_dict(), fresh.state_dict()
+    mine, loaded = averager.local_state_dict(), fresh.local_state_dict()
     return (loaded["powersgd"]["placement"], loaded["num_averages"] == mine["num_averages"],
             all(torch.equal(loaded["powersgd"]["memory"][key]["error"], entry["error"])
                 for key, entry in mine["powersgd"]["memory"].items()),

@@ -109,7 +109,7 @@ def torchft_streaming(rank, world, delay, alpha):
     for step in range(16):  # the state before step 0 (where local training starts) .. after step 14
         history[step] = {name: p.detach().tolist() for name, p in model.named_parameters()}
         anchors[step] = {f"layers.{f}.weight": fragment["anchor"][0].tolist()
-                         for f, fragment in enumerate(averager.state_dict()["fragments"])}
+                         for f, fragment in enumerate(averager.local_state_dict()["fragments"])}
         if step == 15:
             break
         for p in model.parameters():
@@ -322,7 +322,7 @@ def compressed_mass(rank, world, compression, delay):
     averager = StreamingDiLoCoAverager(4, num_fragments=2, fragment_sync_delay=delay, outer_lr=1.0,
                                        outer_momentum=0.0, compression=compression)
     averager.anchor_parameters(params)  # rank 0's parameters: every sync, the first included, is an outer step
-    anchors = {f: _flat(fr["anchor"]) for f, fr in enumerate(averager.state_dict()["fragments"])}
+    anchors = {f: _flat(fr["anchor"]) for f, fr in enumerate(averager.local_state_dict()["fragments"])}
     sending, true_sum, applied_sum = {}, {}, {}
     worst_mean_gap, lossy, agree, payload_ok = 0.0, False, True, True
     residuals = {0: 0.0, 1: 0.0}
@@ -344,7 +344,7 @@ def compressed_mass(rank, world, compression, delay):
                 delta = sending.pop(f)[1]
                 new_anchor = _flat(members).clone()
                 applied = anchors[f] - new_anchor
-                residual = averager.state_dict()["fragments"][f]["residual"]
+                residual = averager.local_state_dict()["fragments"][f]["residual"]
                 decay = getattr(compression, "error_decay", 1.0)  # e = δ + β·residual
                 own = delta + decay * residuals[f] - residual  # what this rank's payload carried
                 worst_mean_gap = max(worst_mean_gap, float((torch.stack(_gather(own)).mean(0) - applied).abs().max()))
@@ -424,7 +424,7 @@ def overlap(rank, world, compression):
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-    anchors = [torch.cat([a.reshape(-1) for a in f["anchor"]]) for f in averager.state_dict()["fragments"]]
+    anchors = [torch.cat([a.reshape(-1) for a in f["anchor"]]) for f in averager.local_state_dict()["fragments"]]
     agree = all(torch.equal(a, b) for a in anchors for b in _gather(a))
     return events, agree
 
@@ -475,7 +475,7 @@ def non_finite(rank, world, compression):
     for step in range(bad_step):
         _local_update(params, rank, step)
         averager.average_parameters(params)
-    before = averager.state_dict()["fragments"][0]
+    before = averager.local_state_dict()["fragments"][0]
     _local_update(params, rank, bad_step)
     members = [p for p, f in zip(params, averager.fragment_layout) if f == 0]
     if rank == 1:
@@ -484,7 +484,7 @@ def non_finite(rank, world, compression):
     averager.average_parameters(params)
     _local_update(params, rank, bad_step + 1)
     averager.average_parameters(params)
-    after = averager.state_dict()["fragments"][0]
+    after = averager.local_state_dict()["fragments"][0]
     kept = all(torch.equal(a, b) for a, b in zip(before["anchor"], after["anchor"]))
     momentum = [f["outer"]["state"] for f in (before, after)]
     kept &= len(momentum[0]) > 0 and all(
@@ -494,7 +494,7 @@ def non_finite(rank, world, compression):
     for step in range(bad_step + 2, 22):  # training goes on: fragment 0 moves again at its next sync
         _local_update(params, rank, step)
         averager.average_parameters(params)
-    final = averager.state_dict()
+    final = averager.local_state_dict()
     finite = all(torch.isfinite(p).all() for p in params) and all(
         f["residual"] is None or bool(torch.isfinite(f["residual"]).all()) for f in final["fragments"])
     moved = not all(torch.equal(a, b) for a, b in zip(after["anchor"], final["fragments"][0]["anchor"]))
@@ -574,6 +574,7 @@ def resume(rank, world, name, split):
     in_flight = opt.averager.in_flight
     buffer = io.BytesIO()
     torch.save({"net": net.state_dict(), "opt": opt.state_dict()}, buffer)
+    local = opt.averager.local_state_dict()  # this rank's state as one plain dict, with its placement
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=False)
     net, opt = make()
@@ -584,7 +585,7 @@ def resume(rank, world, name, split):
     counts = (opt.averager.bytes_sent, opt.averager.num_averages) == want_counts
     refused = None
     if opt.averager.compression is not None:
-        other = dict(saved["opt"]["averager"], placement={"rank": 1 - rank, "world_size": world})
+        other = dict(local, placement={"rank": 1 - rank, "world_size": world})
         try:
             make()[1].averager.load_state_dict(other)
             refused = False
@@ -651,9 +652,9 @@ def anchor_taken_once(rank, world):
         for step in range(warmup + 3):
             train_regression(net, opt, rank, step, step + 1)
             sent.append(averager.bytes_sent)
-        anchor = [a.clone() for a in averager.state_dict()["anchor"]]
+        anchor = [a.clone() for a in averager.local_state_dict()["anchor"]]
         averager.anchor_parameters(net.parameters())  # after syncs: the run's anchor stays
-        kept = all(torch.equal(a, b) for a, b in zip(anchor, averager.state_dict()["anchor"]))
+        kept = all(torch.equal(a, b) for a, b in zip(anchor, averager.local_state_dict()["anchor"]))
         out[warmup] = (sent, kept)
     group = dist.new_group([0])
     params = _params(rank)

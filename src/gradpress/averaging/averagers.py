@@ -8,19 +8,33 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..checkpoint import reject_gathered
+from ..checkpoint import per_rank_state, placement, read_per_rank, reject_gathered
 from ..validation import check_int
 from ..comm import all_gather_objects, average_tensors_, is_member
+from .shards import Spec, as_sharded, check_same_layout, from_saved, layout_key, local_views
 from .tensors import Params, tensors_to_average
 
 __all__ = ["HierarchicalModelAverager", "ModelAverager", "PeriodicModelAverager"]
 
 
 class ModelAverager(ABC):
-    """Base of the averagers: a step counter and ``average_parameters(params)`` called once per step."""
+    """Base of the averagers: a step counter and ``average_parameters(params)`` called once per step.
+
+    Parameters of ``fully_shard`` (FSDP2/HSDP DTensors) are averaged shard by shard: each rank its
+    local shard with the ranks of ``process_group`` that hold the same shard in the other islands
+    (:mod:`gradpress.averaging.shards`); ``bytes_sent`` counts this rank's bytes.
+
+    ``state_dict()`` is laid out for ``torch.distributed.checkpoint`` (and ``torch.save``): values
+    identical on every rank (counters) and sharded ones (DiLoCo's anchor and outer momentum, as
+    DTensors where the parameters are) at the top, this rank's own values (its bytes, residuals,
+    PowerSGD memory, and between synchronizations its parameters, which differ from island to island)
+    in one per-rank entry (:func:`gradpress.checkpoint.per_rank_state`). :meth:`local_state_dict` is
+    the same state as one rank's plain dict.
+    """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, average_buffers: bool = False) -> None:
         self.process_group = process_group
@@ -28,10 +42,16 @@ class ModelAverager(ABC):
         self.step = 0
         self.bytes_sent = 0
         self.num_averages = 0
+        self._params: list[Tensor] = []       # what was averaged last (parameters, DTensors or not)
+        self._pending: list[Tensor] | None = None  # a checkpoint's parameters of this rank, not yet written
+        self._checked_layout: tuple[Any, ...] | None = None
 
     def anchor_parameters(self, params: Params) -> None:
         """Where local training starts (called by :class:`PostLocalSGDOptimizer` when it is built):
-        averagers with an anchor (DiLoCo's) take ``params`` as it; the others ignore it."""
+        averagers with an anchor (DiLoCo's) take ``params`` as it; the others remember which tensors
+        they average (a checkpoint restores a rank's own parameters into them)."""
+        self._remember(params)
+        self._write_pending()
 
     @abstractmethod
     def average_parameters(self, params: Params) -> None:
@@ -41,20 +61,101 @@ class ModelAverager(ABC):
         """Names this averager's collectives in a :class:`gradpress.comm.CollectiveError`."""
         return f"{type(self).__name__}.average_parameters, step {self.step}"
 
-    def state_dict(self) -> dict[str, Any]:
+    def _remember(self, params: Params) -> list[Tensor]:
+        self._params = tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module))
+        return self._params
+
+    def _local(self, tensors: list[Tensor], group: dist.ProcessGroup | None = None,
+               check: bool = True) -> tuple[list[Tensor], list[Spec | None]]:
+        """Local shards of ``tensors`` (views) and their specs; a layout of DTensors not seen yet
+        is checked over ``group`` (default ``process_group``; a collective there)."""
+        views, specs = local_views(tensors)
+        if check and any(s is not None for s in specs):
+            key = layout_key(views, specs)
+            if key != self._checked_layout:
+                check_same_layout(views, specs, self.process_group if group is None else group,
+                                  type(self).__name__)
+                self._checked_layout = key
+        return views, specs
+
+    def in_sync(self) -> bool:
+        """Whether every rank of ``process_group`` holds the same parameters now (right after a
+        synchronization, or during a synchronous warm-up): a checkpoint then leaves the parameters to
+        the model's state dict; otherwise each rank's own are saved in its per-rank entry."""
+        return False
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's whole state as one plain dict (the layout of earlier versions)."""
         return {"step": self.step, "bytes_sent": self.bytes_sent, "num_averages": self.num_averages}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (``ValueError`` for anything else: a gathered state, a
-        dict without ``"step"``). :class:`PostLocalSGDOptimizer` loads a state without a step counter as
-        PyTorch does (warning, step 0)."""
+    def _shared_state(self) -> dict[str, Any]:
+        """What is identical on every rank, or sharded: saved once by ``torch.distributed.checkpoint``."""
+        return {"step": self.step, "num_averages": self.num_averages}
+
+    def _own_state(self) -> dict[str, Any]:
+        """This rank's own values (the per-rank entry)."""
+        own: dict[str, Any] = {"bytes_sent": self.bytes_sent, "placement": placement(self.process_group)}
+        if not self.in_sync() and self._params:
+            own["parameters"] = [v.detach().clone() for v in local_views(self._params)[0]]
+        return own
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state for ``torch.distributed.checkpoint`` and ``torch.save`` (see the class docstring);
+        a fresh averager's is a complete template for DCP's in-place load once it knows its parameters
+        (:class:`PostLocalSGDOptimizer` built, or :meth:`anchor_parameters` called)."""
+        return per_rank_state(self._own_state(), self._shared_state())
+
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_other_rank: bool = False,
+                        on_world_size_change: str = "raise") -> None:
+        """Restore :meth:`state_dict`'s (or :meth:`local_state_dict`'s) output (``ValueError`` for anything
+        else: a gathered state, a dict without ``"step"``). Per-rank values saved by another world size:
+        ``on_world_size_change="raise"`` refuses, ``"fresh"`` starts them fresh (see
+        :func:`gradpress.checkpoint.read_per_rank`). A rank's own parameters saved between
+        synchronizations are written into the parameters this averager knows (load after the model).
+        :class:`PostLocalSGDOptimizer` loads a state without a step counter as PyTorch does (warning,
+        step 0)."""
         reject_gathered(state, f"{type(self).__name__}.load_state_dict")
         if "step" not in state:
             raise ValueError(f"{type(self).__name__}.load_state_dict: the state has no 'step': it is not what "
                              f"state_dict() returned (keys: {sorted(state)})")
+        own, found = read_per_rank(state, type(self).__name__, on_world_size_change=on_world_size_change,
+                                   allow_other_rank=allow_other_rank)
+        self._load(state, own if found else None, allow_other_rank)
+        if found and own.get("parameters") is not None:
+            self._restore_parameters(own["parameters"])
+
+    def _load(self, state: Mapping[str, Any], own: Mapping[str, Any] | None, allow_other_rank: bool) -> None:
+        """Restore the shared values from ``state`` and this rank's from ``own`` (``None``: fresh; the
+        same dict as ``state`` for the earlier layout)."""
         self.step = int(state["step"])
-        self.bytes_sent = int(state.get("bytes_sent", 0))
         self.num_averages = int(state.get("num_averages", 0))
+        self.bytes_sent = 0 if own is None else int(own.get("bytes_sent", 0))
+
+    def _restore_parameters(self, saved: list[Tensor]) -> None:
+        """Write a checkpoint's parameters of this rank into the parameters, now if this averager knows
+        them, else at :meth:`anchor_parameters` (:class:`PostLocalSGDOptimizer` built after the load)."""
+        self._pending = list(saved)
+        if self._params:
+            self._write_pending()
+
+    def _write_pending(self) -> None:
+        saved, self._pending = self._pending, None
+        if saved is None:
+            return
+        views = local_views(self._params)[0]
+        if len(saved) != len(views):
+            raise ValueError(f"{type(self).__name__}.load_state_dict: the checkpoint holds {len(saved)} parameters "
+                             f"of this rank, this averager averages {len(views)}")
+        with torch.no_grad():
+            for view, value in zip(views, saved):
+                view.copy_(from_saved(value, view))
+
+
+def sharded_copies(tensors: list[Tensor], specs: list[Spec | None]) -> list[Tensor]:
+    """Copies of local tensors as DTensors laid out like their parameters (plain where not sharded)."""
+    return [as_sharded(t.detach().clone(), s) for t, s in zip(tensors, specs)]
 
 
 class PeriodicModelAverager(ModelAverager):
@@ -78,8 +179,11 @@ class PeriodicModelAverager(ModelAverager):
 
     def average_parameters(self, params: Params) -> None:
         if self.is_averaging_step(self.step) and is_member(self.process_group):
-            self._average(tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module)))
+            self._average(self._local(self._remember(params))[0])
         self.step += 1
+
+    def in_sync(self) -> bool:
+        return self.step <= self.warmup_steps or self.is_averaging_step(self.step - 1)
 
     def _average(self, tensors: list[Tensor]) -> None:
         self.bytes_sent += average_tensors_(tensors, self.process_group, issuer=self._issuer())
@@ -173,10 +277,16 @@ class HierarchicalModelAverager(ModelAverager):
     def average_parameters(self, params: Params) -> None:
         found = self.group_for_step(self.step)
         if found is not None and is_member(found[1]):
-            tensors = tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module))
+            tensors = self._local(self._remember(params), found[1])[0]
             self.bytes_sent += average_tensors_(tensors, found[1], issuer=self._issuer())
             self.num_averages += 1
         self.step += 1
+
+    def in_sync(self) -> bool:
+        if self.step <= self.warmup_steps:
+            return True
+        found = self.group_for_step(self.step - 1)
+        return found is not None and found[0] == next(reversed(self.period_process_group_dict))
 
 
 def _group_ranks(process_group: dist.ProcessGroup | None) -> list[int]:

@@ -85,7 +85,10 @@ def _round(ratio: Tensor, rounding: str, generator: torch.Generator | None) -> T
 
 
 def _view(raw: Tensor, dtype: torch.dtype) -> Tensor:
-    """``raw`` (uint8, last dim) reinterpreted as ``dtype``; copied first so that the view is aligned."""
+    """``raw`` (uint8, last dim) reinterpreted as ``dtype``; copied first so that the view is aligned. An
+    empty ``raw`` (an empty shard of an FSDP2 parameter encodes to nothing) gives an empty tensor."""
+    if raw.shape[-1] == 0:
+        return raw.new_empty((*raw.shape[:-1], 0), dtype=dtype)
     return raw.clone(memory_format=torch.contiguous_format).view(dtype)
 
 

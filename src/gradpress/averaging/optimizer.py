@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
 import torch
 
+from ..checkpoint import PER_RANK_FORMAT, per_rank_state, read_per_rank
 from .averagers import ModelAverager
 
 __all__ = ["PostLocalSGDOptimizer"]
@@ -43,7 +45,8 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         loss = self.optim.step(closure) if closure is not None else self.optim.step()
-        self.averager.average_parameters(self.param_groups)
+        if not _called_by_torch("_init_optim_state"):
+            self.averager.average_parameters(self.param_groups)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -53,18 +56,34 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         self.optim.add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        state = self.optim.state_dict()
-        state["averager"] = self.averager.state_dict()
-        state["step"] = self.averager.step  # PyTorch's key
-        return state
+        """The inner optimizer's ``param_groups``, the averager's state and PyTorch's ``"step"``; the inner
+        optimizer's ``state`` (its momentum, Adam moments) is this rank's own, as each island trains on
+        its own: kept per rank (:func:`gradpress.checkpoint.per_rank_state`), so a DCP checkpoint does not
+        hand every island one island's state, and a fresh optimizer needs no initialized state to load
+        into. Called by ``get_state_dict``, the inner optimizer's plain state dict (the layout it reads)."""
+        inner = self.optim.state_dict()
+        if _called_by_torch("_get_optim_state_dict"):
+            return inner
+        return per_rank_state({"state": inner["state"]},
+                              {"param_groups": inner["param_groups"], "averager": self.averager.state_dict(),
+                               "step": self.averager.step})
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any], *,  # type: ignore[override]
+                        on_world_size_change: str = "raise") -> None:
+        """Restore :meth:`state_dict`'s output (or a plain optimizer state dict, as PyTorch's does);
+        ``on_world_size_change`` as in the averager's ``load_state_dict`` (``"fresh"``: the inner
+        optimizer's state starts empty too)."""
         state = dict(state_dict)
         averager = state.pop("averager", None)
         step = state.pop("step", None)
+        own, found = read_per_rank(state, "PostLocalSGDOptimizer", on_world_size_change=on_world_size_change)
+        if state.get("format") == PER_RANK_FORMAT:
+            state = {"state": own["state"] if found else {}, "param_groups": state["param_groups"]}
         self.optim.load_state_dict(state)
+        if averager is None and step is None and _called_by_torch("_load_optim_state_dict"):
+            return  # set_state_dict passes the inner optimizer's part only: the averager is loaded on its own
         if averager is not None:  # its other fields; the step is PyTorch's key alone
-            self.averager.load_state_dict({**averager, "step": 0})
+            self.averager.load_state_dict({**averager, "step": 0}, on_world_size_change=on_world_size_change)
         if step is None:
             # PyTorch's warning, in its words.
             warnings.warn("Loaded state dict does not contain a step counter for an averager. Setting step "
@@ -72,3 +91,13 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
             self.averager.step = 0
         else:
             self.averager.step = int(step)
+
+
+def _called_by_torch(name: str) -> bool:
+    """Whether the calling method was called by ``torch.distributed.checkpoint.state_dict``'s function
+    ``name``: its state initialization (``_init_optim_state``, a step at learning rate 0 on zero
+    gradients, not a training step, so not an averaging step) or ``set_state_dict``'s optimizer load
+    (``_load_optim_state_dict``, which hands over the inner optimizer's state only)."""
+    caller = sys._getframe(2)
+    return caller.f_code.co_name == name and "torch/distributed/checkpoint" in \
+        caller.f_code.co_filename.replace("\\", "/")

@@ -11,13 +11,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..checkpoint import check_placement, placement
 from ..validation import check_number
 from ..comm import broadcast_parameters, is_distributed, is_member
-from .averagers import PeriodicModelAverager
-from .tensors import Params, tensors_to_average
+from .averagers import PeriodicModelAverager, sharded_copies
+from .shards import Spec, from_saved, local_views
+from .tensors import Params
 from .transport import Exact, Link, OuterTransport, transport_for
 
 __all__ = ["OuterOptimizerAverager", "OuterStep"]
@@ -40,6 +41,9 @@ class OuterStep:
     def __init__(self, anchor: list[Tensor], lr: float, momentum: float, nesterov: bool) -> None:
         self.anchor = anchor
         self.optimizer = torch.optim.SGD(anchor, lr=lr, momentum=momentum, nesterov=nesterov)
+        if momentum > 0:  # present before the first step (a checkpoint template); zero reads as "none yet":
+            for a in anchor:  # SGD's 0 * momentum + grad is its first step's clone(grad), bit for bit
+                self.optimizer.state[a]["momentum_buffer"] = torch.zeros_like(a)
 
     @staticmethod
     def check_options(outer_lr: Any, outer_momentum: Any, nesterov: Any) -> tuple[float, float, bool]:
@@ -90,6 +94,27 @@ class OuterStep:
         """``{"anchor": [tensors], "outer": the outer SGD's state_dict}`` (copies)."""
         return {"anchor": [a.detach().clone() for a in self.anchor],
                 "outer": copy.deepcopy(self.optimizer.state_dict())}
+
+    def momenta(self) -> list[Tensor] | None:
+        """The momentum buffers (the tensors themselves), or ``None`` without momentum."""
+        if self.optimizer.defaults["momentum"] == 0:
+            return None
+        out = []
+        for a in self.anchor:
+            buffer = self._momentum(a)
+            out.append(torch.zeros_like(a) if buffer is None else buffer)
+        return out
+
+    @classmethod
+    def from_parts(cls, anchor: list[Tensor], momenta: list[Tensor] | None, lr: float, momentum: float,
+                   nesterov: bool) -> OuterStep:
+        """An outer step on ``anchor`` (kept) with momentum buffers copied from ``momenta``."""
+        outer = cls(anchor, lr, momentum, nesterov)
+        if momenta is not None and momentum > 0:
+            with torch.no_grad():
+                for a, m in zip(anchor, momenta):
+                    outer.optimizer.state[a]["momentum_buffer"].copy_(m)
+        return outer
 
     @classmethod
     def restore(cls, state: Mapping[str, Any], lr: float, momentum: float, nesterov: bool) -> OuterStep:
@@ -144,6 +169,7 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         self._outer: OuterStep | None = None
         self._bound: OuterTransport | None = None  # the transport bound to the anchor (PowerSGD's memory)
         self._residual: Tensor | None = None       # a compressor's error feedback, this rank's
+        self._specs: list[Spec | None] = []        # how the anchor's tensors are sharded (DTensor parameters)
         self.num_skipped = 0
 
     def anchor_parameters(self, params: Params) -> None:
@@ -153,11 +179,12 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         nothing where :func:`takes_anchor` says so: with a warm-up (the anchor is taken at its last step),
         once a synchronization happened (the anchor and its momentum are the run's), with
         ``first_sync="average"``, or on a rank outside ``process_group``."""
+        super().anchor_parameters(params)  # remembers them (and writes a loaded checkpoint's into them)
         if takes_anchor(self, from_average=False):
             self._take_anchor(params)
 
     def _take_anchor(self, params: Params) -> None:
-        tensors = tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module))
+        tensors, self._specs = self._local(self._remember(params))
         anchor, sent = take_anchor(tensors, self.process_group)
         self.bytes_sent += sent
         self._start(OuterStep(anchor, self.outer_lr, self.outer_momentum, self.nesterov))
@@ -174,11 +201,17 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         return getattr(self._bound, "aggregator", None)
 
     @property
+    def anchored(self) -> bool:
+        """Whether the anchor is taken (or loaded)."""
+        return self._outer is not None
+
+    @property
     def synchronized(self) -> bool:
         """Whether a synchronization happened (applied or skipped)."""
         return self.num_averages + self.num_skipped > 0
 
     def _average(self, tensors: list[Tensor]) -> None:
+        self._specs = local_views(self._params)[1]
         with torch.no_grad():
             if self._outer is None:
                 if self.first_sync == "outer":
@@ -223,51 +256,124 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         self._bound = self._transport.bind(outer.anchor, self.process_group)
         self._residual = None
 
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
+    def in_sync(self) -> bool:
+        # A synchronization, applied or skipped, leaves every rank at the anchor.
+        return super().in_sync() and (self._outer is not None or self.first_sync == "average" or
+                                      self.step <= self.warmup_steps)
+
+    def local_state_dict(self) -> dict[str, Any]:
+        state = super().local_state_dict()
         state["num_skipped"] = self.num_skipped
         if self._outer is not None:
             state.update(self._outer.state_dict())
-            memory = None if self._bound is None else self._bound.state_dict()
-            if memory is not None:
-                state["powersgd"] = memory
-            if self._residual is not None:
-                state["residual"] = self._residual.clone()
-                state["placement"] = placement(self.process_group)
+            state.update(self._own_outer_state())
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any], *, allow_other_rank: bool = False) -> None:
-        """Restore :meth:`state_dict`'s output; issues no collective. The compressed variant's error
-        memory is per rank: a checkpoint saved on another rank or world size raises ``ValueError`` here
-        (unless ``allow_other_rank=True``); older checkpoints without that record are accepted."""
-        if isinstance(state.get("powersgd"), Mapping):
-            check_placement(state["powersgd"].get("placement"), placement(self.process_group),
-                            "OuterOptimizerAverager", allow_other_rank)
-        if state.get("residual") is not None:
-            check_placement(state.get("placement"), placement(self.process_group), "OuterOptimizerAverager",
-                            allow_other_rank)
-        super().load_state_dict(state)
+    def _own_outer_state(self) -> dict[str, Any]:
+        """The per-rank part of the outer state: the compressed variant's memory, a compressor's residual."""
+        own: dict[str, Any] = {}
+        memory = None if self._bound is None else self._bound.state_dict()
+        if memory is not None:
+            own["powersgd"] = memory
+        if self._residual is not None:
+            own["residual"] = self._residual.clone()
+            own["placement"] = placement(self.process_group)
+        return own
+
+    def _shared_state(self) -> dict[str, Any]:
+        state = super()._shared_state()
+        state["num_skipped"] = self.num_skipped
+        state.update(outer_template(self._outer, self._params, self._specs, self.outer_momentum))
+        return state
+
+    def _own_state(self) -> dict[str, Any]:
+        own = super()._own_state()
+        if self._outer is not None:
+            own.update(self._own_outer_state())
+        return own
+
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_other_rank: bool = False,
+                        on_world_size_change: str = "raise") -> None:
+        """Restore :meth:`state_dict`'s (or :meth:`local_state_dict`'s) output; issues no collective. The
+        compressed variant's error memory and a compressor's residual are per rank: saved on another rank
+        raises ``ValueError`` here (unless ``allow_other_rank=True``), on another world size too unless
+        ``on_world_size_change="fresh"`` (they then start fresh; the anchor and outer momentum, sharded
+        or identical on every rank, still load). Older checkpoints without that record are accepted."""
+        super().load_state_dict(state, allow_other_rank=allow_other_rank, on_world_size_change=on_world_size_change)
+
+    def _load(self, state: Mapping[str, Any], own: Mapping[str, Any] | None, allow_other_rank: bool) -> None:
+        if own is not None:
+            if isinstance(own.get("powersgd"), Mapping):
+                check_placement(own["powersgd"].get("placement"), placement(self.process_group),
+                                "OuterOptimizerAverager", allow_other_rank)
+            if own.get("residual") is not None:
+                check_placement(own.get("placement"), placement(self.process_group), "OuterOptimizerAverager",
+                                allow_other_rank)
+        super()._load(state, own, allow_other_rank)
         self.num_skipped = int(state.get("num_skipped", 0))
-        if "anchor" not in state:
+        outer = restore_outer(state, self._params, self.outer_lr, self.outer_momentum, self.nesterov,
+                              type(self).__name__)
+        if outer is None:
             self._outer = self._bound = self._residual = None
             return
-        self._start(OuterStep.restore(state, self.outer_lr, self.outer_momentum, self.nesterov))
+        self._start(outer)
         assert self._bound is not None
-        if "powersgd" in state and self._bound.state_dict() is not None:
-            self._bound.load_state_dict(state["powersgd"])  # placement checked above
-        if state.get("residual") is not None:
-            self._residual = state["residual"].clone()
+        if own is not None and "powersgd" in own and self._bound.state_dict() is not None:
+            self._bound.load_state_dict(own["powersgd"])  # placement checked above
+        if own is not None and own.get("residual") is not None:
+            self._residual = own["residual"].clone()
+
+
+def outer_template(outer: OuterStep | None, params: list[Tensor], specs: list[Spec | None],
+                   momentum: float) -> dict[str, Any]:
+    """An outer step's anchor and momentum for a checkpoint (DTensors where the parameters are),
+    under ``"anchored"``, ``"anchor"`` and ``"momentum"``; before the anchor is taken, zero tensors
+    shaped like ``params``' local shards (the template ``torch.distributed.checkpoint`` loads into),
+    or none when the parameters are not known yet."""
+    if outer is not None:
+        momenta = outer.momenta()
+        return {"anchored": True, "anchor": sharded_copies(outer.anchor, specs),
+                **({} if momenta is None else {"momentum": sharded_copies(momenta, specs)})}
+    if not params:
+        return {"anchored": False}
+    views, specs = local_views(params)
+    zeros = sharded_copies([torch.zeros_like(v) for v in views], specs)
+    return {"anchored": False, "anchor": zeros,
+            **({} if momentum == 0 else {"momentum": sharded_copies([torch.zeros_like(v) for v in views], specs)})}
+
+
+def restore_outer(state: Mapping[str, Any], params: list[Tensor], lr: float, momentum: float, nesterov: bool,
+                  owner: str) -> OuterStep | None:
+    """The outer step saved in ``state`` (:func:`outer_template`'s keys, or the earlier ``"anchor"`` /
+    ``"outer"`` layout), ``None`` where none was taken. Saved DTensors come back as local shards
+    shaped like ``params``' (when known)."""
+    if "anchored" not in state:  # the earlier layout: plain tensors and the outer SGD's state_dict
+        return None if state.get("anchor") is None else OuterStep.restore(state, lr, momentum, nesterov)
+    if not state["anchored"]:
+        return None
+    if state.get("anchor") is None:
+        raise ValueError(f"{owner}.load_state_dict: the checkpoint holds an anchor, but this averager's state_dict() "
+                         "had no place for it when torch.distributed.checkpoint loaded it: build the "
+                         "PostLocalSGDOptimizer, or call averager.anchor_parameters(params), before loading")
+    views = local_views(params)[0] if params else None
+    anchor = [from_saved(a, views[i] if views else (a.to_local() if hasattr(a, "to_local") else a))
+              for i, a in enumerate(state["anchor"])]
+    momenta = state.get("momentum")
+    restored = None if momenta is None else [from_saved(m, a) for m, a in zip(momenta, anchor)]
+    return OuterStep.from_parts(anchor, restored, lr, momentum, nesterov)
 
 
 FIRST_SYNC = ("outer", "average")
 
 
 def takes_anchor(averager: Any, from_average: bool) -> bool:
-    """Whether DiLoCo's ``averager`` takes its anchor now, once per run: never after a synchronization,
-    with ``first_sync="average"`` or on a rank outside its group; with a warm-up, in
+    """Whether DiLoCo's ``averager`` takes its anchor now, once per run: never once it has one (taken or
+    loaded), after a synchronization, with ``first_sync="average"`` or on a rank outside its group; with
+    a warm-up, in
     ``average_parameters`` at its last step; without one, from ``anchor_parameters`` (before the first
     inner step)."""
-    if averager.first_sync != "outer" or averager.synchronized or not is_member(averager.process_group):
+    if averager.first_sync != "outer" or averager.synchronized or averager.anchored or \
+            not is_member(averager.process_group):
         return False
     if averager.warmup_steps == 0:
         return not from_average

@@ -212,7 +212,9 @@ class Compressed(OuterTransport):
         dtype = self.work_dtype(anchor)
         numel = sum(a.numel() for a in anchor)
         with torch.no_grad():
-            payloads = sent.buffers[0].view(-1, self.compressor.payload_bytes(numel))
+            # One row per rank (the world's rows are empty together: an empty shard encodes to nothing).
+            payloads = sent.buffers[0].view(max(1, link_world(sent, self.compressor.payload_bytes(numel))),
+                                            self.compressor.payload_bytes(numel))
             mean = self.compressor.decode(payloads, numel, dtype).sum(dim=0).div_(payloads.shape[0])
             finite = torch.isfinite(mean).all()
             means, offset = [], 0
@@ -220,6 +222,11 @@ class Compressed(OuterTransport):
                 means.append(mean[offset: offset + a.numel()].view_as(a).to(a.device, a.dtype))
                 offset += a.numel()
         return means, finite
+
+
+def link_world(sent: Sent, payload_bytes: int) -> int:
+    """How many ranks' payloads ``sent``'s all-gather holds (1 for an empty payload: nothing to decode)."""
+    return sent.buffers[0].numel() // payload_bytes if payload_bytes else 1
 
 
 @dataclass(frozen=True)
@@ -266,7 +273,7 @@ class _BoundPowerSGD(OuterTransport):
         return _finished(sent, anchor)
 
     def state_dict(self) -> dict[str, Any] | None:
-        return self.aggregator.state_dict()
+        return self.aggregator.local_state_dict()  # inside the averager's state, which is per rank itself
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.aggregator.load_state_dict(state, allow_other_rank=True)  # placement checked by the caller

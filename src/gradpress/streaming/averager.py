@@ -12,7 +12,9 @@ from torch import Tensor, nn
 from ..aggregator import Config
 from ..averaging import ModelAverager, OuterStep
 from ..averaging.compress import Compressor
-from ..averaging.outer import check_first_sync, no_anchor_message, take_anchor, takes_anchor
+from ..averaging.outer import (check_first_sync, no_anchor_message, outer_template, restore_outer, take_anchor,
+                               takes_anchor)
+from ..averaging.shards import Spec, local_views
 from ..averaging.tensors import Params, tensors_to_average
 from ..averaging.transport import Link, OuterTransport, Sent, transport_for
 from ..checkpoint import check_placement, placement
@@ -147,12 +149,16 @@ class StreamingDiLoCoAverager(ModelAverager):
     to the anchor on every rank, and the residual keeps its value from before that sync.
 
     **Checkpoints.** :meth:`state_dict` holds the step, counters, the fragment layout, each fragment's
-    anchor, outer-optimizer state and residual, and for each update in flight, its due step and what its
-    collective returned: ``state_dict`` *waits* for in-flight collectives (every rank already issued
-    them, so this cannot deadlock) and stores the results; after :meth:`load_state_dict` they are
-    applied at their due steps as if never interrupted, and no collective is issued again. Residuals are
-    per rank: loading a checkpoint saved on another rank or world size raises ``ValueError`` unless
-    ``allow_other_rank=True``. Resuming equals never stopping, bit for bit.
+    anchor and outer momentum (shared, or sharded as DTensors), and per rank (see
+    :class:`~gradpress.averaging.ModelAverager`) each fragment's residual and PowerSGD memory and, for
+    each update in flight, its due step and what its collective returned: ``state_dict`` *waits* for
+    in-flight collectives (every rank already issued them, so this cannot deadlock) and stores the
+    results; after :meth:`load_state_dict` they are applied at their due steps as if never interrupted,
+    and no collective is issued again. Residuals are per rank: loading a checkpoint saved on another rank
+    raises ``ValueError`` unless ``allow_other_rank=True``, on another world size unless
+    ``on_world_size_change="fresh"`` (residuals, memory and updates in flight then start fresh or are
+    dropped). Resuming equals never stopping, bit for bit, through ``torch.save`` or
+    ``torch.distributed.checkpoint``.
 
     Args:
         sync_every: inner steps between two syncs of the same fragment (``H``; torchft's name).
@@ -227,6 +233,7 @@ class StreamingDiLoCoAverager(ModelAverager):
         self._by_offset = {fr.offset: fr for fr in self._fragments}
         self._layout: list[int] | None = None
         self._in_flight: list[_InFlight] = []
+        self._specs: list[Spec | None] = []
 
     # -- schedule ---------------------------------------------------------------------------------
 
@@ -262,8 +269,14 @@ class StreamingDiLoCoAverager(ModelAverager):
         where :func:`~gradpress.averaging.outer.takes_anchor` says so: with a warm-up (the anchor is taken
         at its last step), once a fragment synchronized, with ``first_sync="average"``, or on a rank
         outside ``process_group``."""
+        super().anchor_parameters(params)  # remembers them (and writes a loaded checkpoint's into them)
         if takes_anchor(self, from_average=False):
             self._take_anchor(params)
+
+    @property
+    def anchored(self) -> bool:
+        """Whether the fragments' anchors are taken (or loaded)."""
+        return any(fr.outer is not None for fr in self._fragments)
 
     @property
     def synchronized(self) -> bool:
@@ -271,9 +284,10 @@ class StreamingDiLoCoAverager(ModelAverager):
         return self.num_averages > 0 or any(fr.syncs for fr in self._fragments)
 
     def _take_anchor(self, params: Params) -> None:
-        tensors = tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module))
+        tensors = self._remember(params)
         self._bind(tensors)
-        anchor, sent = take_anchor(tensors, self.process_group)
+        views, self._specs = self._local(tensors)
+        anchor, sent = take_anchor(views, self.process_group)
         for fr in self._fragments:
             self._set_anchor(fr, [anchor[i] for i in fr.positions])
             if sent:
@@ -291,12 +305,13 @@ class StreamingDiLoCoAverager(ModelAverager):
         sent = self.fragment_sent_at(self.step)
         due = [p for p in self._in_flight if p.due == self.step] if self._in_flight else []
         if sent is not None or due:
-            tensors = tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module))
-            self._bind(tensors)
+            tensors = self._remember(params)
+            self._bind(tensors)  # by the parameters' global sizes: the same layout on every shard
+            views, self._specs = self._local(tensors)
             if sent is not None:
-                self._send(self._fragments[sent], tensors)
+                self._send(self._fragments[sent], views)
             for pending in [p for p in self._in_flight if p.due == self.step]:
-                self._apply(pending, tensors)
+                self._apply(pending, views)
         self.step += 1
 
     def _bind(self, tensors: list[Tensor]) -> None:
@@ -388,18 +403,28 @@ class StreamingDiLoCoAverager(ModelAverager):
 
     # -- state ------------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """Plain tensors and numbers (see the class docstring); waits for the collectives in flight."""
-        state = super().state_dict()
-        state["placement"] = placement(self.process_group)
-        state["compression"] = repr(self.compression)
-        state["layout"] = None if self._layout is None else list(self._layout)
+    def in_sync(self) -> bool:
+        # Only one fragment with no delay and no mixing leaves every rank at the anchor after its sync.
+        one = self.num_fragments == 1 and self.fragment_sync_delay == 0 and self.fragment_update_alpha == 0
+        return self.step <= self.warmup_steps or (one and self.fragment_sent_at(self.step - 1) is not None)
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's whole state as one plain dict (fragments' anchors, residuals, updates in flight)."""
+        state = {**super().local_state_dict(), "placement": placement(self.process_group),
+                 "compression": repr(self.compression), "layout": None if self._layout is None else list(self._layout)}
         state["fragments"] = [{
             **(fr.outer.state_dict() if fr.outer is not None else {"anchor": None, "outer": None}),
-            "residual": None if fr.residual is None else fr.residual.clone(),
-            **({} if fr.transport is None or fr.transport.state_dict() is None
-               else {"powersgd": fr.transport.state_dict()}),
-            "syncs": fr.syncs, "bytes_sent": fr.bytes_sent} for fr in self._fragments]
+            **self._own_fragment(fr), "syncs": fr.syncs} for fr in self._fragments]
+        state["in_flight"] = self._in_flight_state()
+        return state
+
+    def _own_fragment(self, fr: _Fragment) -> dict[str, Any]:
+        return {"residual": None if fr.residual is None else fr.residual.clone(),
+                **({} if fr.transport is None or fr.transport.state_dict() is None
+                   else {"powersgd": fr.transport.state_dict()}),
+                "bytes_sent": fr.bytes_sent}
+
+    def _in_flight_state(self) -> list[dict[str, Any]]:
         in_flight = []
         for pending in self._in_flight:
             sent = pending.sent
@@ -408,40 +433,68 @@ class StreamingDiLoCoAverager(ModelAverager):
                               "buffers": [b.clone() for b in sent.buffers],
                               "residual": None if sent.residual is None else sent.residual.clone(),
                               **({} if sent.finite is None else {"finite": sent.finite.clone()})})
-        state["in_flight"] = in_flight
+        return in_flight
+
+    def _shared_state(self) -> dict[str, Any]:
+        state = super()._shared_state()
+        state["compression"] = repr(self.compression)
+        state["layout"] = None if self._layout is None else list(self._layout)
+        fragments = []
+        for fr in self._fragments:
+            if fr.outer is not None:
+                item = outer_template(fr.outer, [], [self._specs[i] if self._specs else None for i in fr.positions],
+                                      self.outer_momentum)
+            elif self._layout is not None and self._params:
+                item = outer_template(None, [self._params[i] for i in fr.positions], [], self.outer_momentum)
+            else:
+                item = {"anchored": False}
+            fragments.append({**item, "syncs": fr.syncs})
+        state["fragments"] = fragments
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any], *, allow_other_rank: bool = False) -> None:
-        """Restore :meth:`state_dict`'s output (a copy: the argument is not kept). Raises ``ValueError``
-        for another fragment count, or (unless ``allow_other_rank``) for per-rank residuals saved on
-        another rank or world size."""
+    def _own_state(self) -> dict[str, Any]:
+        own = super()._own_state()
+        own["fragments"] = [self._own_fragment(fr) for fr in self._fragments]
+        own["in_flight"] = self._in_flight_state()
+        return own
+
+    def _load(self, state: Mapping[str, Any], own: Mapping[str, Any] | None, allow_other_rank: bool) -> None:
         saved = state["fragments"]
         if len(saved) != self.num_fragments:
             raise ValueError(f"StreamingDiLoCoAverager checkpoint has {len(saved)} fragments, this averager "
                              f"{self.num_fragments}")
-        if any(f["residual"] is not None or "powersgd" in f for f in saved) or \
-                any(p["residual"] is not None for p in state["in_flight"]):
-            check_placement(state.get("placement"), placement(self.process_group), "StreamingDiLoCoAverager",
-                            allow_other_rank)
-        if state["in_flight"] and state.get("compression") != repr(self.compression):
+        mine = None if own is None else own.get("fragments", saved)
+        in_flight = [] if own is None else own.get("in_flight", [])
+        if mine is not None and (any(f.get("residual") is not None or "powersgd" in f for f in mine) or
+                                 any(p["residual"] is not None for p in in_flight)):
+            check_placement(own.get("placement"), placement(self.process_group),  # type: ignore[union-attr]
+                            "StreamingDiLoCoAverager", allow_other_rank)
+        if in_flight and state.get("compression") != repr(self.compression):
             raise ValueError(f"StreamingDiLoCoAverager checkpoint has outer updates in flight encoded with compression="
                              f"{state.get('compression')}, but this averager has compression={self.compression!r}")
-        super().load_state_dict(state)
+        super()._load(state, own, allow_other_rank)
         self._layout = None if state["layout"] is None else [int(f) for f in state["layout"]]
-        for fr, item in zip(self._fragments, saved):
-            fr.outer = fr.transport = None
-            if item["anchor"] is not None:
-                fr.outer = OuterStep.restore(item, self.outer_lr, self.outer_momentum, self.nesterov)
-                fr.transport = self._transport.bind(fr.outer.anchor, self.process_group)
-                if "powersgd" in item and fr.transport.state_dict() is not None:
-                    fr.transport.load_state_dict(item["powersgd"])  # placement checked above
-            fr.residual = None if item["residual"] is None else item["residual"].clone()
-            fr.syncs = int(item["syncs"])
-            fr.bytes_sent = int(item["bytes_sent"])
+        for fr in self._fragments:
             fr.positions = [] if self._layout is None else [i for i, f in enumerate(self._layout) if f == fr.index]
+        for fr, item in zip(self._fragments, saved):
+            ours = None if mine is None else mine[fr.index]
+            fr.outer = fr.transport = None
+            members = [self._params[i] for i in fr.positions] if self._params and self._layout is not None else []
+            outer = restore_outer(item, members, self.outer_lr, self.outer_momentum, self.nesterov,
+                                  type(self).__name__)
+            if outer is not None:
+                fr.outer = outer
+                fr.transport = self._transport.bind(fr.outer.anchor, self.process_group)
+                if ours is not None and "powersgd" in ours and fr.transport.state_dict() is not None:
+                    fr.transport.load_state_dict(ours["powersgd"])  # placement checked above
+            fr.residual = None if ours is None or ours["residual"] is None else ours["residual"].clone()
+            fr.syncs = int(item["syncs"])
+            fr.bytes_sent = 0 if ours is None else int(ours["bytes_sent"])
         self._in_flight = [
             _InFlight(int(p["fragment"]), int(p["due"]),
                       Sent([], [b.clone() for b in p["buffers"]],
                            None if p["residual"] is None else p["residual"].clone(),
                            finite=None if p.get("finite") is None else p["finite"].clone()))
-            for p in state["in_flight"]]
+            for p in in_flight]
+        if self._params and self._layout is not None:
+            self._specs = local_views(self._params)[1]

@@ -1,0 +1,123 @@
+"""Averaging FSDP2 parameters: each rank averages its own shard with the same shard of the other islands.
+
+A parameter of ``fully_shard`` (FSDP2, or HSDP over a 2-D mesh) is a ``DTensor``; its local tensor is this
+rank's shard, a view into FSDP's storage, so writing into it changes the parameter. The averagers
+convert every ``DTensor`` they are given to that view (:func:`local_views`) and run unchanged on the
+views over their ``process_group``, the group of the ranks that hold the same shard in each island
+(``mesh["replicate"].get_group()`` with ``fully_shard(..., mesh=mesh["shard"])``). What they keep per
+tensor (DiLoCo's anchor, the outer momentum) is local too, and is saved as a ``DTensor`` with the
+parameter's mesh and placements (:func:`as_sharded`), so ``torch.distributed.checkpoint`` stores one
+copy of each shard and reshards it on load. Each island must shard the model the same way: the first
+averaging of a layout checks it over the group (:func:`check_same_layout`, one ``all_gather_object``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..comm import all_gather_objects
+
+__all__ = ["Spec", "as_sharded", "check_same_layout", "from_saved", "local_views"]
+
+
+class Spec(NamedTuple):
+    """What makes a local shard a ``DTensor`` again: the parameter's mesh, placements, global shape and
+    stride."""
+
+    mesh: Any
+    placements: tuple[Any, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    def describe(self) -> str:
+        """The shard in words: the global shape and where this rank's shard starts in it, identical on
+        the ranks that hold the same shard in every island."""
+        try:
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+            _, offset = compute_local_shape_and_global_offset(self.shape, self.mesh, self.placements)
+            where = f"offset {tuple(offset)}"
+        except ImportError:  # a torch without it: the mesh coordinate (stricter: Replicate placements too)
+            coordinate = self.mesh.get_coordinate()
+            where = f"mesh coordinate {None if coordinate is None else tuple(coordinate)}"
+        return f"global shape {tuple(self.shape)} at {where}"
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
+
+
+def is_sharded(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``DTensor`` (a parameter of ``fully_shard``)."""
+    kind = _dtensor_type()
+    return kind is not None and isinstance(tensor, kind)
+
+
+def local_views(tensors: list[Tensor]) -> tuple[list[Tensor], list[Spec | None]]:
+    """``tensors`` with every ``DTensor`` replaced by its local shard (a view: writes reach the
+    parameter), and each one's :class:`Spec` (``None`` for a plain tensor)."""
+    views: list[Tensor] = []
+    specs: list[Spec | None] = []
+    with torch.no_grad():
+        for t in tensors:
+            if is_sharded(t):
+                views.append(t.to_local())  # type: ignore[attr-defined]
+                specs.append(Spec(t.device_mesh, tuple(t.placements), t.shape, tuple(t.stride())))  # type: ignore[attr-defined]
+            else:
+                views.append(t)
+                specs.append(None)
+    return views, specs
+
+
+def as_sharded(local: Tensor, spec: Spec | None) -> Tensor:
+    """``local`` as a ``DTensor`` laid out like its parameter (``spec``), or itself for a plain tensor.
+    Builds no collective."""
+    if spec is None:
+        return local
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                              stride=spec.stride)
+
+
+def from_saved(saved: Tensor, like: Tensor) -> Tensor:
+    """A saved tensor (a ``DTensor`` after a DCP load, or a plain one) as a local tensor with ``like``'s
+    shape, dtype and device (a copy). ``ValueError`` if the shapes differ."""
+    local = saved.to_local() if is_sharded(saved) else saved  # type: ignore[attr-defined]
+    if local.shape != like.shape:
+        raise ValueError(f"a saved tensor has local shape {tuple(local.shape)}, this rank's parameter shard "
+                         f"{tuple(like.shape)}: the model is sharded differently than when it was saved")
+    return local.detach().to(device=like.device, dtype=like.dtype, copy=True)
+
+
+def layout_key(views: list[Tensor], specs: list[Spec | None]) -> tuple[Any, ...]:
+    """What :func:`check_same_layout` compares: per tensor its local shape and sharded layout."""
+    return tuple((tuple(v.shape), None if s is None else s.describe()) for v, s in zip(views, specs))
+
+
+def check_same_layout(views: list[Tensor], specs: list[Spec | None], process_group: dist.ProcessGroup | None,
+                      owner: str) -> None:
+    """Refuse (``ValueError`` on every rank) a shard layout that differs between the ranks of
+    ``process_group``: each rank must hold the same shard of each parameter as its peers in the other
+    islands. A collective over ``process_group`` (one ``all_gather_object``)."""
+    mine = layout_key(views, specs)
+    gathered = all_gather_objects(mine, process_group, issuer=f"{owner}: the shard layout check")
+    for peer, theirs in enumerate(gathered):
+        if theirs == mine:
+            continue
+        if len(theirs) != len(mine):
+            raise ValueError(f"{owner}: rank {peer} of process_group averages {len(theirs)} tensors, this rank "
+                             f"{len(mine)}: every island must hold the same parameters")
+        i = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+        raise ValueError(
+            f"{owner}: tensor {i} is sharded differently on rank {peer} of process_group (local shape "
+            f"{theirs[i][0]}, {theirs[i][1] or 'not sharded'}) than on this rank (local shape {mine[i][0]}, "
+            f"{mine[i][1] or 'not sharded'}): every island must shard the model the same way (same mesh "
+            "shape, placements and fully_shard units), so that each rank averages the same shard as its peers; "
+            "process_group must join the ranks at the same mesh coordinate (e.g. mesh['replicate'].get_group())")
