@@ -48,7 +48,7 @@ def divide_factor(param_group: Any) -> float | None:
 def units(module: nn.Module) -> list[tuple[str, FSDPModule, Any]]:
     """``(name, unit, FSDPParamGroup)`` for each ``fully_shard`` unit with parameters, in module order."""
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo
 
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module containing fully_shard units, got {type(module).__name__}")
@@ -64,6 +64,15 @@ def units(module: nn.Module) -> list[tuple[str, FSDPModule, Any]]:
         if not param_groups:
             continue  # a unit without parameters of its own reduces nothing
         mesh_info = param_groups[0].mesh_info
+        if not isinstance(mesh_info, FSDPMeshInfo):
+            # replicate() (torch.distributed._composable.replicate_with_fsdp): no shard dimension, and FSDP's
+            # all-reduce hook runs after its own all-reduce, so there is nothing for a hook to replace.
+            raise ValueError(
+                f"module: unit {label} comes from replicate(), which all-reduces across replicas itself "
+                f"(over its mesh {tuple(mesh_info.mesh.shape)}, before any all-reduce hook). For a gradpress hook "
+                "as that all-reduce, build a (world, 1) mesh with mesh_dim_names=('replicate', 'shard'), apply "
+                "fully_shard(unit, mesh=mesh['shard'], reshard_after_forward=False) instead of replicate(unit) "
+                "and pass mesh['replicate'].get_group()")
         if isinstance(mesh_info, DDPMeshInfo) or mesh_info.mesh.ndim != 1:
             raise ValueError(
                 f"module: fully_shard unit {label} is sharded over a {mesh_info.mesh.ndim}-D mesh "

@@ -86,7 +86,7 @@ def register_fsdp_comm_hook(module: nn.Module, state: Any, hook: Hook) -> None:
         * ``bucket.is_last()`` is true for the last unit of each backward pass, so a ``PowerSGDState``
           counts one iteration per backward that synchronizes gradients (none while
           ``set_requires_gradient_sync(False)`` accumulates). Its memory is per parameter and per rank:
-          save ``state.state_dict()`` on every rank.
+          save ``state.state_dict()`` on every rank (or pass ``state`` to ``dcp.save``, a Stateful).
         * A ``PowerSGDState`` commits each unit alone (FSDP reads a unit's result as soon as its hook
           returns): a unit whose averages are not finite keeps its error memory and factors, but the
           units that stayed finite in that backward take their new memory (under DDP the whole
@@ -100,7 +100,9 @@ def register_fsdp_comm_hook(module: nn.Module, state: Any, hook: Hook) -> None:
     Raises:
         TypeError: ``hook`` is not callable, or ``state`` names no process group.
         ValueError: ``module`` has no ``fully_shard`` unit with parameters; a unit is sharded over a 2-D
-            mesh (native HSDP all-reduces already); the group contains other ranks of a shard mesh.
+            mesh (native HSDP all-reduces already) or comes from ``replicate()`` (it all-reduces before any
+            hook: use ``fully_shard`` over the size-1 ``"shard"`` dimension of a ``(world, 1)`` mesh); the
+            group contains other ranks of a shard mesh.
 
     Example::
 
