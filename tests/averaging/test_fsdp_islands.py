@@ -356,3 +356,20 @@ def test_a_world_size_change_reshards_the_outer_state_and_refuses_or_refreshes_t
         assert all(torch.equal(a, b) for a, b in zip(momentum, saved_momentum))
         assert any(m.abs().sum() > 0 for m in momentum)
         assert step == 5 and residual is None  # the counters load; the residual starts fresh
+
+
+def plain_average(rank, world):
+    from gradpress import average_parameters
+
+    mesh = _mesh()
+    model = _sharded_model(mesh)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().add_(float(rank // 2))  # island 1 is 1 above island 0
+    average_parameters(model.parameters(), mesh["island"].get_group())
+    reference = _plain_model()
+    return _worst(_full(model), [p + 0.5 for p in reference.parameters()])
+
+
+def test_average_parameters_averages_each_shard_with_its_peer_in_the_other_island():
+    assert max(run(plain_average, WORLD)) < 1e-12

@@ -44,7 +44,15 @@ def tensors_to_average(params: Params, average_buffers: bool = False) -> list[Te
 def average_parameters(params: Params, process_group: dist.ProcessGroup | None = None) -> None:
     """Average ``params`` over ``process_group`` (``None``: the default group), in place.
 
+    FSDP2's DTensor parameters are averaged shard by shard over ``process_group`` (the ranks holding the
+    same shard in each island; their layout is checked first, one ``all_gather_object``).
+
     >>> average_parameters(model.parameters(), None)     # doctest: +SKIP
     >>> average_parameters(model, None)                   # a module: its float buffers too
     """
-    average_tensors_(tensors_to_average(params, average_buffers=isinstance(params, nn.Module)), process_group)
+    from .shards import check_same_layout, local_views
+
+    views, specs = local_views(tensors_to_average(params, average_buffers=isinstance(params, nn.Module)))
+    if any(spec is not None for spec in specs):
+        check_same_layout(views, specs, process_group, "average_parameters")
+    average_tensors_(views, process_group)
