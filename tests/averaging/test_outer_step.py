@@ -93,3 +93,41 @@ def test_check_int_and_check_number():
         check_int("period", True, 1)
     with pytest.raises(ValueError, match=r"^alpha must be a number in \[0, 1\], got nan$"):
         check_number("alpha", math.nan, lambda v: 0 <= v <= 1, "in [0, 1]")
+
+
+def test_a_loaded_averagers_state_dict_holds_the_loaded_anchor_and_momentum():
+    from gradpress import OuterOptimizerAverager
+
+    params = [torch.nn.Parameter(torch.randn(3, 2, dtype=torch.float64)) for _ in range(2)]
+    averager = OuterOptimizerAverager(period=1, outer_momentum=0.9)
+    averager.anchor_parameters(params)
+    for step in range(3):
+        with torch.no_grad():
+            params[0].add_(0.1 * (step + 1))
+        averager.average_parameters(params)
+    saved = averager.state_dict()
+    for knows_parameters in (True, False):
+        fresh = OuterOptimizerAverager(period=1, outer_momentum=0.9)
+        if knows_parameters:
+            fresh.anchor_parameters([torch.nn.Parameter(p.detach().clone()) for p in params])
+        fresh.load_state_dict(saved)
+        again = fresh.state_dict()
+        assert len(again["anchor"]) == len(saved["anchor"]) == 2 and again["step"] == 3
+        assert all(torch.equal(a, b) for a, b in zip(again["anchor"], saved["anchor"]))
+        assert all(torch.equal(a, b) for a, b in zip(again["momentum"], saved["momentum"]))
+        assert any(m.abs().sum() > 0 for m in again["momentum"])
+
+
+def test_momentum_present_from_the_start_steps_as_torchs_lazily_created_one():
+    """The outer momentum exists before the first step (a checkpoint template): zero, then SGD's
+    ``0 * momentum + grad`` equals its first step's ``clone(grad)``, bit for bit."""
+    outer = _outer()
+    anchor = [a.detach().clone() for a in outer.anchor]
+    plain = torch.optim.SGD(anchor, lr=0.7, momentum=0.9, nesterov=True)
+    assert all(outer._momentum(a) is not None for a in outer.anchor)
+    for scale in (1.0, -2.0, 0.5):
+        outer.step(_grads(scale))
+        for a, g in zip(anchor, _grads(scale)):
+            a.grad = g.to(a.dtype)
+        plain.step()
+    assert all(torch.equal(a, b) for a, b in zip(outer.anchor, anchor))

@@ -283,7 +283,8 @@ class OuterOptimizerAverager(PeriodicModelAverager):
     def _shared_state(self) -> dict[str, Any]:
         state = super()._shared_state()
         state["num_skipped"] = self.num_skipped
-        state.update(outer_template(self._outer, self._params, self._specs, self.outer_momentum))
+        specs = local_views(self._params)[1] if self._params else self._specs
+        state.update(outer_template(self._outer, self._params, specs, self.outer_momentum))
         return state
 
     def _own_state(self) -> dict[str, Any]:
@@ -331,6 +332,8 @@ def outer_template(outer: OuterStep | None, params: list[Tensor], specs: list[Sp
     shaped like ``params``' local shards (the template ``torch.distributed.checkpoint`` loads into),
     or none when the parameters are not known yet."""
     if outer is not None:
+        if len(specs) != len(outer.anchor):  # the parameters not known (loaded, not given): plain tensors
+            specs = [None] * len(outer.anchor)
         momenta = outer.momenta()
         return {"anchored": True, "anchor": sharded_copies(outer.anchor, specs),
                 **({} if momenta is None else {"momentum": sharded_copies(momenta, specs)})}
