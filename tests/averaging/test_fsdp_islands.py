@@ -35,12 +35,14 @@ def _plain_model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), nn.Tanh(), nn.Linear(3, 1)).double()
 
 
-def _sharded_model(mesh) -> nn.Sequential:
+def _sharded_model(mesh, hsdp: bool = False) -> nn.Sequential:
+    """FSDP2 over ``mesh["shard"]``; ``hsdp``: HSDP inside each island instead, over the island's 2-D
+    ``(replicate, shard)`` mesh (placements ``(Replicate(), Shard(0))``)."""
     from torch.distributed.fsdp import fully_shard
 
     model = _plain_model()
     for unit in (model[0], model[2], model[4], model):
-        fully_shard(unit, mesh=mesh["shard"])
+        fully_shard(unit, mesh=mesh["replicate", "shard"] if hsdp else mesh["shard"])
     return model
 
 
@@ -72,10 +74,15 @@ def _worst(a, b) -> float:
 
 # --- DiLoCo against plain torch ---------------------------------------------------------------------------
 
-def diloco_against_plain_torch(rank, world, period):
-    mesh = _mesh()
+def diloco_against_plain_torch(rank, world, period, hsdp=False):
+    if hsdp:  # 2 islands x (2 replicas x 1 shard): HSDP inside each island
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("island", "replicate", "shard"))
+    else:
+        mesh = _mesh()
     island, shard = divmod(rank, 2)
-    model = _sharded_model(mesh)
+    model = _sharded_model(mesh, hsdp)
     averager = OuterOptimizerAverager(period, process_group=mesh["island"].get_group(), outer_lr=0.7,
                                       outer_momentum=0.9)
     optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=LR), averager)
@@ -114,6 +121,14 @@ def test_diloco_on_fsdp2_islands_equals_an_unsharded_plain_torch_reference_after
         assert sent == [shard_bytes if s % period == 0 else 0 for s in range(STEPS)], (rank, sent, shard_bytes)
     shards = [r[2] for r in run(diloco_against_plain_torch, WORLD, period)]
     assert shards[0] != shards[1] and shards[0] == shards[2]  # uneven shards, counted per rank
+
+
+def test_diloco_between_hsdp_islands_equals_the_plain_torch_reference():
+    """HSDP inside each island (its replicas all-reduce every step): DiLoCo averages across islands only."""
+    period = 2
+    for rank, (worst, sent, shard_bytes, _) in enumerate(run(diloco_against_plain_torch, WORLD, period, True)):
+        assert worst < 1e-9, (rank, worst)
+        assert sent == [shard_bytes if s % period == 0 else 0 for s in range(STEPS)]
 
 
 # --- every averager and transport against the same averager on unsharded replicas -------------------------
