@@ -322,7 +322,7 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         if own is not None and "powersgd" in own and self._bound.state_dict() is not None:
             self._bound.load_state_dict(own["powersgd"])  # placement checked above
         if own is not None and own.get("residual") is not None:
-            self._residual = own["residual"].clone()
+            self._residual = own["residual"].to(outer.anchor[0].device, copy=True)  # saved on the CPU
 
 
 def outer_template(outer: OuterStep | None, params: list[Tensor], specs: list[Spec | None],

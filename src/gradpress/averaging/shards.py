@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..comm import all_gather_objects
 
-__all__ = ["Spec", "as_sharded", "check_same_layout", "from_saved", "local_views"]
+__all__ = ["Spec", "as_sharded", "check_same_layout", "from_saved", "local_views", "on_device_of"]
 
 
 class Spec(NamedTuple):
@@ -94,6 +94,12 @@ def from_saved(saved: Tensor, like: Tensor) -> Tensor:
         raise ValueError(f"a saved tensor has local shape {tuple(local.shape)}, this rank's parameter shard "
                          f"{tuple(like.shape)}: the model is sharded differently than when it was saved")
     return local.detach().to(device=like.device, dtype=like.dtype, copy=True)
+
+
+def on_device_of(saved: Tensor | None, anchor: list[Tensor] | None) -> Tensor | None:
+    """A copy of a saved per-rank tensor (kept on the CPU by the checkpoint) on ``anchor``'s device
+    (``None`` stays ``None``)."""
+    return None if saved is None else saved.to(device=None if not anchor else anchor[0].device, copy=True)
 
 
 def layout_key(views: list[Tensor], specs: list[Spec | None]) -> tuple[Any, ...]:

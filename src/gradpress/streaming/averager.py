@@ -14,7 +14,7 @@ from ..averaging import ModelAverager, OuterStep
 from ..averaging.compress import Compressor
 from ..averaging.outer import (check_first_sync, no_anchor_message, outer_template, restore_outer, take_anchor,
                                takes_anchor)
-from ..averaging.shards import Spec, local_views
+from ..averaging.shards import Spec, local_views, on_device_of
 from ..averaging.tensors import Params, tensors_to_average
 from ..averaging.transport import Link, OuterTransport, Sent, transport_for
 from ..checkpoint import check_placement, placement
@@ -478,23 +478,22 @@ class StreamingDiLoCoAverager(ModelAverager):
             fr.positions = [] if self._layout is None else [i for i, f in enumerate(self._layout) if f == fr.index]
         for fr, item in zip(self._fragments, saved):
             ours = None if mine is None else mine[fr.index]
-            fr.outer = fr.transport = None
             members = [self._params[i] for i in fr.positions] if self._params and self._layout is not None else []
             outer = restore_outer(item, members, self.outer_lr, self.outer_momentum, self.nesterov,
                                   type(self).__name__)
+            fr.outer, fr.transport = outer, None
             if outer is not None:
-                fr.outer = outer
-                fr.transport = self._transport.bind(fr.outer.anchor, self.process_group)
+                fr.transport = self._transport.bind(outer.anchor, self.process_group)
                 if ours is not None and "powersgd" in ours and fr.transport.state_dict() is not None:
                     fr.transport.load_state_dict(ours["powersgd"])  # placement checked above
-            fr.residual = None if ours is None or ours["residual"] is None else ours["residual"].clone()
+            fr.residual = None if ours is None else on_device_of(ours["residual"], fr.anchor)
             fr.syncs = int(item["syncs"])
             fr.bytes_sent = 0 if ours is None else int(ours["bytes_sent"])
         self._in_flight = [
             _InFlight(int(p["fragment"]), int(p["due"]),
-                      Sent([], [b.clone() for b in p["buffers"]],
-                           None if p["residual"] is None else p["residual"].clone(),
-                           finite=None if p.get("finite") is None else p["finite"].clone()))
-            for p in in_flight]
+                      Sent([], [b.to(fr.anchor[0].device if fr.anchor else None, copy=True) for b in p["buffers"]],
+                           on_device_of(p["residual"], fr.anchor), finite=on_device_of(p.get("finite"), fr.anchor)))
+            for p in in_flight for fr in [self._fragments[int(p["fragment"])]]]
         if self._params and self._layout is not None:
             self._specs = local_views(self._params)[1]
+
