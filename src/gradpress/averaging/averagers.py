@@ -65,12 +65,12 @@ class ModelAverager(ABC):
         self._params = tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module))
         return self._params
 
-    def _local(self, tensors: list[Tensor], group: dist.ProcessGroup | None = None,
-               check: bool = True) -> tuple[list[Tensor], list[Spec | None]]:
+    def _local(self, tensors: list[Tensor], group: dist.ProcessGroup | None = None
+               ) -> tuple[list[Tensor], list[Spec | None]]:
         """Local shards of ``tensors`` (views) and their specs; a layout of DTensors not seen yet
         is checked over ``group`` (default ``process_group``; a collective there)."""
         views, specs = local_views(tensors)
-        if check and any(s is not None for s in specs):
+        if any(s is not None for s in specs):
             key = layout_key(views, specs)
             if key != self._checked_layout:
                 check_same_layout(views, specs, self.process_group if group is None else group,
@@ -178,8 +178,9 @@ class PeriodicModelAverager(ModelAverager):
         return step >= self.warmup_steps and (step - self.warmup_steps) % self.period == 0
 
     def average_parameters(self, params: Params) -> None:
+        tensors = self._remember(params)  # known between averages too: a checkpoint saves this rank's
         if self.is_averaging_step(self.step) and is_member(self.process_group):
-            self._average(self._local(self._remember(params))[0])
+            self._average(self._local(tensors)[0])
         self.step += 1
 
     def in_sync(self) -> bool:
@@ -276,8 +277,9 @@ class HierarchicalModelAverager(ModelAverager):
 
     def average_parameters(self, params: Params) -> None:
         found = self.group_for_step(self.step)
+        remembered = self._remember(params)
         if found is not None and is_member(found[1]):
-            tensors = self._local(self._remember(params), found[1])[0]
+            tensors = self._local(remembered, found[1])[0]
             self.bytes_sent += average_tensors_(tensors, found[1], issuer=self._issuer())
             self.num_averages += 1
         self.step += 1

@@ -169,7 +169,6 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         self._outer: OuterStep | None = None
         self._bound: OuterTransport | None = None  # the transport bound to the anchor (PowerSGD's memory)
         self._residual: Tensor | None = None       # a compressor's error feedback, this rank's
-        self._specs: list[Spec | None] = []        # how the anchor's tensors are sharded (DTensor parameters)
         self.num_skipped = 0
 
     def anchor_parameters(self, params: Params) -> None:
@@ -184,7 +183,7 @@ class OuterOptimizerAverager(PeriodicModelAverager):
             self._take_anchor(params)
 
     def _take_anchor(self, params: Params) -> None:
-        tensors, self._specs = self._local(self._remember(params))
+        tensors = self._local(self._remember(params))[0]
         anchor, sent = take_anchor(tensors, self.process_group)
         self.bytes_sent += sent
         self._start(OuterStep(anchor, self.outer_lr, self.outer_momentum, self.nesterov))
@@ -211,7 +210,6 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         return self.num_averages + self.num_skipped > 0
 
     def _average(self, tensors: list[Tensor]) -> None:
-        self._specs = local_views(self._params)[1]
         with torch.no_grad():
             if self._outer is None:
                 if self.first_sync == "outer":
@@ -283,7 +281,7 @@ class OuterOptimizerAverager(PeriodicModelAverager):
     def _shared_state(self) -> dict[str, Any]:
         state = super()._shared_state()
         state["num_skipped"] = self.num_skipped
-        specs = local_views(self._params)[1] if self._params else self._specs
+        specs = local_views(self._params)[1] if self._params else []  # as the parameters are sharded
         state.update(outer_template(self._outer, self._params, specs, self.outer_momentum))
         return state
 

@@ -14,7 +14,7 @@ from ..averaging import ModelAverager, OuterStep
 from ..averaging.compress import Compressor
 from ..averaging.outer import (check_first_sync, no_anchor_message, outer_template, restore_outer, take_anchor,
                                takes_anchor)
-from ..averaging.shards import Spec, local_views, on_device_of
+from ..averaging.shards import local_views, on_device_of
 from ..averaging.tensors import Params, tensors_to_average
 from ..averaging.transport import Link, OuterTransport, Sent, transport_for
 from ..checkpoint import check_placement, placement
@@ -233,7 +233,6 @@ class StreamingDiLoCoAverager(ModelAverager):
         self._by_offset = {fr.offset: fr for fr in self._fragments}
         self._layout: list[int] | None = None
         self._in_flight: list[_InFlight] = []
-        self._specs: list[Spec | None] = []
 
     # -- schedule ---------------------------------------------------------------------------------
 
@@ -286,7 +285,7 @@ class StreamingDiLoCoAverager(ModelAverager):
     def _take_anchor(self, params: Params) -> None:
         tensors = self._remember(params)
         self._bind(tensors)
-        views, self._specs = self._local(tensors)
+        views = self._local(tensors)[0]
         anchor, sent = take_anchor(views, self.process_group)
         for fr in self._fragments:
             self._set_anchor(fr, [anchor[i] for i in fr.positions])
@@ -302,12 +301,12 @@ class StreamingDiLoCoAverager(ModelAverager):
             return
         if takes_anchor(self, from_average=True):
             self._take_anchor(params)
+        tensors = self._remember(params)
         sent = self.fragment_sent_at(self.step)
         due = [p for p in self._in_flight if p.due == self.step] if self._in_flight else []
         if sent is not None or due:
-            tensors = self._remember(params)
             self._bind(tensors)  # by the parameters' global sizes: the same layout on every shard
-            views, self._specs = self._local(tensors)
+            views = self._local(tensors)[0]
             if sent is not None:
                 self._send(self._fragments[sent], views)
             for pending in [p for p in self._in_flight if p.due == self.step]:
@@ -439,10 +438,11 @@ class StreamingDiLoCoAverager(ModelAverager):
         state = super()._shared_state()
         state["compression"] = repr(self.compression)
         state["layout"] = None if self._layout is None else list(self._layout)
+        specs = local_views(self._params)[1] if self._params else []  # as the parameters are sharded
         fragments = []
         for fr in self._fragments:
             if fr.outer is not None:
-                item = outer_template(fr.outer, [], [self._specs[i] if self._specs else None for i in fr.positions],
+                item = outer_template(fr.outer, [], [specs[i] for i in fr.positions] if specs else [],
                                       self.outer_momentum)
             elif self._layout is not None and self._params:
                 item = outer_template(None, [self._params[i] for i in fr.positions], [], self.outer_momentum)
@@ -494,6 +494,4 @@ class StreamingDiLoCoAverager(ModelAverager):
                       Sent([], [b.to(fr.anchor[0].device if fr.anchor else None, copy=True) for b in p["buffers"]],
                            on_device_of(p["residual"], fr.anchor), finite=on_device_of(p.get("finite"), fr.anchor)))
             for p in in_flight for fr in [self._fragments[int(p["fragment"])]]]
-        if self._params and self._layout is not None:
-            self._specs = local_views(self._params)[1]
 
