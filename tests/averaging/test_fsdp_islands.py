@@ -388,3 +388,31 @@ def plain_average(rank, world):
 
 def test_average_parameters_averages_each_shard_with_its_peer_in_the_other_island():
     assert max(run(plain_average, WORLD)) < 1e-12
+
+
+def hierarchical_on_dtensors(rank, world):
+    from collections import OrderedDict
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gradpress import HierarchicalModelAverager
+
+    mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("island", "shard"))  # 4 islands of one rank
+    model = _sharded_model(mesh)
+    replica = _plain_model()
+    schedule = OrderedDict([(2, 2), (4, 4)])
+    averager = HierarchicalModelAverager(schedule, process_group=mesh["island"].get_group())
+    reference = HierarchicalModelAverager(schedule, process_group=mesh["island"].get_group())
+    optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=LR), averager)
+    plain = PostLocalSGDOptimizer(torch.optim.SGD(replica.parameters(), lr=LR), reference)
+    worst = 0.0
+    for step in range(STEPS):
+        _inner_step(model, optimizer, step, [rank])
+        _inner_step(replica, plain, step, [rank])
+        worst = max(worst, _worst(_full(model), list(replica.parameters())))
+    return worst, averager.num_averages, averager.bytes_sent == reference.bytes_sent
+
+
+def test_hierarchical_averaging_of_dtensor_parameters_equals_it_on_plain_ones():
+    for worst, averages, same_bytes in run(hierarchical_on_dtensors, WORLD):
+        assert worst < 1e-12 and averages > 0 and same_bytes
