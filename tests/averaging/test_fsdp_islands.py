@@ -131,6 +131,52 @@ def test_diloco_between_hsdp_islands_equals_the_plain_torch_reference():
         assert sent == [shard_bytes if s % period == 0 else 0 for s in range(STEPS)]
 
 
+def streaming_against_plain_torch(rank, world):
+    """Streaming DiLoCo's contract written out: fragment f (layer 0; the rest) sent at steps where
+    step % 4 is its offset (0; 2), δ = mean_i(x_f - θ_i) then, τ = 1 step later, x_f ← Nesterov SGD(x_f, δ)
+    and θ_f ← x_f + α (θ_f - x_f) with α = 0.5."""
+    mesh = _mesh()
+    island = rank // 2
+    model = _sharded_model(mesh)
+    averager = StreamingDiLoCoAverager(4, process_group=mesh["island"].get_group(),
+                                       fragments=[model[0], [*model[2].parameters(), *model[4].parameters()]],
+                                       fragment_sync_delay=1, fragment_update_alpha=0.5)
+    optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=LR), averager)
+    replicas = [_plain_model() for _ in range(2)]
+    inner = [torch.optim.SGD(r.parameters(), lr=LR) for r in replicas]
+    members = [[0, 1], [2, 3, 4, 5]]
+    anchors = [[list(replicas[0].parameters())[i].detach().clone() for i in m] for m in members]
+    outer = [torch.optim.SGD(a, lr=0.7, momentum=0.9, nesterov=True) for a in anchors]
+    pending: list = []
+    worst = 0.0
+    for step in range(STEPS + 3):
+        _inner_step(model, optimizer, step, [2 * island, 2 * island + 1])
+        for i, (r, o) in enumerate(zip(replicas, inner)):
+            _inner_step(r, o, step, [2 * i, 2 * i + 1])
+        params = [list(r.parameters()) for r in replicas]
+        for f, offset in enumerate((0, 2)):
+            if step % 4 == offset:
+                deltas = [sum(a - p[i] for p in params).detach() / 2 for a, i in zip(anchors[f], members[f])]
+                pending.append((f, step + 1, deltas))
+        for item in [item for item in pending if item[1] == step]:
+            f, _, deltas = item
+            for a, d in zip(anchors[f], deltas):
+                a.grad = d
+            outer[f].step()
+            with torch.no_grad():
+                for p in params:
+                    for a, i in zip(anchors[f], members[f]):
+                        p[i].copy_(a + 0.5 * (p[i] - a))
+            pending.remove(item)
+        worst = max(worst, _worst(_full(model), list(replicas[island].parameters())))
+    return worst, averager.num_averages
+
+
+def test_streaming_diloco_on_fsdp2_islands_equals_an_unsharded_plain_torch_reference_after_every_step():
+    for rank, (worst, applied) in enumerate(run(streaming_against_plain_torch, WORLD)):
+        assert worst < 1e-9 and applied == 6, (rank, worst, applied)
+
+
 # --- every averager and transport against the same averager on unsharded replicas -------------------------
 
 def _averager(kind, group, fragments=None, alpha=0.5):
