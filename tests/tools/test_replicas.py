@@ -10,6 +10,8 @@ the accuracy curve to within one test sample (an argmax a rounding can flip).
 
 from __future__ import annotations
 
+import io
+
 import math
 from pathlib import Path
 from typing import Any
@@ -64,7 +66,10 @@ def _runs(where: str, spec: str, world_size: int, tmp_path_factory: pytest.TempP
 
 
 def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """The tensors and numbers of a nested state, by path."""
+    """The tensors and numbers of a nested state, by path (a per-rank entry, serialized by
+    ``gradpress.checkpoint.per_rank_state``, read back into its own)."""
+    if isinstance(tree, bytes) and prefix.rsplit("/", 2)[-2:-1] == ["per_rank"]:
+        return _leaves(torch.load(io.BytesIO(tree), weights_only=True), prefix)
     if isinstance(tree, dict):
         return {k: v for key, value in tree.items() for k, v in _leaves(value, f"{prefix}/{key}").items()}
     if isinstance(tree, (list, tuple)):
