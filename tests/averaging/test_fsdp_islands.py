@@ -114,12 +114,13 @@ def diloco_against_plain_torch(rank, world, period, hsdp=False):
 
 def test_diloco_on_fsdp2_islands_equals_an_unsharded_plain_torch_reference_after_every_step():
     period = 3
-    for rank, (worst, sent, shard_bytes, syncs) in enumerate(run(diloco_against_plain_torch, WORLD, period)):
+    results = run(diloco_against_plain_torch, WORLD, period)
+    for rank, (worst, sent, shard_bytes, syncs) in enumerate(results):
         assert worst < 1e-9, (rank, worst)
         assert syncs == len(range(0, STEPS, period))
         # Each sync sends this rank's shard of the model, nothing at the other steps.
         assert sent == [shard_bytes if s % period == 0 else 0 for s in range(STEPS)], (rank, sent, shard_bytes)
-    shards = [r[2] for r in run(diloco_against_plain_torch, WORLD, period)]
+    shards = [r[2] for r in results]
     assert shards[0] != shards[1] and shards[0] == shards[2]  # uneven shards, counted per rank
 
 
