@@ -136,8 +136,8 @@ def test_user_factory_in_current_folder(capsys, monkeypatch, tmp_path) -> None:
 
 BAD_MODELS = [
     ("resnet19", "--model 'resnet19' is not a model name; give resnet18-cifar, resnet50, gpt2, lstm-wikitext2, "
-                 "the demo's tasks digits, charlm, charlm-wide, gpt, gpt-wide, or module.path:function for your "
-                 "own model (returning an nn.Module or (nn.Module, example_batch))"),
+                 "the demo's tasks digits, charlm, charlm-wide, gpt, gpt-wide, gpt-stdlib, gpt-wide-stdlib, or "
+                 "module.path:function for your own model (returning an nn.Module or (nn.Module, example_batch))"),
     ("no_such_module_xyz:build", "cannot import module 'no_such_module_xyz'"),
     ("user_models:missing", "module 'user_models' has no attribute 'missing'"),
     ("user_models:NOT_CALLABLE", "'NOT_CALLABLE' is an object of type int, not a function"),

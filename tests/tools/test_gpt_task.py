@@ -172,3 +172,29 @@ def test_demo_trains_gpt_on_two_workers(tmp_path: Path, capsys: pytest.CaptureFi
         assert entry["metric"] == pytest.approx(math.exp(entry["test_loss"]))
         assert entry["metric"] < entry["curve"][0]["metric"]  # six steps already lower the perplexity
     assert report["methods"]["powersgd:2"]["counted"]["ok"]
+
+
+def test_the_stdlib_corpus_is_read_about_once_at_32_workers_worth_and_holds_out_whole_files() -> None:
+    import sysconfig
+    import zlib
+    from pathlib import Path
+
+    from gradpress.tools.workloads.tasks import CHARSET, _stdlib_codes
+
+    data = get_task("gpt-stdlib").load(0)
+    assert data.x_train.shape[1] == SEQUENCE and torch.equal(data.x_train[:, 1:], data.y_train[:, :-1])
+    assert int(data.x_train.max()) < len(CHARSET) and len(data.x_test) == 256
+    # 800 steps of 32 workers' worth of 16 windows do not repeat a window.
+    assert 800 * 32 * 16 <= len(data.x_train)
+    # The held-out part is whole files, none of them in the training part: the held-out text of one file
+    # chosen by the path hash is found in the held-out codes and not in the training codes.
+    root = Path(sysconfig.get_paths()["stdlib"])
+    held = next(p for p in sorted(root.rglob("*.py"))
+                if zlib.crc32(p.relative_to(root).as_posix().encode()) % 10 == 0 and p.stat().st_size > 8000)
+    lookup = {c: i for i, c in enumerate(CHARSET)}
+    probe = bytes(lookup.get(c, 0) for c in held.read_text("utf-8", "replace")[4000:4400])
+    train, held_codes, description = _stdlib_codes()
+    assert probe in held_codes.to(torch.uint8).numpy().tobytes()
+    assert probe not in train.to(torch.uint8).numpy().tobytes()
+    assert "standard library" in description and "sha256" in description
+    assert get_task("gpt-wide-stdlib").model(seed=0).wte.weight.shape[1] == 256
