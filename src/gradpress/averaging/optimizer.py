@@ -22,6 +22,14 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
     PyTorch, the step counter is the state's ``"step"`` key: a state without it loads with PyTorch's
     warning and the counter at 0.
 
+    ``torch.distributed.checkpoint``: the wrapper is a Stateful (``dcp.save({"model": model.state_dict(),
+    "optim": optimizer})``). Put it after the model: its load writes each rank's own parameters saved
+    between synchronizations (islands differ there, and a sharded model's state dict keeps one island's).
+    ``get_state_dict(model, optimizer)`` reads the inner optimizer's state only (and DCP keeps one island's
+    copy of it): save the averager beside it (``"averager": optimizer.averager``) and load it in a
+    ``dcp.load`` of its own after ``set_state_dict``; the zero-learning-rate step ``get_state_dict`` takes on
+    an optimizer without state is not an averaging step, and ``set_state_dict`` leaves the averager alone.
+
     >>> opt = PostLocalSGDOptimizer(torch.optim.SGD(params, lr=0.1), PeriodicModelAverager(4, 100))  # doctest: +SKIP
     """
 
