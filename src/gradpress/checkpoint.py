@@ -373,12 +373,6 @@ def check_world_size_policy(on_world_size_change: Any) -> str:
     return str(on_world_size_change)
 
 
-def _global_placement() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def per_rank_state(local: Any, shared: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A state_dict that ``torch.distributed.checkpoint`` keeps per rank: ``local`` (this rank's own
     values: error memory, residuals, counters of its bytes) serialized under the key
@@ -388,7 +382,8 @@ def per_rank_state(local: Any, shared: Mapping[str, Any] | None = None) -> dict[
     identical on every rank, kept once) says how many ranks saved theirs. ``shared``: values identical
     on every rank (counters) or sharded (DTensors), merged in as they are. The same dict goes through
     ``torch.save`` and :func:`gather_state`; :func:`read_per_rank` reads it back."""
-    rank, world = _global_placement()
+    here = placement()  # in the default group
+    rank, world = here["rank"], here["world_size"]
     payload = io.BytesIO()
     torch.save(to_cpu(local), payload)
     return {**(shared or {}), "format": PER_RANK_FORMAT, "world_size": world,
@@ -412,7 +407,8 @@ def read_per_rank(state: Mapping[str, Any], owner: str, *, on_world_size_change:
     check_world_size_policy(on_world_size_change)
     if state.get("format") != PER_RANK_FORMAT:
         return state, True
-    rank, world = _global_placement()
+    here = placement()  # in the default group
+    rank, world = here["rank"], here["world_size"]
     entries = state.get("per_rank") or {}
     blob = entries.get(f"rank_{rank}")
     if not blob and allow_other_rank:

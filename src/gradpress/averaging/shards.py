@@ -13,7 +13,8 @@ averaging of a layout checks it over the group (:func:`check_same_layout`, one `
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import functools
+from typing import Any, NamedTuple, overload
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,7 @@ class Spec(NamedTuple):
         return f"global shape {tuple(self.shape)} at {where}"
 
 
+@functools.lru_cache(maxsize=1)
 def _dtensor_type() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
@@ -96,6 +98,10 @@ def from_saved(saved: Tensor, like: Tensor) -> Tensor:
     return local.detach().to(device=like.device, dtype=like.dtype, copy=True)
 
 
+@overload
+def on_device_of(saved: Tensor, anchor: list[Tensor] | None) -> Tensor: ...
+@overload
+def on_device_of(saved: None, anchor: list[Tensor] | None) -> None: ...
 def on_device_of(saved: Tensor | None, anchor: list[Tensor] | None) -> Tensor | None:
     """A copy of a saved per-rank tensor (kept on the CPU by the checkpoint) on ``anchor``'s device
     (``None`` stays ``None``)."""

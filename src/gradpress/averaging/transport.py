@@ -212,9 +212,10 @@ class Compressed(OuterTransport):
         dtype = self.work_dtype(anchor)
         numel = sum(a.numel() for a in anchor)
         with torch.no_grad():
-            # One row per rank (the world's rows are empty together: an empty shard encodes to nothing).
-            payloads = sent.buffers[0].view(max(1, link_world(sent, self.compressor.payload_bytes(numel))),
-                                            self.compressor.payload_bytes(numel))
+            # One row per rank; an empty shard encodes to nothing, one empty row then.
+            payload_bytes = self.compressor.payload_bytes(numel)
+            rows = sent.buffers[0].numel() // payload_bytes if payload_bytes else 1
+            payloads = sent.buffers[0].view(rows, payload_bytes)
             mean = self.compressor.decode(payloads, numel, dtype).sum(dim=0).div_(payloads.shape[0])
             finite = torch.isfinite(mean).all()
             means, offset = [], 0
@@ -222,11 +223,6 @@ class Compressed(OuterTransport):
                 means.append(mean[offset: offset + a.numel()].view_as(a).to(a.device, a.dtype))
                 offset += a.numel()
         return means, finite
-
-
-def link_world(sent: Sent, payload_bytes: int) -> int:
-    """How many ranks' payloads ``sent``'s all-gather holds (1 for an empty payload: nothing to decode)."""
-    return sent.buffers[0].numel() // payload_bytes if payload_bytes else 1
 
 
 @dataclass(frozen=True)

@@ -491,7 +491,7 @@ class StreamingDiLoCoAverager(ModelAverager):
             fr.bytes_sent = 0 if ours is None else int(ours["bytes_sent"])
         self._in_flight = [
             _InFlight(int(p["fragment"]), int(p["due"]),
-                      Sent([], [b.to(fr.anchor[0].device if fr.anchor else None, copy=True) for b in p["buffers"]],
+                      Sent([], [on_device_of(b, fr.anchor) for b in p["buffers"]],
                            on_device_of(p["residual"], fr.anchor), finite=on_device_of(p.get("finite"), fr.anchor)))
             for p in in_flight for fr in [self._fragments[int(p["fragment"])]]]
 
