@@ -145,3 +145,52 @@ def test_the_ddp_warm_up_scales_each_gradient_bitwise_as_the_per_tensor_oracle_i
                 assert torch.equal(averaged[i], want), (order, i)
         tiny = torch.stack([g[2] for g in per_rank]).mean(0)
         assert (results[0][0][2] - tiny).abs().max() <= 1e-3 * tiny.abs().max()
+
+
+class _SameSizeBuckets(torch.nn.Module):
+    """Four equal 64 x 64 weights with magnitudes 1e2 .. 1e-7: with a 16 KiB bucket cap each is its own
+    bucket, all of one size (so buckets whose wires share a size are in flight together)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(64, 64)) for _ in range(4))
+
+    def forward(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        return sum((w * x).sum() for w, x in zip(self.weights, inputs))
+
+
+def _ddp_warm_up(rank: int, world: int, iterations: int):
+    """``iterations`` warm-up iterations of a real DDP model on the fp16 warm-up wire: the averaged
+    gradients and this rank's gradients of each."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_SameSizeBuckets(), bucket_cap_mb=16 / 1024)
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=100,
+                                    warm_up_bytes_per_weight=2)
+    model.register_comm_hook(state, gradpress.powerSGD_hook)
+    generator = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for _ in range(iterations):
+        inputs = [torch.randn(64, 64, generator=generator) * 10.0 ** (2 - 3 * i) for i in range(4)]
+        model(inputs).backward()   # the gradient of each weight is its input
+        out.append(([w.grad.clone() for w in model.module.weights], inputs))
+        model.zero_grad(set_to_none=False)
+    return out, len(state._session._wires)
+
+
+@pytest.mark.slow
+def test_ddp_reuses_its_cpu_wire_buffers_and_every_iteration_is_the_per_tensor_oracle():
+    """On the CPU the warm-up keeps one wire buffer per DDP bucket across iterations (fresh pages cost a
+    quarter of its time). Buckets of one size are in flight together, DDP lays its buckets out anew
+    after its first iteration: every iteration must still be the per-tensor oracle, bit for bit."""
+    results = run(_ddp_warm_up, 2, 4)
+    for step in range(4):
+        per_rank = [results[rank][0][step][1] for rank in range(2)]
+        for i in range(4):
+            parts = [grads[i].double() / 2 for grads in per_rank]
+            peak = max(float(p.abs().max()) for p in parts)
+            scale = 2.0 ** (torch.tensor(2 * peak).log2().ceil().item() - 14)
+            want = ((sum((p / scale).half().double() for p in parts)).half().double() * scale).float()
+            for rank in range(2):
+                assert torch.equal(results[rank][0][step][0][i], want), (step, i)
+    assert [wires for _, wires in results] == [4, 4]  # one per bucket, kept

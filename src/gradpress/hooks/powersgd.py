@@ -344,6 +344,7 @@ class PowerSGDState(StateReport, StateCheckpoint):
     def _advance(self) -> None:
         self.iter += 1
         if self.iter == self.start_powerSGD_iter:  # PyTorch's message, then why the stats were zero so far
+            self._session.end_warm_up()
             logger.info("Start to apply PowerSGD after %s iterations. (compression_stats() was (0, 0, 0) until "
                         "now: the first start_powerSGD_iter iterations are plain allreduce.)", self.iter)
 
@@ -423,7 +424,8 @@ class PowerSGDState(StateReport, StateCheckpoint):
         # The exact average goes through the engine's communicator and pipeline, in bucket order, like the
         # compressed steps (each gradient with its own fp16 scale); counted only on warm_up_bytes_per_weight.
         average = partial(self._session.average, bucket.gradients(), self._communicator(), flat=bucket.buffer(),
-                          counted=self.warm_up_bytes_per_weight is not None)
+                          counted=self.warm_up_bytes_per_weight is not None,
+                          bucket=bucket.index() if isinstance(bucket, dist.GradBucket) else None)
         return self._hand_over(bucket, bucket.buffer(), average, compressed=False)
 
     def _move_to_another_model(self) -> None:
