@@ -18,7 +18,8 @@ from gradpress.tools.workloads.tasks import CHARSET, SEQUENCE, get_task, task_na
 VOCAB = len(CHARSET)
 
 # (task, layers, width, heads): the sizes the task descriptions promise.
-SIZES = [("gpt", 4, 128, 4), ("gpt-wide", 4, 256, 8)]
+SIZES = [("gpt", 4, 128, 4), ("gpt-wide", 4, 256, 8), ("gpt-stdlib-w384", 4, 384, 12),
+         ("gpt-stdlib-w512", 4, 512, 16)]
 
 
 def formula(vocab: int, context: int, layers: int, d: int) -> int:
@@ -198,3 +199,17 @@ def test_the_stdlib_corpus_is_read_about_once_at_32_workers_worth_and_holds_out_
     assert probe not in train.to(torch.uint8).numpy().tobytes()
     assert "standard library" in description and "sha256" in description
     assert get_task("gpt-wide-stdlib").model(seed=0).wte.weight.shape[1] == 256
+
+
+def test_the_width_family_is_gpt_stdlib_at_any_width() -> None:
+    # At 128 and 256 the family's model is gpt-stdlib's and gpt-wide-stdlib's, weight for weight.
+    for width, named in ((128, "gpt-stdlib"), (256, "gpt-wide-stdlib")):
+        ours, theirs = get_task(f"gpt-stdlib-w{width}").model(seed=3), get_task(named).model(seed=3)
+        assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), theirs.state_dict().values(),
+                                                      strict=True))
+    assert get_task("gpt-stdlib-w384").load is get_task("gpt-stdlib").load
+    for bad in ("gpt-stdlib-w100", "gpt-stdlib-w32", "gpt-stdlib-w8192"):
+        with pytest.raises(ValueError, match="multiple of 32 from 64 to 4096"):
+            get_task(bad)
+    with pytest.raises(ValueError, match=r"gpt-stdlib-w<width>"):
+        get_task("gpt-stdlib-wide")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import re
 import sys
 import sysconfig
 import threading
@@ -301,14 +302,33 @@ TASKS: dict[str, Task] = {
 }
 
 
+#: The width axis: ``gpt-stdlib-w<width>`` is gpt-stdlib's GPT (4 layers, context 64) at any width that is a
+#: multiple of 32 from 64 to 4096, with heads of 32 dimensions as gpt (128, 4 heads) and gpt-wide (256, 8).
+WIDTH_FAMILY = "gpt-stdlib-w<width>"
+_WIDTH_TASK = re.compile(r"gpt-stdlib-w(\d+)")
+
+
+@functools.lru_cache(maxsize=None)
+def _width_task(width: int) -> Task:
+    if width % 32 or not 64 <= width <= 4096:
+        raise ValueError(f"task gpt-stdlib-w<width>: width must be a multiple of 32 from 64 to 4096, got {width}")
+    return Task(f"gpt-stdlib-w{width}", f"character-level GPT (4 layers, width {width}, {width // 32} heads) on "
+                "Python's standard library source, seen about once", "perplexity", _load_stdlib,
+                functools.partial(char_gpt, d_model=width, n_heads=width // 32), lr=0.1, batch_size=16)
+
+
 def task_names() -> tuple[str, ...]:
-    """The valid ``--task`` values."""
+    """The valid ``--task`` values (and any width of :data:`WIDTH_FAMILY`)."""
     return tuple(TASKS)
 
 
 def get_task(name: str) -> Task:
-    """The task called ``name``; ``ValueError`` listing the valid names otherwise."""
-    try:
+    """The task called ``name`` (a :data:`TASKS` name or ``gpt-stdlib-w<width>``, e.g. ``gpt-stdlib-w384``);
+    ``ValueError`` listing the valid names otherwise."""
+    if name in TASKS:
         return TASKS[name]
-    except KeyError:
-        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}") from None
+    match = _WIDTH_TASK.fullmatch(name)
+    if match:
+        return _width_task(int(match.group(1)))
+    raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}, or {WIDTH_FAMILY} "
+                     "(a multiple of 32 from 64 to 4096)")
