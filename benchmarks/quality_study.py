@@ -305,6 +305,7 @@ def run_record(result: dict[str, Any], config: Any, *, label: str, command: str,
             "bytes_per_step_predicted": result["bytes_per_step"], "counted": counted,
             "time_per_step_s": result["time_per_step_s"], "approximation_error": result["approximation_error"],
             "global_residual": result.get("global_residual"), "global_residuals": result.get("global_residuals"),
+            **({"auto_rank": result["auto_rank"]} if result.get("auto_rank") else {}),
             "checksum": result["checksum"], "digest": result["digest"], "curve": curve}
 
 

@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["EngineConfig", "Plan", "make_plan"], "powersgd"),
     **dict.fromkeys(["ApproximationSummary", "approximation_error_metrics", "log_approximation_error"], "diagnostics"),
     "AdaptiveRank": "adaptive",
+    "AutoRank": "autorank",
     **dict.fromkeys(["gather_state", "scatter_state", "state_nbytes"], "checkpoint"),
     **dict.fromkeys(["QuantizeInt4", "QuantizeInt8", "TopK"], "averaging.compress"),
     "StreamingDiLoCoAverager": "streaming",
@@ -49,6 +50,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
                         fp16_compress_wrapper, hook_with_zero_step, hook_with_zero_step_interleaved,
                         post_localSGD_hook, post_localsgd_hook, powerSGD_hook, powersgd_hook)
     from .adaptive import AdaptiveRank
+    from .autorank import AutoRank
     from .checkpoint import gather_state, scatter_state, state_nbytes
     from .diagnostics import ApproximationSummary, approximation_error_metrics, log_approximation_error
     from .hooks.fsdp import register_fsdp_comm_hook

@@ -297,7 +297,7 @@ def test_averaging_and_aggregator_depend_one_way(package):
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("gradpress.comm",),                                          # every torch.distributed collective
     ("gradpress.powersgd",),                                      # the engine and the protocols it consumes
-    ("gradpress.validation", "gradpress.diagnostics", "gradpress.policy", "gradpress.adaptive",
+    ("gradpress.validation", "gradpress.diagnostics", "gradpress.policy", "gradpress.adaptive", "gradpress.autorank",
      "gradpress.checkpoint", "gradpress.launch"),                 # features the front ends share
     ("gradpress.hooks", "gradpress.aggregator"),                  # the front ends over the engine
     ("gradpress.averaging",),                                     # local SGD, DiLoCo's outer step

@@ -118,6 +118,9 @@ def register_fsdp_comm_hook(module: nn.Module, state: Any, hook: Hook) -> None:
     for name, unit, param_group in units:
         internals.check_replicate_group(group, param_group, name)
     counter = _BackwardCounter([param_group for _, _, param_group in units])
+    if isinstance(state, PowerSGDState) and state.auto_rank is not None:
+        raise ValueError("register_fsdp_comm_hook: a PowerSGDState with auto_rank is not supported under FSDP "
+                         "(each rank holds a shard of every matrix); give it a fixed matrix_approximation_rank")
     if isinstance(state, PowerSGDState):
         # FSDP reads each unit's result as soon as its hook returns: each unit commits its own memory
         # (a non-finite unit keeps its memory; the others are not held back until the last unit).

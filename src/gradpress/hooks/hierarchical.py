@@ -210,6 +210,9 @@ class HierarchicalHook:
     def _check_state(self, state: Any) -> None:
         if state is self._checked_state:
             return
+        if getattr(state, "auto_rank", None) is not None:
+            raise ValueError(f"{self.__name__}: a PowerSGDState with auto_rank is not supported here (its ranks "
+                             "would measure different node means); give it a fixed matrix_approximation_rank")
         if state is None or isinstance(state, dist.ProcessGroup):
             group, where = state, "the hook's state"
         elif hasattr(state, "process_group"):

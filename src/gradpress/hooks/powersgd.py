@@ -22,7 +22,7 @@ import logging
 import warnings
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,10 +37,12 @@ from ..powersgd.memory import Segment
 from ..powersgd.seeding import RESIZE_DRAW
 from ..powersgd.session import EngineSession, MemoryReport
 from ..powersgd.transport import Communicator
+from ..autorank import AutoRank
+from .auto_rank import auto_rank_decision, decide_rank, measure_bucket
 from .iteration import WaitingBuckets, bucket_segment
 from .parameters import ParameterKeys
 from .state_checkpoint import StateCheckpoint
-from .state_report import StateReport
+from .state_report import BucketMemory, StateReport
 
 __all__ = ["PowerSGDState", "powerSGD_hook", "powersgd_hook"]
 
@@ -57,21 +59,6 @@ def _counter(field: str) -> property:
     return property(lambda state: getattr(state.session, field),
                     lambda state, value: setattr(state.session, field, int(value)),
                     doc=f"The engine session's ``{field}`` counter.")
-
-
-class BucketMemory(Protocol):
-    """Memory a hook keeps per bucket, outside the per-parameter store (``batched_powerSGD_hook``'s
-    :class:`~gradpress.hooks.batched.PaddedBuckets`): what the state needs of it."""
-
-    def segments(self) -> list[Segment]: ...
-
-    def scale_errors(self, factor: float) -> None: ...
-
-    def approximation_norms(self) -> dict[str, tuple[float, float]]: ...
-
-    def global_residual_norms(self) -> dict[str, tuple[float, float]]: ...
-
-    def state_dict(self) -> dict[int, dict[str, Any]]: ...
 
 
 class PowerSGDState(StateReport, StateCheckpoint):
@@ -144,6 +131,11 @@ class PowerSGDState(StateReport, StateCheckpoint):
             resize the warm-start factors, bytes are counted at the ranks in force, and checkpoints
             resume exactly. With a ``rank_policy``, the policy says which parameters are sent exactly
             and the adaptive rank sets the others'. See :mod:`gradpress.adaptive`.
+        auto_rank: an :class:`~gradpress.autorank.AutoRank` ``(threshold, max_rank, measure_iters)``: the
+            rank is chosen once, at the first compressed iteration, as the smallest that carries
+            ``threshold`` of the averaged gradients' energy in the last warm-up iterations (the same on
+            every rank; logged; checkpointed), then read as ``matrix_approximation_rank``. DDP hooks only;
+            a mapping ``rank_policy`` keeps its own ranks. See :mod:`gradpress.autorank`.
 
     Non-finite iterations (AMP): when anything the hook averaged in an iteration is inf/NaN (on any
     rank: the sum carries it to all), the error memory and warm-start factors of every bucket, on every
@@ -165,7 +157,7 @@ class PowerSGDState(StateReport, StateCheckpoint):
 
     __slots__ = ("process_group", "start_powerSGD_iter", "compression_stats_logging_frequency",
                  "batch_tensors_with_same_shape", "comm_device", "iter", "next_stats_report", "_session",
-                 "_params", "_comm", "lr_scheduler", "_lr_iter", "approximation_error_every_n_iters",
+                 "_params", "_comm", "lr_scheduler", "_lr_iter", "approximation_error_every_n_iters", "_auto",
                  "last_measured_iter", "_bucket_memory", "_waiting", "global_residual_every_n_iters", "__weakref__")
 
     def __init__(
@@ -193,6 +185,7 @@ class PowerSGDState(StateReport, StateCheckpoint):
         global_residual_every_n_iters: int | None = None,
         rank_policy: RankRules | None = None,
         adaptive_rank: AdaptiveRank | dict[str, Any] | None = None,
+        auto_rank: AutoRank | dict[str, Any] | None = None,
     ) -> None:
         check_process_group(process_group, "PowerSGDState's first argument, process_group",
                             "the signature is PowerSGDState(process_group, matrix_approximation_rank, "
@@ -263,6 +256,7 @@ class PowerSGDState(StateReport, StateCheckpoint):
                             f"got {type(adaptive_rank).__name__}")
         # Parameters by stable key (DDP rebuilds its buckets), their names and ranks.
         self._params = ParameterKeys(config.rank, config.min_compression_rate, rank_policy, adaptive_rank)
+        self._auto = auto_rank_decision(auto_rank, adaptive_rank, rank_policy)
         # A hook's per-bucket memory (BucketMemory), or its checkpoint form until that hook first runs.
         self._bucket_memory: BucketMemory | dict[Any, Any] = {}
         self._waiting = WaitingBuckets()  # the iteration's buckets, until its last (compress_with_step)
@@ -290,6 +284,11 @@ class PowerSGDState(StateReport, StateCheckpoint):
     def adaptive_rank(self) -> AdaptiveRank | None:
         """The ``adaptive_rank`` given, as an :class:`~gradpress.adaptive.AdaptiveRank` (``None``: off)."""
         return self._params.adaptive
+
+    @property
+    def auto_rank(self) -> AutoRank | None:
+        """The ``auto_rank`` given (``None``: off); :attr:`matrix_approximation_rank` holds its decision."""
+        return None if self._auto is None else self._auto.rule
 
     @property
     def config(self) -> EngineConfig:
@@ -419,14 +418,16 @@ class PowerSGDState(StateReport, StateCheckpoint):
             self._move_to_another_model()
         self._params.note_bucket(bucket)
         if self.iter >= self.start_powerSGD_iter:
+            decide_rank(self, bucket)  # automatic rank: once, at the first compressed bucket
             return None
         self._params.keys_for(bucket.parameters())
+        measure = measure_bucket(self, bucket)  # automatic rank: the last warm-up iterations
         # The exact average goes through the engine's communicator and pipeline, in bucket order, like the
         # compressed steps (each gradient with its own fp16 scale); counted only on warm_up_bytes_per_weight.
         average = partial(self._session.average, bucket.gradients(), self._communicator(), flat=bucket.buffer(),
                           counted=self.warm_up_bytes_per_weight is not None,
                           bucket=bucket.index() if isinstance(bucket, dist.GradBucket) else None)
-        return self._hand_over(bucket, bucket.buffer(), average, compressed=False)
+        return self._hand_over(bucket, bucket.buffer(), average, compressed=False, finish=measure)
 
     def _move_to_another_model(self) -> None:
         """PyTorch's pattern of registering a finished model's state on a new DDP model: the new model

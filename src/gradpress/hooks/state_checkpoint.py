@@ -21,6 +21,7 @@ from ..adaptive import AdaptiveRank
 from ..checkpoint import (check_placement, check_saved_options, per_rank_state, placement, read_per_rank,
                           reject_gathered)
 from ..policy import RankRules
+from .auto_rank import apply_rank
 
 __all__ = ["StateCheckpoint"]
 
@@ -56,6 +57,7 @@ class _State(Protocol):
     _params: Any
     _bucket_memory: Any
     _lr_iter: int
+    _auto: Any
 
     # Read-only: the engine configuration's (the memory's meaning depends on them) and the policies given.
     @property
@@ -135,11 +137,14 @@ class StateCheckpoint:
                 # A mapping policy is plain data; a function policy is kept by pickling only (__getstate__).
                 "rank_policy": self.rank_policy if isinstance(self.rank_policy, dict) else None,
                 "adaptive_rank": None if self.adaptive_rank is None else self.adaptive_rank.to_dict(),
+                **({} if self._auto is None else {"auto_rank": self._auto.rule.to_dict()}),
                 # Only when set: checkpoints keep the keys they had before the option existed.
                 **({} if self.warm_up_bytes_per_weight is None
                    else {"warm_up_bytes_per_weight": self.warm_up_bytes_per_weight}),
             },
             "adaptive": self._params.adaptive_state(),
+            # The automatic rank's decision (matrix_approximation_rank above holds it), or its measurement so far.
+            **({} if self._auto is None else {"auto_rank": self._auto.state()}),
             "last_lr": self._session.last_lr,
             "total_bytes_before_compression": self.total_bytes_before_compression,
             "total_bytes_after_compression": self.total_bytes_after_compression,
@@ -182,9 +187,15 @@ class StateCheckpoint:
             raise ValueError(f"unsupported PowerSGDState state_dict version {state_dict.get('version')!r}; "
                              f"expected {_STATE_DICT_VERSION}")
         adaptive = None if self.adaptive_rank is None else self.adaptive_rank.to_dict()
+        remedy = "construct the state with the same value to resume"
+        auto = None if self._auto is None else self._auto.rule.to_dict()
+        check_saved_options(state_dict["options"], {"auto_rank": auto}, "PowerSGDState", remedy)
+        if self._auto is not None and "auto_rank" in state_dict:  # a decision is kept, never taken again
+            self._auto.load(state_dict["auto_rank"])
+            if self._auto.rank is not None:
+                apply_rank(self, self._auto.rank)
         check_saved_options(state_dict["options"], {name: getattr(self, name) for name in _MEMORY_OPTIONS} |
-                            {"adaptive_rank": adaptive}, "PowerSGDState",
-                            "construct the state with the same value to resume")
+                            {"adaptive_rank": adaptive}, "PowerSGDState", remedy)
         check_placement(state_dict.get("placement"), placement(self.process_group), "PowerSGDState",
                         allow_other_rank)
         if self._session.in_flight():

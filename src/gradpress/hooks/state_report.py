@@ -11,12 +11,28 @@ from typing import Any, Protocol
 
 from torch import Tensor, nn
 
+from ..powersgd.memory import Segment
 from ..diagnostics import ApproximationSummary, captured_energies, relative_errors, should_measure, summarize
 
-__all__ = ["StateReport"]
+__all__ = ["BucketMemory", "StateReport"]
 
 # PowerSGDState's log lines keep the logger of the module users know it from.
 logger = logging.getLogger("gradpress.hooks.powersgd")
+
+
+class BucketMemory(Protocol):
+    """Memory a hook keeps per bucket, outside the per-parameter store (``batched_powerSGD_hook``'s
+    :class:`~gradpress.hooks.batched.PaddedBuckets`): what the state needs of it."""
+
+    def segments(self) -> list[Segment]: ...
+
+    def scale_errors(self, factor: float) -> None: ...
+
+    def approximation_norms(self) -> dict[str, tuple[float, float]]: ...
+
+    def global_residual_norms(self) -> dict[str, tuple[float, float]]: ...
+
+    def state_dict(self) -> dict[int, dict[str, Any]]: ...
 
 
 class _State(Protocol):
@@ -55,6 +71,13 @@ class StateReport:
     _params: Any
     _bucket_memory: Any
     last_measured_iter: int | None
+
+    def auto_rank_captured(self) -> list[float] | None:
+        """What ``auto_rank`` decided on: the captured energy E(k) of the averaged gradients for k = 1 ..
+        ``max_rank`` (``[k - 1]``), averaged over the measured warm-up iterations and the workers; ``None``
+        before the decision or without ``auto_rank`` (see :mod:`gradpress.autorank`)."""
+        auto = getattr(self, "_auto", None)
+        return None if auto is None or auto.captured is None else list(auto.captured)
 
     def compression_stats(self: _State) -> tuple[float, int, int]:
         """``(rate, numel before, numel after)`` summed over every compressed bucket step so far.

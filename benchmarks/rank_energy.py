@@ -1,0 +1,104 @@
+"""What the automatic rank would see on the quality study's settings: the captured energy E(k) of the
+averaged gradient at the end of the warm-up (:func:`gradpress.autorank.energy_profile`), for comparing
+with the ranks that held or fell behind there.
+
+One setting per call: the task's model trained with AdamW exactly as the study's warm-up (the study's
+schedule for ``--steps``, the learning rate rising over the first tenth) for ``--start-iter`` steps on
+``--sequences`` sequences a step in one process. The gradient of the mean loss over those sequences is the
+average the warm-up's allreduce gives W workers of ``sequences / W`` each (up to float rounding and the
+data order: the study's workers each read their own shard). E(k) is summed over the last
+``--measure-iters`` steps (before each optimizer step), as ``AutoRank(measure_iters=...)`` does, over
+the matrices PowerSGD would compress (``min_compression_rate`` 2, the study's)::
+
+    python3 benchmarks/rank_energy.py --task gpt --sequences 32 --lr 3e-3 --out benchmarks/results/rank-energy
+    python3 benchmarks/rank_energy.py --table --out benchmarks/results/rank-energy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gradpress.autorank import energy_profile
+from gradpress.tools.workloads import DemoConfig, get_task
+from gradpress.tools.workloads.training import make_optimizer
+
+RANKS = (4, 8, 12, 16, 22, 24, 32, 48, 64)
+
+
+def measure(task_name: str, sequences: int, lr: float, seed: int, steps: int, start_iter: int,
+            measure_iters: int, max_rank: int) -> dict:
+    task = get_task(task_name)
+    data = task.load(seed)
+    model = task.model(seed)
+    config = DemoConfig(task=task_name, steps=steps, start_iter=start_iter, optimizer="adamw", lr=lr, seed=seed)
+    optimizer = make_optimizer(list(model.parameters()), config)
+    generator = torch.Generator().manual_seed(40_000 + seed)
+    profile = torch.zeros(max_rank + 1, dtype=torch.float64)
+    losses = []
+    for step in range(1, start_iter + 1):
+        index = torch.randint(len(data.y_train), (sequences,), generator=generator)
+        optimizer.zero_grad(set_to_none=True)
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr_at(step)
+        loss = task.loss(model, data.x_train[index], data.y_train[index])
+        loss.backward()
+        losses.append(float(loss))
+        if step > start_iter - measure_iters:
+            matrices = [p.grad for p in model.parameters() if p.grad is not None and p.dim() >= 2]
+            profile += energy_profile(matrices, max_rank, config.min_compression_rate, seed=step)
+        optimizer.step()
+    captured = (profile[:-1] / profile[-1]).tolist()
+    return {"task": task_name, "sequences": sequences, "lr": lr, "seed": seed, "steps": steps,
+            "start_iter": start_iter, "measure_iters": measure_iters, "captured": captured,
+            "train_loss_last": sum(losses[-measure_iters:]) / measure_iters}
+
+
+def table(out: Path) -> None:
+    rows = sorted((json.loads(p.read_text()) for p in out.glob("*.json")),
+                  key=lambda r: (r["task"], r["sequences"], r["seed"]))
+    print("| task | sequences/step | lr | seed | " + " | ".join(f"E({k})" for k in RANKS) + " |")
+    print("|---|---|---|---|" + "---|" * len(RANKS))
+    for r in rows:
+        print(f"| {r['task']} | {r['sequences']} | {r['lr']:g} | {r['seed']} | "
+              + " | ".join(f"{r['captured'][k - 1]:.3f}" for k in RANKS) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", default="gpt")
+    parser.add_argument("--sequences", type=int, default=32, help="per step, all workers together")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=800, help="the run whose warm-up this is (its schedule)")
+    parser.add_argument("--start-iter", type=int, default=80)
+    parser.add_argument("--measure-iters", type=int, default=4)
+    parser.add_argument("--max-rank", type=int, default=64)
+    parser.add_argument("--out", default="benchmarks/results/rank-energy")
+    parser.add_argument("--table", action="store_true")
+    args = parser.parse_args()
+    out = Path(args.out)
+    if args.table:
+        table(out)
+        return
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    start = time.perf_counter()
+    result = measure(args.task, args.sequences, args.lr, args.seed, args.steps, args.start_iter,
+                     args.measure_iters, args.max_rank)
+    result["seconds"] = time.perf_counter() - start
+    result["command"] = "python3 " + " ".join(sys.argv)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{args.task}-s{args.sequences}-lr{args.lr:g}-seed{args.seed}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"{args.task}, {args.sequences} sequences/step: " +
+          ", ".join(f"E({k})={result['captured'][k - 1]:.3f}" for k in RANKS) + f" ({result['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

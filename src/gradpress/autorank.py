@@ -1,0 +1,199 @@
+"""Automatic rank: PowerSGD's rank chosen on the model's own averaged gradients, once, before compression.
+
+During the last ``measure_iters`` iterations of the warm-up (``start_powerSGD_iter``), every worker holds
+the exact mean gradient (the warm-up is an allreduce). ``AutoRank`` measures, for every rank k up to
+``max_rank``, the share of that mean's energy a rank-k approximation of each matrix would carry: the
+**captured energy**
+
+    E(k) = sum over matrices of ||best rank-k approximation of G||^2 / sum over matrices of ||G||^2
+
+(a matrix that rank k would send exactly, because compressing it would not pay ``min_compression_rate``,
+counts whole; vectors are left out: they are always sent exactly). It averages E over the measured
+iterations and over the workers (one all-reduce of ``max_rank + 1`` floats at the first compressed
+iteration, so every rank takes the same decision), and compression starts at the smallest rank of
+:meth:`AutoRank.candidates` whose E reaches ``threshold`` (``max_rank`` if none does). The decision is
+logged at INFO, kept in the state's checkpoints, and a resume does not decide again.
+
+E(k) comes from the singular values of each mean gradient: exactly for matrices with at most
+``max_rank + 8`` rows or columns, else by a randomized range finder (``max_rank + 8`` Gaussian columns,
+one power iteration; Halko, Martinsson and Tropp 2011), whose estimate can only fall short of the exact
+value, so the rank it picks errs high. Matrices of one shape are measured together (one batched product
+per shape). Nothing is read on the host until the decision.
+
+What threshold to use is a measured question, not a law: docs/tuning.md ("A rank chosen on your own
+gradients") gives the study behind the default (0.995) and where it held and where it did not.
+
+>>> import torch
+>>> g = torch.randn(64, 8) @ torch.randn(8, 96)          # a rank-8 matrix
+>>> profile = energy_profile([g], max_rank=16, min_compression_rate=1.0, seed=0)
+>>> round(float(profile[7] / profile[-1]), 4), round(float(profile[3] / profile[-1]), 2) < 1
+(1.0, True)
+>>> AutoRank(threshold=0.9, max_rank=16).choose([0.5, 0.7, 0.8, 0.85, 0.88, 0.89, 0.9, 0.95] + [1.0] * 8)
+8
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .powersgd.linalg import as_matrix_shape
+from .powersgd.plan import should_compress
+
+__all__ = ["AutoRank", "energy_profile"]
+
+#: The ranks an automatic rank chooses from (up to ``max_rank``, which is always a candidate).
+RANK_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+#: Extra columns of the randomized range finder.
+OVERSAMPLING = 8
+
+
+@dataclass(frozen=True)
+class AutoRank:
+    """Choose PowerSGD's rank from the captured energy of the averaged gradients at the end of the warm-up
+    (see :mod:`gradpress.autorank`).
+
+    Args:
+        threshold: the captured energy E(k) in (0, 1] the chosen rank must reach. The default, 0.995,
+            separated the ranks that held from those that fell behind on the quality study's GPTs
+            (docs/tuning.md, "A rank chosen on your own gradients").
+        max_rank: the highest rank it may choose (>= 1), also the one taken when no lower rank reaches
+            ``threshold``.
+        measure_iters: how many of the last warm-up iterations are measured (>= 1; fewer if the warm-up
+            is shorter).
+
+    >>> import gradpress
+    >>> state = gradpress.PowerSGDState(None, matrix_approximation_rank=64, start_powerSGD_iter=80,
+    ...                                 auto_rank=gradpress.AutoRank(threshold=0.995, max_rank=64))
+    """
+
+    threshold: float = 0.995
+    max_rank: int = 64
+    measure_iters: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("max_rank", "measure_iters"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"AutoRank.{name} must be an integer >= 1, got {value!r}")
+        threshold = self.threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
+            raise ValueError(f"AutoRank.threshold must be a number in (0, 1], got {threshold!r}")
+
+    def candidates(self) -> tuple[int, ...]:
+        """The ranks it chooses from: :data:`RANK_LADDER` up to ``max_rank``, and ``max_rank``."""
+        return tuple(sorted({r for r in RANK_LADDER if r < self.max_rank} | {self.max_rank}))
+
+    def choose(self, captured: Sequence[float]) -> int:
+        """The smallest candidate rank k whose ``captured[k - 1]`` (E(k)) reaches ``threshold``."""
+        for rank in self.candidates():
+            if captured[rank - 1] >= self.threshold:
+                return rank
+        return self.max_rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"threshold": self.threshold, "max_rank": self.max_rank, "measure_iters": self.measure_iters}
+
+
+def energy_profile(matrices: Sequence[Tensor], max_rank: int, min_compression_rate: float,
+                   seed: int) -> Tensor:
+    """``(max_rank + 1,)`` float64 on the matrices' device: entry ``k - 1`` is the energy (squared
+    Frobenius norm) that rank-``k`` approximations of ``matrices`` carry, a matrix that rank ``k`` would
+    not compress counted whole; the last entry is their total energy. Each tensor is viewed as
+    ``(shape[0], -1)``; ``seed`` draws the range finder's test matrices (the same on every worker)."""
+    device = matrices[0].device if matrices else torch.device("cpu")
+    out = torch.zeros(max_rank + 1, dtype=torch.float64, device=device)
+    groups: dict[tuple[int, int], list[Tensor]] = defaultdict(list)
+    for matrix in matrices:
+        n, m = as_matrix_shape(tuple(matrix.shape))
+        if n and m:
+            groups[(n, m)].append(matrix.reshape(n, m))
+    generator = torch.Generator().manual_seed(seed)
+    for (n, m), members in sorted(groups.items()):
+        stack = torch.stack(members).float()
+        total = stack.square().sum(dim=(1, 2), dtype=torch.float64)             # (N,)
+        values = _singular_values(stack, max_rank, generator).double().square()  # (N, s), descending
+        kept = values.cumsum(dim=1)
+        ranks = torch.arange(1, max_rank + 1)
+        kept = kept[:, (ranks.clamp(max=kept.shape[1]) - 1).to(device)]          # (N, max_rank)
+        compressed = torch.tensor([should_compress(n, m, int(k), min_compression_rate) for k in ranks],
+                                  device=device)
+        out[:max_rank] += torch.where(compressed, kept, total[:, None]).sum(dim=0)
+        out[max_rank] += total.sum()
+    return out
+
+
+def _singular_values(stack: Tensor, max_rank: int, generator: torch.Generator) -> Tensor:
+    """The leading singular values of each matrix of ``stack`` (N, n, m): all of them where ``min(n, m)
+    <= max_rank + OVERSAMPLING``, else ``max_rank + OVERSAMPLING`` of them from a randomized range finder
+    with one power iteration (each at most the true one)."""
+    n, m = stack.shape[1:]
+    columns = max_rank + OVERSAMPLING
+    if min(n, m) <= columns:
+        return torch.linalg.svdvals(stack)
+    omega = torch.randn(m, columns, generator=generator).to(stack.device)
+    basis = torch.linalg.qr(stack @ omega).Q                                    # (N, n, s)
+    basis = torch.linalg.qr(stack @ torch.linalg.qr(stack.mT @ basis).Q).Q      # one power iteration
+    return torch.linalg.svdvals(basis.mT @ stack)                               # (N, s)
+
+
+class RankDecision:
+    """One state's automatic rank in progress: the profile summed over the measured iterations, then the
+    decision (the same on every rank), and their checkpoint form."""
+
+    __slots__ = ("rule", "profile", "measured", "rank", "captured")
+
+    def __init__(self, rule: AutoRank) -> None:
+        self.rule = rule
+        self.profile: Tensor | None = None   # sum over measured iterations of E's numerators, and the total
+        self.measured = 0                    # iterations measured
+        self.rank: int | None = None         # the decision (None: not taken yet)
+        self.captured: list[float] | None = None  # E(1..max_rank) it was taken on
+
+    def measures(self, iteration: int, start: int) -> bool:
+        """Whether warm-up ``iteration`` (of ``start``) is measured: one of the last ``measure_iters``."""
+        return self.rank is None and start - self.rule.measure_iters <= iteration < start
+
+    def add(self, matrices: Sequence[Tensor], min_compression_rate: float, seed: int) -> None:
+        """Add the averaged ``matrices`` of one bucket of a measured iteration (on the device, no read)."""
+        if not matrices:
+            return
+        profile = energy_profile(matrices, self.rule.max_rank, min_compression_rate, seed)
+        self.profile = profile if self.profile is None else self.profile.add_(profile.to(self.profile.device))
+
+    def end_iteration(self) -> None:
+        self.measured += 1
+
+    def decide(self, comm: Any, fallback: int, device: torch.device) -> tuple[int, list[float] | None]:
+        """Average the profile over the workers (one all-reduce on ``device``, every rank calls it) and
+        decide: the rank and E(1..max_rank) (``fallback`` and ``None`` where no rank measured anything)."""
+        size = self.rule.max_rank + 1
+        vector = torch.zeros(size, dtype=torch.float64, device=device) if self.profile is None \
+            else self.profile.to(device, torch.float64)
+        vector = vector.div(comm.world_size) if comm.world_size > 1 else vector.clone()
+        comm.allreduce_sum(vector).wait()
+        values = vector.tolist()  # the decision's one host read
+        if not values[-1] > 0:
+            self.rank = fallback
+            return fallback, None
+        self.captured = [v / values[-1] for v in values[:-1]]
+        self.rank = self.rule.choose(self.captured)
+        self.profile = None
+        return self.rank, self.captured
+
+    def state(self) -> dict[str, Any]:
+        return {"rule": self.rule.to_dict(), "rank": self.rank, "measured": self.measured, "captured": self.captured,
+                "profile": None if self.profile is None else self.profile.detach().cpu().tolist()}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.rank = state.get("rank")
+        self.measured = int(state.get("measured", 0))
+        self.captured = state.get("captured")
+        profile = state.get("profile")
+        self.profile = None if profile is None else torch.tensor(profile, dtype=torch.float64)

@@ -1,0 +1,144 @@
+"""The automatic rank (``PowerSGDState(auto_rank=AutoRank(...))``): its energy profile against exact
+singular values, its decision on real DDP ranks where the averaged gradient's rank is known, and that a
+checkpoint keeps the decision (and a measurement in progress) so that a resume never decides again."""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import pytest
+import torch
+
+import gradpress
+from gradpress.autorank import RANK_LADDER, AutoRank, energy_profile
+
+from distributed import run
+
+
+def _exact(matrices: list[torch.Tensor], max_rank: int, rate: float) -> torch.Tensor:
+    """The oracle: float64 singular values of every matrix, a matrix rank k would not compress counted whole."""
+    out = torch.zeros(max_rank + 1, dtype=torch.float64)
+    for g in matrices:
+        g = g.reshape(g.shape[0], -1).double()
+        n, m = g.shape
+        energy = torch.linalg.svdvals(g).square()
+        for k in range(1, max_rank + 1):
+            out[k - 1] += energy[:k].sum() if (n + m) * k * rate < n * m else energy.sum()
+        out[max_rank] += energy.sum()
+    return out
+
+
+def _decaying(n: int, m: int, seed: int, decay: float = 0.8) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    u = torch.linalg.qr(torch.randn(n, min(n, m), generator=g, dtype=torch.float64)).Q
+    v = torch.linalg.qr(torch.randn(m, min(n, m), generator=g, dtype=torch.float64)).Q
+    s = decay ** torch.arange(min(n, m), dtype=torch.float64)
+    return ((u * s) @ v.T).float()
+
+
+def test_small_matrices_are_measured_exactly_and_uncompressed_ones_count_whole() -> None:
+    matrices = [_decaying(20, 30, 0), _decaying(20, 30, 1), _decaying(6, 5, 2), torch.randn(3, 4, 5)]
+    got, want = energy_profile(matrices, 16, 2.0, seed=0), _exact(matrices, 16, 2.0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    assert got[-1] == pytest.approx(float(sum(m.double().square().sum() for m in matrices)), rel=1e-6)
+    assert bool((got[:-1].diff() >= -1e-9 * got[-1]).all())  # more rank never carries less
+
+
+def test_large_matrices_are_estimated_from_below_and_close() -> None:
+    matrices = [_decaying(300, 200, 3, 0.95), _decaying(300, 200, 4, 0.9), _decaying(128, 512, 5, 0.97)]
+    got, want = energy_profile(matrices, 24, 1.0, seed=7), _exact(matrices, 24, 1.0)
+    assert bool((got[:-1] <= want[:-1] * (1 + 1e-5)).all())     # a range finder never finds more
+    torch.testing.assert_close(got[:-1] / got[-1], want[:-1] / want[-1], rtol=1e-2, atol=0)
+    torch.testing.assert_close(got[-1], want[-1], rtol=1e-5, atol=0)
+
+
+def test_the_rule_chooses_the_smallest_candidate_that_reaches_the_threshold() -> None:
+    rule = AutoRank(threshold=0.8, max_rank=40)
+    assert rule.candidates() == tuple(r for r in RANK_LADDER if r < 40) + (40,)
+    captured = [min(1.0, k / 20) for k in range(1, 41)]      # E(k) = k / 20
+    assert rule.choose(captured) == 16                        # E(16) = 0.8; 12 falls short
+    assert rule.choose([0.1] * 40) == 40                      # none reaches it: the highest
+    for bad in ({"threshold": 0.0}, {"threshold": 1.5}, {"threshold": True}, {"max_rank": 0},
+                {"max_rank": 2.0}, {"measure_iters": 0}):
+        with pytest.raises(ValueError, match="AutoRank"):
+            AutoRank(**bad)
+
+
+def test_what_it_cannot_be_combined_with_is_refused_at_construction() -> None:
+    auto = AutoRank(threshold=0.5)
+    with pytest.raises(ValueError, match="auto_rank and adaptive_rank"):
+        gradpress.PowerSGDState(None, 4, auto_rank=auto, adaptive_rank=gradpress.AdaptiveRank(2, 8))
+    with pytest.raises(ValueError, match="function rank_policy"):
+        gradpress.PowerSGDState(None, 4, auto_rank=auto, rank_policy=lambda name, p: 4)
+    with pytest.raises(TypeError, match="auto_rank must be"):
+        gradpress.PowerSGDState(None, 4, auto_rank=0.5)
+
+
+class _Matrices(torch.nn.Module):
+    """Two 64 x 48 weights and a bias; the gradient of each weight is the input given for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(64, 48))
+        self.b = torch.nn.Parameter(torch.zeros(64, 48))
+        self.bias = torch.nn.Parameter(torch.zeros(48))
+
+    def forward(self, xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+        return (self.a * xa).sum() + (self.b * xb).sum() + self.bias.sum()
+
+
+def _inputs(rank: int, step: int, true_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The workers' gradients: a shared part of rank ``true_rank`` plus noise that cancels in the mean
+    of two workers (+N on rank 0, -N on rank 1), so the averaged gradient has rank ``true_rank``."""
+    shared = torch.Generator().manual_seed(1000 + step)
+    noise = torch.Generator().manual_seed(2000 + step)
+    out = []
+    for _ in range(2):
+        low = torch.randn(64, true_rank, generator=shared) @ torch.randn(true_rank, 48, generator=shared)
+        n = torch.randn(64, 48, generator=noise) * 3.0
+        out.append(low + (n if rank == 0 else -n))
+    return out[0], out[1]
+
+
+def _train(rank: int, world: int, steps: int, true_rank: int, saved: list[bytes] | None, first: int):
+    """``steps`` DDP iterations from iteration ``first`` (loading this rank's of ``saved``, the ranks'
+    state_dicts, if given): the state's rank and iteration after them, its state_dict, a pickled copy."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_Matrices())
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=4,
+                                    auto_rank=AutoRank(threshold=0.999, max_rank=24, measure_iters=2))
+    if saved is not None:
+        state.load_state_dict(torch.load(io.BytesIO(saved[rank]), weights_only=False))
+    model.register_comm_hook(state, gradpress.powerSGD_hook)
+    for step in range(first, first + steps):
+        model(*_inputs(rank, step, true_rank)).backward()
+        model.zero_grad(set_to_none=False)
+    buffer = io.BytesIO()
+    torch.save(state.state_dict(), buffer)
+    copy = pickle.loads(pickle.dumps(state))
+    return state.matrix_approximation_rank, state.iter, buffer.getvalue(), copy, state.auto_rank_captured()
+
+
+@pytest.mark.slow
+def test_ddp_ranks_decide_the_averaged_gradients_rank_and_a_resume_never_decides_again() -> None:
+    decided = run(_train, 2, 6, 8, None, 0)
+    assert [rank for rank, *_ in decided] == [8, 8]            # E(8) = 1 (to rounding); E(4) is not
+    assert [it for _, it, *_ in decided] == [6, 6]
+    copy = decided[0][3]                                       # pickling keeps the rule and the decision
+    assert (copy.matrix_approximation_rank, copy.auto_rank) == (8, AutoRank(0.999, 24, 2))
+    assert [rank for rank, *_ in run(_train, 2, 6, 16, None, 0)] == [16, 16]   # a fresh run on rank-16 means
+    # Resumed after the decision, on gradients of rank 16: the saved decision stands.
+    after = run(_train, 2, 2, 16, [blob for _, _, blob, *_ in decided], 6)
+    assert [(rank, it) for rank, it, *_ in after] == [(8, 8), (8, 8)]
+    # Saved between the two measured iterations (2 and 3): the resume decides as if it had never stopped.
+    middle = run(_train, 2, 3, 8, None, 0)
+    assert [rank for rank, *_ in middle] == [2, 2]             # not decided yet: the constructor's rank
+    finished = run(_train, 2, 3, 8, [blob for _, _, blob, *_ in middle], 3)
+    assert [rank for rank, *_ in finished] == [8, 8]
+    assert middle[0][4] is None
+    captured = decided[0][4]
+    assert len(captured) == 24 and captured[7] > 0.999 > captured[3] and captured == decided[1][4]
+    assert [c[4] for c in finished] == [captured, captured]   # the same measurement, float for float
+    assert after[0][4] == captured                            # kept through the later checkpoint
