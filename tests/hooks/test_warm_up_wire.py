@@ -160,22 +160,24 @@ class _SameSizeBuckets(torch.nn.Module):
 
 
 def _ddp_warm_up(rank: int, world: int, iterations: int):
-    """``iterations`` warm-up iterations of a real DDP model on the fp16 warm-up wire: the averaged
-    gradients and this rank's gradients of each."""
+    """``iterations`` warm-up iterations of a real DDP model on the fp16 warm-up wire, then one compressed:
+    the warm-up's averaged gradients and this rank's gradients of each, and the wire buffers kept after
+    each iteration."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = DDP(_SameSizeBuckets(), bucket_cap_mb=16 / 1024)
-    state = gradpress.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=100,
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=iterations,
                                     warm_up_bytes_per_weight=2)
     model.register_comm_hook(state, gradpress.powerSGD_hook)
     generator = torch.Generator().manual_seed(100 + rank)
-    out = []
-    for _ in range(iterations):
+    out, wires = [], []
+    for _ in range(iterations + 1):   # the last one compresses
         inputs = [torch.randn(64, 64, generator=generator) * 10.0 ** (2 - 3 * i) for i in range(4)]
         model(inputs).backward()   # the gradient of each weight is its input
         out.append(([w.grad.clone() for w in model.module.weights], inputs))
+        wires.append(len(state._session._wires))
         model.zero_grad(set_to_none=False)
-    return out, len(state._session._wires)
+    return out[:iterations], wires
 
 
 @pytest.mark.slow
@@ -193,4 +195,5 @@ def test_ddp_reuses_its_cpu_wire_buffers_and_every_iteration_is_the_per_tensor_o
             want = ((sum((p / scale).half().double() for p in parts)).half().double() * scale).float()
             for rank in range(2):
                 assert torch.equal(results[rank][0][step][0][i], want), (step, i)
-    assert [wires for _, wires in results] == [4, 4]  # one per bucket, kept
+    for _, wires in results:   # one per bucket (DDP's first iteration has one bucket of all four), kept
+        assert wires == [1, 4, 4, 0, 0]   # through the warm-up; dropped when compression starts
