@@ -142,3 +142,33 @@ def test_ddp_ranks_decide_the_averaged_gradients_rank_and_a_resume_never_decides
     assert len(captured) == 24 and captured[7] > 0.999 > captured[3] and captured == decided[1][4]
     assert [c[4] for c in finished] == [captured, captured]   # the same measurement, float for float
     assert after[0][4] == captured                            # kept through the later checkpoint
+
+
+def _compressed_grads(rank: int, world: int, auto: bool):
+    """The averaged gradients of iterations 4 and 5 (compressed) with the automatic rank, or with its
+    decision, rank 8, given from the start."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_Matrices())
+    options = {"auto_rank": AutoRank(threshold=0.999, max_rank=24, measure_iters=2)} if auto else {}
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=2 if auto else 8, start_powerSGD_iter=4,
+                                    **options)
+    model.register_comm_hook(state, gradpress.powerSGD_hook)
+    out = []
+    for step in range(6):
+        model(*_inputs(rank, step, 8)).backward()
+        if step >= 4:
+            out.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=False)
+    return state.matrix_approximation_rank, out
+
+
+@pytest.mark.slow
+def test_training_after_the_decision_is_bitwise_training_at_that_rank_from_the_start() -> None:
+    """Measuring reads only, and the decision replaces the rank before any compressed step: the run is
+    the same, bit for bit, as one given the decided rank from the start."""
+    chosen, fixed = run(_compressed_grads, 2, True), run(_compressed_grads, 2, False)
+    for (rank_a, grads_a), (rank_b, grads_b) in zip(chosen, fixed, strict=True):
+        assert rank_a == rank_b == 8
+        for step_a, step_b in zip(grads_a, grads_b, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(step_a, step_b, strict=True))
