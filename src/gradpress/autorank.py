@@ -44,6 +44,7 @@ from torch import Tensor
 
 from .powersgd.linalg import as_matrix_shape
 from .powersgd.plan import should_compress
+from .powersgd.seeding import upload
 
 __all__ = ["AutoRank", "energy_profile"]
 
@@ -121,9 +122,9 @@ def energy_profile(matrices: Sequence[Tensor], max_rank: int, min_compression_ra
         values = _singular_values(stack, max_rank, generator).double().square()  # (N, s), descending
         kept = values.cumsum(dim=1)
         ranks = torch.arange(1, max_rank + 1)
-        kept = kept[:, (ranks.clamp(max=kept.shape[1]) - 1).to(device)]          # (N, max_rank)
-        compressed = torch.tensor([should_compress(n, m, int(k), min_compression_rate) for k in ranks],
-                                  device=device)
+        kept = kept[:, upload(ranks.clamp(max=kept.shape[1]) - 1, device)]       # (N, max_rank)
+        compressed = upload(torch.tensor([should_compress(n, m, int(k), min_compression_rate) for k in ranks]),
+                            device)
         out[:max_rank] += torch.where(compressed, kept, total[:, None]).sum(dim=0)
         out[max_rank] += total.sum()
     return out
@@ -137,7 +138,7 @@ def _singular_values(stack: Tensor, max_rank: int, generator: torch.Generator) -
     columns = max_rank + OVERSAMPLING
     if min(n, m) <= columns:
         return torch.linalg.svdvals(stack)
-    omega = torch.randn(m, columns, generator=generator).to(stack.device)
+    omega = upload(torch.randn(m, columns, generator=generator), stack.device)
     basis = torch.linalg.qr(stack @ omega).Q                                    # (N, n, s)
     basis = torch.linalg.qr(stack @ torch.linalg.qr(stack.mT @ basis).Q).Q      # one power iteration
     return torch.linalg.svdvals(basis.mT @ stack)                               # (N, s)
