@@ -48,8 +48,8 @@ from torch import Tensor, nn
 
 from ..zoo import GPT2
 
-__all__ = ["CHARSET", "SEQUENCE", "CharLSTM", "DigitsCNN", "TASKS", "Recipe", "Task", "TaskData", "char_gpt",
-           "get_task", "task_names"]
+__all__ = ["CHARSET", "SEQUENCE", "CharLSTM", "DigitsCNN", "TASKS", "WIDTH_FAMILY", "Recipe", "Task", "TaskData",
+           "char_gpt", "get_task", "task_names"]
 
 
 @dataclass

@@ -51,7 +51,7 @@ from ...processes import usable_cores
 from ...quality_map import advise, early_start_warning, recipe_options
 from ...workloads.config import ADAMW_LR, OPTIMIZERS, DemoConfig, default_start_iter
 from ...workloads.methods import METHOD_KINDS, METHOD_REGISTRY, RECOMMENDED, Method, parse_methods
-from ...workloads.tasks import SEQUENCE, TASKS, Task, get_task
+from ...workloads.tasks import SEQUENCE, TASKS, WIDTH_FAMILY, Task, get_task
 from ..args import int_at_least, int_list, positive_float
 from .plot import plot
 from .report import format_markdown, format_report, plural, summarize
@@ -139,7 +139,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``demo`` subcommand to ``subparsers`` (an ``add_subparsers()`` result)."""
     # argparse %-formats help strings: a literal "%" in a description must be doubled.
     methods_help = "; ".join(f"{k}: {v}" for k, v in METHOD_KINDS.items()).replace("%", "%%")
-    tasks_help = "; ".join(f"{t.name}: {t.description}" for t in TASKS.values()).replace("%", "%%")
+    tasks_help = "; ".join([f"{t.name}: {t.description}" for t in TASKS.values()]
+                           + [f"{WIDTH_FAMILY}: gpt-stdlib's GPT at another width"]).replace("%", "%%")
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "demo", help="train a model on real data with several methods and compare accuracy, bytes and time",
         description="Train one model on real data that ships with scikit-learn or Python (nothing is "
