@@ -8,11 +8,11 @@ the exact mean gradient (the warm-up is an allreduce). ``AutoRank`` measures, fo
     E(k) = sum over matrices of ||best rank-k approximation of G||^2 / sum over matrices of ||G||^2
 
 (a matrix that rank k would send exactly, because compressing it would not pay ``min_compression_rate``,
-counts whole; vectors are left out: they are always sent exactly). It averages E over the measured
-iterations and over the workers (one all-reduce of ``max_rank + 1`` floats at the first compressed
-iteration, so every rank takes the same decision), and compression starts at the smallest rank of
-:meth:`AutoRank.candidates` whose E reaches ``threshold`` (``max_rank`` if none does). The decision is
-logged at INFO, kept in the state's checkpoints, and a resume does not decide again.
+counts whole; vectors are left out: they are always sent exactly). It pools the measured iterations and
+the workers (their carried and total energies summed, one all-reduce of ``max_rank + 1`` floats at the
+first compressed iteration, so every rank takes the same decision), and compression starts at the
+smallest rank of :meth:`AutoRank.candidates` whose E reaches ``threshold`` (``max_rank`` if none does).
+The decision is logged at INFO, kept in the state's checkpoints, and a resume does not decide again.
 
 E(k) comes from the singular values of each mean gradient: exactly for matrices with at most
 ``max_rank + 8`` rows or columns, else by a randomized range finder (``max_rank + 8`` Gaussian columns,

@@ -74,8 +74,9 @@ class StateReport:
 
     def auto_rank_captured(self) -> list[float] | None:
         """What ``auto_rank`` decided on: the captured energy E(k) of the averaged gradients for k = 1 ..
-        ``max_rank`` (``[k - 1]``), averaged over the measured warm-up iterations and the workers; ``None``
-        before the decision or without ``auto_rank`` (see :mod:`gradpress.autorank`)."""
+        ``max_rank`` (``[k - 1]``), pooled over the measured warm-up iterations and the workers (energies
+        summed, then divided); ``None`` before the decision or without ``auto_rank`` (see
+        :mod:`gradpress.autorank`)."""
         auto = getattr(self, "_auto", None)
         return None if auto is None or auto.captured is None else list(auto.captured)
 
