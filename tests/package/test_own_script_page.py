@@ -43,7 +43,8 @@ def test_the_first_snippet_is_what_check_gives_gpt2_with_adamw_and_links_it():
     advice = advise(model_width(gpt2), "adamw", tokens)
     expected = {"matrix_approximation_rank": advice.rank, **advice.powersgd_options}
     assert {key: int(shown[key]) for key in expected} == expected and "warm_up_bytes_per_weight" in expected
-    assert advice.status == "borrowed" and f"`{advice.status_text}`" in prose
+    assert advice.status == "beyond the map (rule)" and f"`{advice.status_text}`" in prose
+    assert f"AutoRank(max_rank={advice.rank})" in prose
     choice = powersgd_choice(gpt2, advice)
     assert (f"rank {advice.rank}: {choice['powersgd_bytes_per_step'] / 1e6:.3g} MB against "
             f"{choice['allreduce_bytes_per_step'] / 1e6:.3g} MB, {choice['powersgd_bytes_ratio']:.1f}x fewer") in prose
@@ -68,7 +69,7 @@ def test_the_first_snippet_is_what_check_gives_gpt2_with_adamw_and_links_it():
     rank, wire = recommended_powersgd(shapes)
     assert f"`--rank {rank} --bytes-per-weight {wire}`" in prose
     example = advise(model_width(shapes), "adamw", 8 * 32 * 2 * 2)
-    assert f"gives rank {example.rank}, borrowed from width {example.measured_width}" in prose
+    assert example.status == "beyond the map (rule)" and f"gives the width rule's rank {example.rank}" in prose
     assert f"`--rank {example.rank} --bytes-per-weight {example.powersgd_options['bytes_per_weight']}`" in prose
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from gradpress.tools.check.advice import model_width, recipe_rule
 from gradpress.tools.quality_map import (ADAMW_OPTIONS, FP16_WIRE, HALF_WARM_UP_EVIDENCE, MEASURED, QUALITY_TARGET,
-                                         advise, rank_for_width, recipe_options)
+                                         advise, rank_for_width, recipe_options, rule_evidence, width_rule_rank)
 from gradpress.tools.workloads.tasks import SEQUENCE, get_task
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -38,9 +38,14 @@ def test_each_row_is_its_runs_json_against_the_best_allreduce_of_its_setting(row
     run = json.loads((RESULTS / f"{row.label}.json").read_text())
     config = run["config"]
     task = get_task(row.task)
-    assert config["task"] == row.task and run["method"] == f"powersgd:{row.rank}"
+    # a fixed rank, or the rank AutoRank chose in that run (a run whose AutoRank chose r is the run given r
+    # from the start, tests/features/test_auto_rank.py)
+    options = dict(config["powersgd_options"])
+    chosen = options.pop("auto_rank", None) and run["auto_rank"]["rank"]
+    assert config["task"] == row.task and (chosen or int(run["method"].split(":")[1])) == row.rank
+    assert run["method"].startswith("powersgd:")
     # the fp16 wire; the rows measured after the half-precision warm-up joined the AdamW recipe, that too
-    assert config["powersgd_options"] in (FP16_WIRE, recipe_options(row.optimizer))
+    assert options in (FP16_WIRE, recipe_options(row.optimizer))
     assert config["lr"] == pytest.approx(row.lr)
     assert {"h100": "cuda"}.get(row.device, row.device) == run.get("device", "cpu")
     assert config.get("optimizer", "sgd") == row.optimizer
@@ -58,10 +63,36 @@ def test_rows_carry_the_tasks_width_and_the_rank_rule(task: str) -> None:
     width = model_width([tuple(p.shape) for p in get_task(task).build().parameters()])
     rows = [m for m in MEASURED if m.task == task]
     assert {m.width for m in rows} == {width}
-    # the rule's rank, and higher ones where the rule's fell behind
-    assert min(m.rank for m in rows) == rank_for_width(width) == recipe_rule().rank(width)
     recipe = get_task(task).recipe
-    assert recipe is not None and recipe.rank == rank_for_width(width)
+    if recipe is None:  # the width axis: measured from the borrowed rank up, no recipe of its own
+        assert task.startswith("gpt-stdlib-w") and {m.optimizer for m in rows} == {"adamw"}
+        return
+    # the recipes' rule's rank, and higher ones where the rule's fell behind
+    assert min(m.rank for m in rows) == rank_for_width(width) == recipe_rule().rank(width)
+    assert recipe.rank == rank_for_width(width)
+
+
+def test_the_width_rule_is_the_smallest_rank_that_held_at_each_measured_width() -> None:
+    # At each measured AdamW width, at its smallest measured batch: the rule's rank held (the mean over its
+    # seeds) and the measured rank below it fell behind. A width whose rows said otherwise breaks the rule.
+    rows = [m for m in MEASURED if m.optimizer == "adamw"]
+    widths = sorted({m.width for m in rows})
+    assert widths[:3] == [128, 256, 384]
+    evidence = rule_evidence("adamw")
+    for width in widths:
+        here = [m for m in rows if m.width == width]
+        tokens = min(m.tokens_per_step for m in here)
+        at = [m for m in here if m.tokens_per_step == tokens]
+        rank = width_rule_rank(width)
+        held = [m.best_vs_allreduce for m in at if m.rank == rank]
+        assert held and sum(held) / len(held) <= QUALITY_TARGET, (width, rank, held)
+        below = max(m.rank for m in at if m.rank < rank)
+        behind = [m.best_vs_allreduce for m in at if m.rank == below]
+        assert sum(behind) / len(behind) > QUALITY_TARGET, (width, below, behind)
+        assert {m.rank for m in evidence if m.width == width} == {rank, below}
+    assert [width_rule_rank(w) for w in (64, 128, 192, 256, 384, 768, 8192)] == [24, 24, 24, 32, 48, 96, 1024]
+    with pytest.raises(ValueError, match="width must be an integer >= 1"):
+        width_rule_rank(0)
 
 
 def _tokens(sequences: int) -> int:
@@ -94,15 +125,21 @@ def test_advice_follows_the_rows() -> None:
     # Larger than every measured batch, nothing failed: PowerSGD, said to be beyond the map.
     advice = advise(128, "adamw", _tokens(1024), task="gpt")
     assert (advice.method, advice.status) == ("powersgd", "beyond the map")
-    # Another model: the nearest measured width's rows, the rank from its own width, no lr; borrowed, and
-    # what the borrowed rows said there (past their largest batch) in the status text.
+    # Another model with AdamW: the width rule's rank, no lr, beyond the map, at any batch; the rows it rests on.
     advice = advise(768, "adamw", _tokens(1024))
-    assert (advice.rank, advice.status, advice.lr) == (32, "borrowed", None)
-    assert advice.status_text == "borrowed (nearest measured width 256, beyond the map there; not measured at 768)"
-    assert "width 256 (the nearest measured to 768)" in advice.reason
-    advice = advise(768, "adamw", _tokens(64))  # rank 32 held at 32 and 128 sequences of width 256, not of 768
-    assert (advice.rank, advice.status, advice.measured_width, advice.width) == (32, "borrowed", 256, 768)
-    assert advice.status_text == "borrowed (nearest measured width 256; not measured at 768)"
+    assert (advice.rank, advice.status, advice.lr, advice.measured_width) == (96, "beyond the map (rule)", None, None)
+    assert advice.status_text == "beyond the map (rule: max(24, width / 8) = 96; not measured at 768)"
+    assert "width 384: 48 held, 32 fell behind" in advice.reason and advice.evidence == rule_evidence("adamw")
+    assert advise(768, "adamw", _tokens(16)).rank == 96
+    # A GPT of the width family the map has no rows for, as the demo asks: the rule too.
+    assert advise(512, "adamw", _tokens(32), task="gpt-stdlib-w512").status == "beyond the map (rule)"
+    assert advise(512, "adamw", _tokens(32), task="digits").status == "not measured"
+    # With SGD: the nearest measured width's rows, borrowed, and what they said there in the status text.
+    advice = advise(768, "sgd", _tokens(32))
+    assert (advice.rank, advice.status, advice.measured_width, advice.width, advice.lr) == (22, "borrowed", 512, 768,
+                                                                                            None)
+    assert advice.status_text == "borrowed (nearest measured width 512; not measured at 768)"
+    assert "width 512 (the nearest measured to 768)" in advice.reason
     advice = advise(200, "sgd", _tokens(64))
     assert advice.method == "fp16" and "width 256" in advice.reason
     assert advice.status_text == ("borrowed (nearest measured width 256, measured to fall behind there; "
@@ -127,14 +164,18 @@ def test_no_advice_is_labelled_measured_at_a_width_no_row_has(optimizer: str) ->
             if width in measured_widths:
                 assert advice.status != "borrowed" and advice.measured_width == width, (width, tokens)
                 continue
-            assert advice.status in ("borrowed", "not measured"), (width, tokens, advice.status)
+            # AdamW: the width rule; SGD: the nearest measured width's rows
+            assert advice.status == {"adamw": "beyond the map (rule)", "sgd": "borrowed"}[optimizer], (width, tokens)
             assert record["status"] == advice.status and "measured" not in record["status_text"].split(" (")[0]
+            if advice.status == "beyond the map (rule)":
+                assert advice.rank == width_rule_rank(width) and advice.measured_width is None
+                assert record["status_text"].endswith(f"= {advice.rank}; not measured at {width})")
             if advice.status == "borrowed":
                 assert advice.measured_width in measured_widths and advice.measured_width != width
                 assert advice.nearest_status in ("measured", "beyond the map", "measured to fall behind")
                 assert record["status_text"].startswith(f"borrowed (nearest measured width {advice.measured_width}")
                 assert record["status_text"].endswith(f"not measured at {width})")
-    assert {"measured", "borrowed"} <= seen
+    assert {"measured", {"adamw": "beyond the map (rule)", "sgd": "borrowed"}[optimizer]} <= seen
 
 
 def test_with_sgd_a_failure_below_the_batch_wins_whatever_held_above_it() -> None:
@@ -324,16 +365,18 @@ def test_the_tuning_guide_shows_the_maps_rows() -> None:
     assert markdown_table() in guide
 
 
-def test_the_tuning_guide_names_the_borrowed_label_as_advise_writes_it() -> None:
+def test_the_tuning_guide_names_the_labels_as_advise_writes_them() -> None:
     guide = " ".join((Path(__file__).resolve().parents[2] / "docs" / "tuning.md").read_text().split())
     assert f"`{advise(768, 'adamw', 2048).status_text}`" in guide
+    assert f"`{advise(768, 'sgd', 2048).status_text}`" in guide
     assert "`borrowed`" in guide and ", beyond the map there" in guide and ", measured to fall behind there" in guide
     widths = {o: sorted({m.width for m in MEASURED if m.optimizer == o}) for o in ("adamw", "sgd")}
-    assert widths == {"adamw": [128, 256], "sgd": [128, 256, 512]}  # as the guide's `borrowed` row says
-    assert "with AdamW only 128 and 256 were measured; with SGD 128, 256 and 512" in guide
-    for width in (192, 768, 4096):  # the widths the guide names: width 256's rank 32, borrowed
+    assert widths == {"adamw": [128, 256, 384], "sgd": [128, 256, 512]}  # as the guide's status rows say
+    assert "with AdamW 128, 256 and 384 were measured" in guide and "with SGD 128, 256 and 512 were measured" in guide
+    for width, rank in ((192, 24), (768, 96), (4096, 512)):  # the widths the guide names, with the rule's rank
         advice = advise(width, "adamw", 2048)
-        assert (advice.rank, advice.status, advice.measured_width) == (32, "borrowed", 256)
+        assert (advice.rank, advice.status) == (rank, "beyond the map (rule)")
+        assert f"{width}" in guide and f"rank {rank}" in guide
 
 
 def test_a_higher_measured_rank_that_held_is_advised_over_the_rules_rank_that_fell_behind(monkeypatch) -> None:

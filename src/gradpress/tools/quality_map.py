@@ -21,10 +21,12 @@ count: 2 workers x 64 sequences stands for 8 workers x 16.
 * PowerSGD with the rule's rank where nothing was measured for the optimizer or the task (``"not
   measured"``).
 
-A model whose width no row has is read from the rows of the nearest measured width, and the advice says
-so: its status is ``"borrowed"`` (:data:`BORROWED`), never ``"measured"``, and
-:attr:`Advice.status_text` names both widths and what the borrowed rows said, e.g. ``borrowed (nearest
-measured width 256; not measured at 768)``.
+A model whose width no row has is never ``"measured"``. With AdamW its rank comes from the width rule
+(:func:`width_rule_rank`: width / 8, at least 24, the smallest measured rank that held at each measured
+width), status ``"beyond the map (rule)"`` (:data:`RULE`), e.g. ``beyond the map (rule: max(24, width / 8)
+= 96; not measured at 768)``. With SGD (no width rule measured) it is read from the rows of the nearest
+measured width: status ``"borrowed"`` (:data:`BORROWED`), and :attr:`Advice.status_text` names both widths
+and what the borrowed rows said, e.g. ``borrowed (nearest measured width 512; not measured at 768)``.
 
 >>> advice = advise(width=128, optimizer="adamw", tokens_per_step=2 * 64 * 64)
 >>> advice.method, advice.rank, advice.status, advice.powersgd_options
@@ -32,8 +34,10 @@ measured width 256; not measured at 768)``.
 >>> advise(width=128, optimizer="sgd", tokens_per_step=4 * 16 * 64).method   # gpt, 4 workers, SGD: +4.3%
 'fp16'
 >>> advice = advise(width=768, optimizer="adamw", tokens_per_step=2 * 64 * 64)   # GPT-2's width: not measured
->>> advice.rank, advice.status, advice.status_text
-(32, 'borrowed', 'borrowed (nearest measured width 256; not measured at 768)')
+>>> advice.rank, advice.status_text
+(96, 'beyond the map (rule: max(24, width / 8) = 96; not measured at 768)')
+>>> advise(width=768, optimizer="sgd", tokens_per_step=2 * 16 * 64).status_text
+'borrowed (nearest measured width 512; not measured at 768)'
 """
 
 from __future__ import annotations
@@ -42,12 +46,12 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-__all__ = ["ADAMW_OPTIONS", "BORROWED", "FP16_WIRE", "HALF_WARM_UP_EVIDENCE", "MEASURED", "QUALITY_TARGET",
-           "START_RULE", "Advice", "Measured", "advise", "early_start_warning", "markdown_table", "rank_for_width",
-           "recipe_options"]
+from .quality_rows import CHARS_PER_SEQUENCE, MEASURED, OPTIMIZER_WORDS, QUALITY_TARGET, Measured, describe_runs
 
-#: The quality target, in percent of allreduce's final perplexity.
-QUALITY_TARGET = 1.5
+__all__ = ["ADAMW_OPTIONS", "BORROWED", "FP16_WIRE", "HALF_WARM_UP_EVIDENCE", "MEASURED", "QUALITY_TARGET", "RULE",
+           "RULE_FLOOR", "RULE_FRACTION", "START_RULE", "Advice", "Measured", "advise", "early_start_warning",
+           "markdown_table", "rank_for_width", "recipe_options", "rule_evidence", "width_rule_rank"]
+
 #: The status of advice read from the rows of another width than the model's (the nearest measured one):
 #: the rank those rows gave, not measured at this width (:attr:`Advice.status_text` says which widths).
 BORROWED = "borrowed"
@@ -83,69 +87,6 @@ def recipe_options(optimizer: str) -> dict[str, Any]:
 _START_EVIDENCE = ("every measured row started at step 80 of 800; on gpt with AdamW, starting at step 2, 20 or 40 "
                    "ended +3.5%, +2.2% and +2.2% from allreduce instead of +1.2%")
 START_RULE = f"start compressing when the learning-rate warm-up ends (start_powerSGD_iter; {_START_EVIDENCE})"
-#: Characters per sequence in the demo's text tasks (``gradpress.tools.workloads.tasks.SEQUENCE``).
-_SEQUENCE = 64
-
-
-@dataclass(frozen=True)
-class Measured:
-    """One measured PowerSGD configuration against the tuned allreduce (one BENCHMARKS.md row).
-
-    ``tokens_per_step``: over all workers. ``end_vs_allreduce``: final perplexity against allreduce's,
-    in percent (negative: PowerSGD ended lower), against the allreduce run that ended lowest of those tried
-    at this setting; ``best_vs_allreduce``: the same for the lowest perplexity of each run, what a run that
-    keeps its best checkpoint gets (at 8 and more workers' worth of tokens the demo's text is seen many
-    times over and the held-out perplexity turns up before the end: the final one then measures
-    overfitting too). A row holds when its best is within :data:`QUALITY_TARGET`. ``bytes_ratio``:
-    allreduce's bytes per step over PowerSGD's after the warm-up.
-    ``lr``: the learning rate PowerSGD ran at (allreduce's best of those tried at momentum 0.9 for SGD, at
-    this batch for AdamW). ``label``: the run's JSON in
-    ``benchmarks/results/``. ``seed``: the data order and initial weights both runs shared; a setting
-    measured with several seeds has one row per seed, and :func:`advise` reads their mean. ``device``:
-    where both runs trained, ``"cpu"`` (this project's 2-core machines, Python 3.11) or ``"h100"`` (an
-    NVIDIA H100 with Python 3.12, whose ``pydoc_data`` text differs: its runs are compared only with
-    allreduce on the same machine).
-    """
-
-    task: str
-    width: int
-    optimizer: Literal["sgd", "adamw"]
-    tokens_per_step: int
-    rank: int
-    end_vs_allreduce: float
-    best_vs_allreduce: float
-    bytes_ratio: float
-    lr: float
-    label: str
-    seed: int = 0
-    device: Literal["cpu", "h100"] = "cpu"
-
-    @property
-    def holds(self) -> bool:
-        return self.best_vs_allreduce <= QUALITY_TARGET
-
-    def describe(self) -> str:
-        """``"gpt, AdamW, 2,048 tokens/step: rank 16 ended +1.23% (best +1.23%) at 11.2x fewer bytes"``."""
-        return _describe(self, f"{self.end_vs_allreduce:+.2f}% (best {self.best_vs_allreduce:+.2f}%)")
-
-
-def _describe(m: Measured, ended: str) -> str:
-    """``m``'s setting, rank and bytes around ``ended``, the figures of one run or of its seeds."""
-    where = "" if m.device == "cpu" else f" (on an {m.device.upper()})"
-    return (f"{m.task}, {_OPTIMIZER_WORDS[m.optimizer]}, {m.tokens_per_step:,} tokens/step{where}: rank {m.rank} "
-            f"ended {ended} at {m.bytes_ratio:.1f}x fewer bytes")
-
-
-_OPTIMIZER_WORDS = {"sgd": "SGD", "adamw": "AdamW"}
-
-
-def _row(task: str, width: int, optimizer: Literal["sgd", "adamw"], sequences: int, rank: int, end: float,
-         best: float, bytes_ratio: float, lr: float, label: str, seed: int = 0,
-         device: Literal["cpu", "h100"] = "cpu") -> Measured:
-    return Measured(task, width, optimizer, sequences * _SEQUENCE, rank, end, best, bytes_ratio, lr, label, seed,
-                    device)
-
-
 @dataclass(frozen=True)
 class _Setting:
     """One measured setting (task, optimizer, rank, tokens per step) over the seeds it was run with: it
@@ -175,7 +116,8 @@ class _Setting:
             return self.runs[0].describe()
         ends = ", ".join(f"{r.end_vs_allreduce:+.2f}%" for r in self.runs)
         seeds = ", ".join(str(r.seed) for r in self.runs)
-        return _describe(self.runs[0], f"{ends} with seeds {seeds} (best {self.best_vs_allreduce:+.2f}% on average)")
+        mean = f"(best {self.best_vs_allreduce:+.2f}% on average)"
+        return describe_runs(self.runs[0], f"{ends} with seeds {seeds} {mean}")
 
 
 def _settings(rows: list[Measured]) -> dict[int, _Setting]:
@@ -186,60 +128,64 @@ def _settings(rows: list[Measured]) -> dict[int, _Setting]:
     return {tokens: _Setting(tuple(sorted(runs, key=lambda m: m.seed))) for tokens, runs in grouped.items()}
 
 
-#: The measured rows, each with an fp16 wire and compression from step 80 of 800 (BENCHMARKS.md).
-#: SGD: momentum 0.9, 16 sequences per worker, 2 and 4 workers. AdamW: nanoGPT's (betas 0.9/0.95,
-#: weight decay 0.1, warm-up then cosine), 2 workers x 16, 32, 64 or 128 sequences (2, 4, 8 and 16
-#: workers' worth of 16), seeds 0, 1 and 2 at 2 x 16; 2 x 256 (32 workers' worth) on an H100, with the
-#: recipe's half-precision warm-up (:data:`ADAMW_OPTIONS`).
-MEASURED: tuple[Measured, ...] = (
-    _row("charlm", 256, "sgd", 32, 22, 0.97, 0.97, 10.58, 2.0, "quality/study-charlm-w2-powersgd22-half-lr2.0"),
-    _row("charlm", 256, "sgd", 64, 22, 0.23, 1.06, 10.58, 2.0, "quality/study-charlm-w4-powersgd22-half-lr2.0"),
-    _row("charlm-wide", 512, "sgd", 32, 22, 0.66, 0.66, 19.59, 1.0,
-         "quality/study-charlm-wide-w2-powersgd22-half-lr1.0"),
-    _row("charlm-wide", 512, "sgd", 64, 22, -0.33, 0.47, 19.59, 2.0,
-         "quality/study-charlm-wide-w4-powersgd22-half-lr2.0"),
-    _row("gpt", 128, "sgd", 32, 16, 0.68, 0.68, 11.25, 0.1, "quality/study-gpt-w2-powersgd16-half-lr0.1"),
-    _row("gpt", 128, "sgd", 64, 16, 4.34, 4.34, 11.25, 0.1, "quality/study-gpt-w4-powersgd16-half-lr0.1"),
-    _row("gpt-wide", 256, "sgd", 32, 22, 1.18, 1.18, 16.45, 0.05, "quality/study-gpt-wide-w2-powersgd22-half-lr0.05"),
-    _row("gpt-wide", 256, "sgd", 64, 22, 6.16, 6.16, 16.45, 0.05, "quality/study-gpt-wide-w4-powersgd22-half-lr0.05"),
-    _row("gpt", 128, "adamw", 32, 16, 1.23, 1.23, 11.25, 3e-3, "quality-adamw/adamw-gpt-w2b16-powersgd16-fp16-lr3e-3"),
-    _row("gpt", 128, "adamw", 32, 16, 2.68, 2.68, 11.25, 3e-3,
-         "quality-adamw/adamw-gpt-w2b16-powersgd16-fp16-lr3e-3-seed1", seed=1),
-    _row("gpt", 128, "adamw", 32, 16, 2.85, 2.85, 11.25, 3e-3,
-         "quality-adamw/adamw-gpt-w2b16-powersgd16-fp16-lr3e-3-seed2", seed=2),
-    _row("gpt", 128, "adamw", 32, 24, 0.97, 0.97, 7.50, 3e-3, "quality-adamw/adamw-gpt-w2b16-powersgd24-fp16-lr3e-3"),
-    _row("gpt", 128, "adamw", 32, 24, 1.24, 1.24, 7.50, 3e-3,
-         "quality-adamw/adamw-gpt-w2b16-powersgd24-fp16-lr3e-3-seed1", seed=1),
-    _row("gpt", 128, "adamw", 32, 24, 1.52, 1.52, 7.50, 3e-3,
-         "quality-adamw/adamw-gpt-w2b16-powersgd24-fp16-lr3e-3-seed2", seed=2),
-    _row("gpt", 128, "adamw", 32, 32, 0.58, 0.58, 5.05, 3e-3, "quality-adamw/adamw-gpt-w2b16-powersgd32-fp16-lr3e-3"),
-    _row("gpt", 128, "adamw", 32, 32, 0.33, 0.32, 5.05, 3e-3,
-         "quality-adamw/adamw-gpt-w2b16-powersgd32-fp16-lr3e-3-seed1", seed=1),
-    _row("gpt", 128, "adamw", 32, 32, 0.38, 0.38, 5.05, 3e-3,
-         "quality-adamw/adamw-gpt-w2b16-powersgd32-fp16-lr3e-3-seed2", seed=2),
-    _row("gpt", 128, "adamw", 64, 16, 1.79, 1.79, 11.25, 3e-3, "quality-adamw/adamw-gpt-w2b32-powersgd16-fp16-lr3e-3"),
-    _row("gpt", 128, "adamw", 64, 24, 1.45, 1.45, 7.50, 3e-3, "quality-adamw/adamw-gpt-w2b32-powersgd24-fp16-lr3e-3"),
-    _row("gpt", 128, "adamw", 128, 16, -1.52, -0.38, 11.25, 3e-3,
-         "quality-adamw/adamw-gpt-w2b64-powersgd16-fp16-lr3e-3"),
-    _row("gpt", 128, "adamw", 256, 16, -10.51, -0.56, 11.25, 3e-3,
-         "quality-adamw/adamw-gpt-w2b128-powersgd16-fp16-lr3e-3"),
-    _row("gpt", 128, "adamw", 512, 16, -7.68, -0.14, 11.25, 1.5e-3,
-         "quality-adamw-gpu/adamw-gpt-w2b256-powersgd16-fp16-hwu-lr1.5e-3", device="h100"),
-    _row("gpt-wide", 256, "adamw", 32, 22, 2.18, 2.18, 16.45, 1.5e-3,
-         "quality-adamw/adamw-gpt-wide-w2b16-powersgd22-fp16-lr1.5e-3"),
-    _row("gpt-wide", 256, "adamw", 32, 32, 1.30, 1.30, 11.31, 1.5e-3,
-         "quality-adamw/adamw-gpt-wide-w2b16-powersgd32-fp16-lr1.5e-3"),
-    _row("gpt-wide", 256, "adamw", 32, 32, 1.20, 1.20, 11.31, 1.5e-3,
-         "quality-adamw/adamw-gpt-wide-w2b16-powersgd32-fp16-lr1.5e-3-seed1", seed=1),
-    _row("gpt-wide", 256, "adamw", 32, 32, 0.99, 0.99, 11.31, 1.5e-3,
-         "quality-adamw/adamw-gpt-wide-w2b16-powersgd32-fp16-lr1.5e-3-seed2", seed=2),
-    _row("gpt-wide", 256, "adamw", 128, 32, -4.98, 0.10, 11.31, 1.5e-3,
-         "quality-adamw/adamw-gpt-wide-w2b64-powersgd32-fp16-lr1.5e-3"),
-    _row("gpt-wide", 256, "adamw", 256, 32, -20.10, -1.47, 11.31, 1.5e-3,
-         "quality-adamw/adamw-gpt-wide-w2b128-powersgd32-fp16-lr1.5e-3"),
-    _row("gpt-wide", 256, "adamw", 512, 32, -21.15, 0.87, 11.31, 7.5e-4,
-         "quality-adamw-gpu/adamw-gpt-wide-w2b256-powersgd32-fp16-hwu-lr7.5e-4", device="h100"),
-)
+#: The status of advice for a model whose width the map did not measure, from the width rule
+#: (:func:`width_rule_rank`): with AdamW, any width without rows of its own.
+RULE = "beyond the map (rule)"
+#: The width rule, AdamW: the rank is ``width * RULE_FRACTION``, at least ``RULE_FLOOR``. At every measured
+#: AdamW width (128, 256, 384) it is the smallest measured rank that held at the smallest measured batch,
+#: and the measured rank below it fell behind there (:func:`rule_evidence`; docs/tuning.md, "The width rule").
+RULE_FRACTION = 8
+RULE_FLOOR = 24
+
+
+def width_rule_rank(width: int) -> int:
+    """The width rule's rank for a model of ``width``: ``max(RULE_FLOOR, ceil(width / RULE_FRACTION))``, at
+    most ``width``.
+
+    >>> [width_rule_rank(w) for w in (128, 256, 384, 768, 4096)]
+    [24, 32, 48, 96, 512]
+    """
+    if not (isinstance(width, int) and width >= 1):
+        raise ValueError(f"width must be an integer >= 1, got {width!r}")
+    return min(width, max(RULE_FLOOR, -(-width // RULE_FRACTION)))
+
+
+def rule_evidence(optimizer: str = "adamw") -> tuple[Measured, ...]:
+    """The rows the width rule rests on: at each measured width, at its smallest measured batch, every seed
+    of the rule's rank and of the largest measured rank below it."""
+    rows = [m for m in MEASURED if m.optimizer == optimizer]
+    evidence: list[Measured] = []
+    for width in sorted({m.width for m in rows}):
+        here = [m for m in rows if m.width == width]
+        tokens = min(m.tokens_per_step for m in here)
+        here = [m for m in here if m.tokens_per_step == tokens]
+        rank = width_rule_rank(width)
+        below = max((m.rank for m in here if m.rank < rank), default=None)
+        evidence += sorted((m for m in here if m.rank in (rank, below)), key=lambda m: (-m.rank, m.seed))
+    return tuple(evidence)
+
+
+def _rule_advice(width: int, optimizer: str, tokens_per_step: int, rows: list[Measured]) -> Advice:
+    """The width rule's advice for a ``width`` the map's ``rows`` (``optimizer``'s) do not have."""
+    rank = width_rule_rank(width)
+    fit = []
+    for w, ms in _by_width(rule_evidence(optimizer)).items():
+        below = sorted({m.rank for m in ms if m.rank < width_rule_rank(w)})
+        fit.append(f"width {w}: {width_rule_rank(w)} held" + "".join(f", {r} fell behind" for r in below))
+    widths = ", ".join(str(w) for w in sorted({m.width for m in rows}))
+    return Advice("powersgd", rank, recipe_options(optimizer), RULE,
+                  f"{OPTIMIZER_WORDS[optimizer]} at width {width}, not measured (measured widths {widths}): the width "
+                  f"rule's rank max({RULE_FLOOR}, width / {RULE_FRACTION}) = {rank}, the smallest measured rank that "
+                  f"held at each measured width's smallest batch ({'; '.join(fit)}); AutoRank chooses one on your "
+                  "own gradients instead (docs/tuning.md)",
+                  None, rule_evidence(optimizer), width=width)
+
+
+def _by_width(rows: tuple[Measured, ...]) -> dict[int, list[Measured]]:
+    grouped: dict[int, list[Measured]] = {}
+    for m in rows:
+        grouped.setdefault(m.width, []).append(m)
+    return grouped
 
 
 def rank_for_width(width: int) -> int:
@@ -254,7 +200,8 @@ class Advice:
 
     ``method``: ``"powersgd"`` (at ``rank`` with ``powersgd_options``) or ``"fp16"`` (the fp16 allreduce
     hook). ``status``: ``"measured"``, ``"beyond the map"``, ``"measured to fall behind"`` or ``"not
-    measured"`` for the rows of the model's own width; :data:`BORROWED` (``"borrowed"``) where they are
+    measured"`` for the rows of the model's own width; :data:`RULE` (``"beyond the map (rule)"``) for the
+    width rule's rank at a width without rows (AdamW); :data:`BORROWED` (``"borrowed"``) where they are
     another width's, the nearest measured (``measured_width``, which is not ``width``): what those rows
     said there is then ``nearest_status``. :attr:`status_text` says it in words. ``lr``: the tuned
     allreduce learning rate measured on the same task and optimizer (``None``: none measured; the
@@ -279,6 +226,9 @@ class Advice:
         """The status in words: ``status`` itself, or for :data:`BORROWED` advice which width it was read
         from and what that width's rows said, e.g. ``"borrowed (nearest measured width 256; not measured at
         768)"``, ``"borrowed (nearest measured width 256, beyond the map there; not measured at 768)"``."""
+        if self.status == RULE:
+            return (f"{RULE[:-1]}: max({RULE_FLOOR}, width / {RULE_FRACTION}) = {self.rank}; "
+                    f"not measured at {self.width})")
         if self.status != BORROWED:
             return self.status
         there = "" if self.nearest_status == "measured" else f", {self.nearest_status} there"
@@ -310,24 +260,31 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
     """The map's advice for a model of ``width`` (:func:`gradpress.tools.check.advice.model_width`)
     trained with ``optimizer`` (``"sgd"`` or ``"adamw"``) at ``tokens_per_step`` over all workers. With
     ``task`` (a demo task) the task's own rows (``"not measured"`` for a task the map does not have, such
-    as the digits CNN); without it (a user's model), the rows of the nearest measured width.
+    as the digits CNN; with AdamW, the width rule for a GPT it does not have); without it (a user's
+    model), the rows of the model's width, else with AdamW the width rule (:data:`RULE`,
+    :func:`width_rule_rank`), with SGD the rows of the nearest measured width.
     The rank is the smallest measured rank, from :func:`rank_for_width`'s up, that was not measured behind
     allreduce at the nearest measured batch on either side of this one (a wider model may need more than
     the rule's cap; with SGD larger batches fell behind, with AdamW on gpt the smallest did); the
     learning rate, where the same task was measured with this optimizer, the tuned allreduce's at the
     nearest measured batch. Where the rows read are not of ``width`` (the nearest measured width stands
     in for it) the status is :data:`BORROWED`, whatever those rows said, and never ``"measured"``.
+
+    >>> advise(384, "adamw", 2 * 16 * 64).rank, advise(512, "adamw", 2 * 16 * 64).status
+    (48, 'beyond the map (rule)')
     """
-    if optimizer not in _OPTIMIZER_WORDS:
-        raise ValueError(f"optimizer must be one of {', '.join(_OPTIMIZER_WORDS)}, got {optimizer!r}")
+    if optimizer not in OPTIMIZER_WORDS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_WORDS)}, got {optimizer!r}")
     if not (isinstance(width, int) and width >= 1):
         raise ValueError(f"width must be an integer >= 1, got {width!r}")
     if not (isinstance(tokens_per_step, int) and tokens_per_step >= 1):
         raise ValueError(f"tokens_per_step must be an integer >= 1, got {tokens_per_step!r}")
     rank = rank_for_width(width)
     rows = [m for m in MEASURED if m.optimizer == optimizer]
-    words = _OPTIMIZER_WORDS[optimizer]
+    words = OPTIMIZER_WORDS[optimizer]
     if task is not None and not any(m.task == task for m in MEASURED):
+        if optimizer == "adamw" and rows and task.startswith("gpt"):  # the rule's models: GPTs of any width
+            return _rule_advice(width, optimizer, tokens_per_step, rows)
         return Advice("powersgd", rank, recipe_options(optimizer), "not measured",
                       f"PowerSGD was not measured on {task}: rank {rank} (width {width} / 8) with an fp16 wire is the "
                       "rule of the measured recipes; watch the global residual (docs/tuning.md)", width=width)
@@ -340,6 +297,8 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
         rows, where = same_task, f"on {task}"
     else:
         near = _nearest_width(rows, width)
+        if near != width and optimizer == "adamw":
+            return _rule_advice(width, optimizer, tokens_per_step, rows)
         rows = [m for m in rows if m.width == near]
         where = f"at width {near}" + ("" if near == width else f" (the nearest measured to {width})")
     measured_width = rows[0].width
@@ -422,7 +381,8 @@ def markdown_table() -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for m in MEASURED:
         best = f"{m.best_vs_allreduce:+.2f}%"
-        lines.append(f"| {m.task} ({m.width}) | {_OPTIMIZER_WORDS[m.optimizer]} | {m.tokens_per_step:,} "
-                     f"({m.tokens_per_step // _SEQUENCE}) | {m.rank} | {m.seed} | {m.end_vs_allreduce:+.2f}% | "
+        sequences = m.tokens_per_step // CHARS_PER_SEQUENCE
+        lines.append(f"| {m.task} ({m.width}) | {OPTIMIZER_WORDS[m.optimizer]} | {m.tokens_per_step:,} "
+                     f"({sequences}) | {m.rank} | {m.seed} | {m.end_vs_allreduce:+.2f}% | "
                      f"{best if m.holds else f'**{best}**'} | {m.bytes_ratio:.1f}x | {m.device.upper()} |")
     return "\n".join(lines)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ... import comm
 from ..cli.table import format_table
 from ..bytes import allreduce_bytes, powersgd_bytes
-from ..quality_map import Advice, advise, recipe_options
+from ..quality_map import RULE, Advice, advise, recipe_options
 from ..workloads.tasks import TASKS
 from .advice import (Prediction, candidate_methods, model_width, predict, recipe_rule, recommend,
                      recommended_powersgd)
@@ -156,7 +156,8 @@ def powersgd_choice(shapes: Sequence[Sequence[int]], advice: Advice | None) -> d
                   "--tokens-per-step for the quality map's rank)")
     elif advice.method == "powersgd" and advice.rank is not None:
         rank, options = advice.rank, dict(advice.powersgd_options)
-        source = f"from the quality map, {advice.status_text}"
+        source = (f"by the quality map's width rule, {advice.status_text}" if advice.status == RULE
+                  else f"from the quality map, {advice.status_text}")
     else:  # the fp16 hook: every rank measured at the nearest batches fell behind
         rank = min(m.rank for m in advice.evidence)
         options = recipe_options(advice.evidence[0].optimizer)
