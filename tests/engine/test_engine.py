@@ -140,3 +140,62 @@ def test_initial_q_is_seeded_and_independent_of_global_rng():
 def test_engine_config_errors_name_the_argument(kwargs, name):
     with pytest.raises((ValueError, TypeError), match=name):
         EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_the_cpu_commit_straight_into_the_gradients_gives_the_bits_of_the_commit_through_the_memory(
+        rank, monkeypatch):
+    # On the CPU the commit writes elementwise outer products (rank <= 4 on large matrices) straight into
+    # contiguous gradients and takes the residual against them; elsewhere it builds P Q^T in the old error
+    # memory and copies it out. Both must give the same outputs and the same memory, bit for bit, over
+    # steps where error feedback carries every difference forward. (256, 600) is stored transposed (a
+    # non-contiguous view: the memory path), (16, 12) takes a GEMM; the rest go straight.
+    from gradpress.powersgd import step as engine_step
+
+    shapes = [(600, 256), (1024, 1024), (256, 600), (16, 12), (7,)]
+    config = EngineConfig(rank=rank, min_compression_rate=0)
+    taken = []
+    original = engine_step._direct_groups
+
+    def spy(*args):
+        direct = original(*args)
+        taken.append(direct)
+        return direct
+
+    def run(direct):
+        monkeypatch.setattr(engine_step, "_direct_groups", spy if direct else lambda groups, *_: [False] * len(groups))
+        generator = torch.Generator().manual_seed(rank)
+        segment = make_segment(shapes, config)
+        outputs = []
+        for step in range(4):
+            grads = [torch.randn(s, generator=generator) for s in shapes]
+            run_step(segment, grads, config, step)
+            outputs.append(grads)
+        return outputs, segment.error_memory.clone()
+
+    straight, straight_memory = run(True)
+    through, through_memory = run(False)
+    assert taken and all(sum(direct) >= 1 and not all(direct) for direct in taken)  # both paths in one commit
+    assert torch.equal(straight_memory, through_memory) and straight_memory.abs().max() > 0
+    for got, want in zip(straight, through):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
+def test_error_feedback_conserves_mass_when_the_commit_goes_straight_into_the_gradients():
+    shapes = [(512, 256), (300, 1024)]
+    config = EngineConfig(rank=2, min_compression_rate=0)
+    segment = make_segment(shapes, config, torch.float64)
+    generator = torch.Generator().manual_seed(7)
+    total_in = [torch.zeros(s, dtype=torch.float64) for s in shapes]
+    total_out = [torch.zeros(s, dtype=torch.float64) for s in shapes]
+    for step in range(6):
+        grads = [torch.randn(s, dtype=torch.float64, generator=generator) for s in shapes]
+        for acc, g in zip(total_in, grads):
+            acc += g
+        run_step(segment, grads, config, step)
+        for acc, g in zip(total_out, grads):
+            acc += g
+    errors = {i: segment.error_views[pos] for pos, i in enumerate(segment.compressed_order)}
+    for i, shape in enumerate(shapes):
+        torch.testing.assert_close(total_out[i] + errors[i].reshape(shape), total_in[i], atol=1e-10, rtol=0)

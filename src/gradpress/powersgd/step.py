@@ -126,11 +126,16 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     _draw_missing(segment, config, 0 if config.warm_start else step + 1)
     segment.stage(StagedFactors.Q if config.warm_start else StagedFactors.NOTHING)
     segment.ensure_m_buffer()
-    # 1. M = g + e, once, in the segment's M buffer (two ops for all matrices).
+    # 1. M = g + e, once, in the segment's M buffer: two ops for all matrices, or on the CPU one add per
+    #    matrix (one pass over M instead of two; the same sums).
     if matrices:
-        torch._foreach_copy_(segment.m_views, matrices)
-        if with_memory:
-            torch._foreach_add_(segment.m_views, segment.error_views)
+        if with_memory and segment.device.type == "cpu":
+            for target, g, e in zip(segment.m_views, matrices, segment.error_views):
+                torch.add(g, e, out=target)
+        else:
+            torch._foreach_copy_(segment.m_views, matrices)
+            if with_memory:
+                torch._foreach_add_(segment.m_views, segment.error_views)
     # 2. P = M Q, one bmm per shape group, into the wire.
     for (_, _, p, qt), m in zip(segment.group_views, segment.m_group_views):
         _product(m, qt.transpose(1, 2), p)
@@ -181,8 +186,10 @@ def _commit_batched(segment: Segment, matrices: list[Tensor], error_feedback: bo
     M (or g) is in ``segment.m_memory``. Where the host knows the step is finite and M includes the memory
     (the common case), the output is built in the old error memory (M holds it already), written out, and
     subtracted from M, which then becomes the error memory (:meth:`Segment.swap_memory`): three passes,
-    no copy. Elsewhere the output of each group is built in the shared workspace; the new memory is
-    then kept (finite), dropped (not finite) or chosen with ``torch.where`` on the device
+    no copy; on the CPU, groups whose outer product is elementwise write it straight into the gradients
+    and subtract those from M (:func:`_direct_groups`): two passes, the same bits. Elsewhere the output
+    of each group is built in the shared workspace; the new memory is then kept (finite), dropped (not
+    finite) or chosen with ``torch.where`` on the device
     (:attr:`~Finiteness.ON_DEVICE`). With fp16/bf16 gradients the output is read back after it is
     written, so the residual is taken against what was written. ``measure``: ``||M||`` and
     ``||M - written||`` per matrix (before damping) into :meth:`Segment.approximation_norms`; ``track``:
@@ -209,14 +216,29 @@ def _commit_batched(segment: Segment, matrices: list[Tensor], error_feedback: bo
     if new_memory and add_memory and finiteness is Finiteness.FINITE:
         measure_m(0)
         error_groups = [errors for _, errors, _, _ in segment.group_views]
-        for (_, p, qt, _), errors in zip(groups, error_groups):
-            _outer(p, qt, errors)
-        torch._foreach_copy_(matrices, segment.error_views)
-        if rounded:
-            torch._foreach_copy_(segment.error_views, matrices)
-        if output_norms is not None:
-            _group_norms(groups, error_groups, output_norms)
-        flat_m.sub_(segment.error_memory)
+        direct = _direct_groups(groups, matrices, rounded or output_norms is not None)
+        if not any(direct):
+            for (_, p, qt, _), errors in zip(groups, error_groups):
+                _outer(p, qt, errors)
+            torch._foreach_copy_(matrices, segment.error_views)
+            if rounded:
+                torch._foreach_copy_(segment.error_views, matrices)
+            if output_norms is not None:
+                _group_norms(groups, error_groups, output_norms)
+            flat_m.sub_(segment.error_memory)
+        else:  # the CPU: fused outer products written straight into the gradients, one pass fewer each
+            position = 0
+            for (group, p, qt, m), errors, straight in zip(groups, error_groups, direct):
+                members = matrices[position: position + group.batch]
+                if straight:
+                    for x, y, out in zip(p.unbind(0), qt.unbind(0), members):
+                        _outer_sum(x, y, out)
+                    torch._foreach_sub_(list(m.unbind(0)), members)
+                else:
+                    _outer(p, qt, errors)
+                    torch._foreach_copy_(members, list(errors.unbind(0)))
+                    m.sub_(errors)
+                position += group.batch
         measure_m(1)
         if damping is not None:
             flat_m.mul_(damping)
@@ -279,6 +301,24 @@ def _outer(p: Tensor, qt: Tensor, out: Tensor) -> None:
             _outer_sum(x, y, o)
     else:
         _product(p, qt, out)
+
+
+def _direct_groups(groups: list[tuple[GroupPlan, Tensor, Tensor, Tensor]], matrices: list[Tensor],
+                   excluded: bool) -> list[bool]:
+    """Per shape group, whether the commit writes ``P Q^T`` straight into the gradients (and takes the
+    residual against them) instead of building it in the old error memory and copying it out: on the CPU,
+    for groups whose outer product is elementwise (:func:`_fused_outer`, so the same numbers wherever the
+    output sits) into contiguous gradients of the segment's dtype; never where ``excluded`` (fp16/bf16
+    gradients, or output norms to keep)."""
+    if excluded or not matrices or matrices[0].device.type != "cpu":
+        return [False] * len(groups)
+    direct, position = [], 0
+    for group, p, _, _ in groups:
+        members = matrices[position: position + group.batch]
+        direct.append(_fused_outer(p.shape[2], group.n * group.m, p.device)
+                      and all(g.is_contiguous() for g in members))
+        position += group.batch
+    return direct
 
 
 def _per_matrix_product(out: Tensor) -> bool:
