@@ -116,30 +116,30 @@ def test_the_report_holds_one_powersgd_rank_the_maps_with_its_label_and_bytes(ca
     out = capsys.readouterr().out
     report = json.loads(path.read_text())
     info, quality = report["model_info"], report["quality"]
-    # The map has no AdamW rows at width 192: the width rule's rank (width / 8, at least 24), said so; the
+    # No AdamW rows at width 192: the width rule's rank (2 x sqrt(192) = 27.7, up the ladder), said so; the
     # recipes' rule's 22 (width x 1/8, at most 22) is not printed beside it.
     assert (info["width"], info["powersgd_rank"], quality["method"], quality["status"]) == (
-        192, 24, "powersgd:24", "beyond the map (rule)")
-    label = "beyond the map (rule: max(24, width / 8) = 24; not measured at 192)"
+        192, 32, "powersgd:32", "beyond the map (rule)")
+    label = "beyond the map (rule: 2 x sqrt(width) up the ladder = 32; not measured at 192)"
     assert info["powersgd_source"] == f"by the quality map's width rule, {label}" and quality["status_text"] == label
     assert info["powersgd_options"] == {"bytes_per_weight": 2, "warm_up_bytes_per_weight": 2}
-    assert f"PowerSGD's rank for its width 192: 24 by the quality map's width rule, {label}; " in out
-    assert f"quality map (adamw, 4,096 tokens/step from --tokens-per-step): {label}, powersgd:24" in out
+    assert f"PowerSGD's rank for its width 192: 32 by the quality map's width rule, {label}; " in out
+    assert f"quality map (adamw, 4,096 tokens/step from --tokens-per-step): {label}, powersgd:32" in out
     assert "at most 22" not in out and "measured, powersgd" not in out and "r22" not in out
     # Its bytes on this model's own shapes, as the table's candidate sends them.
     shapes = [tuple(p.shape) for p in width_192()[0].parameters()]
-    sent = 24 * (192 + 192) * 2 * 2 + 8 * 192 * 2 + (192 + 192 + 8) * 2  # P and Q of two matrices; the rest exact
+    sent = 32 * (192 + 192) * 2 * 2 + 8 * 192 * 2 + (192 + 192 + 8) * 2  # P and Q of two matrices; the rest exact
     assert info["powersgd_bytes_per_step"] == sent
     assert info["allreduce_bytes_per_step"] == 4 * sum(math.prod(s) for s in shapes)
     assert info["powersgd_bytes_ratio"] == pytest.approx(info["allreduce_bytes_per_step"] / sent)
     assert f"{info['powersgd_bytes_ratio']:.1f}x fewer bytes than allreduce's" in out
     rows = {p["name"]: p for p in report["predictions"]}
-    assert {name for name in rows if name.startswith("powersgd")} == {"powersgd-r4-fp32", "powersgd-r24-fp16"}
-    assert rows["powersgd-r24-fp16"]["bytes_per_step"] == sent and not rows["powersgd-r24-fp16"]["note"]
-    assert rows["powersgd-r24-fp16"]["config"] == ("PowerSGDState(pg, matrix_approximation_rank=24, "
+    assert {name for name in rows if name.startswith("powersgd")} == {"powersgd-r4-fp32", "powersgd-r32-fp16"}
+    assert rows["powersgd-r32-fp16"]["bytes_per_step"] == sent and not rows["powersgd-r32-fp16"]["note"]
+    assert rows["powersgd-r32-fp16"]["config"] == ("PowerSGDState(pg, matrix_approximation_rank=32, "
                                                    "bytes_per_weight=2, warm_up_bytes_per_weight=2)")
-    assert rows["powersgd-r4-fp32"]["note"] == "rank below 24: more steps to the same loss"
-    assert "powersgd-r24-fp16" in info["hook_compute_ms"]
+    assert rows["powersgd-r4-fp32"]["note"] == "rank below 32: more steps to the same loss"
+    assert "powersgd-r32-fp16" in info["hook_compute_ms"]
 
 
 def test_the_powersgd_choice_is_the_maps_rank_or_the_rule_said_so():
@@ -148,9 +148,9 @@ def test_the_powersgd_choice_is_the_maps_rank_or_the_rule_said_so():
 
     shapes = [(192, 192), (192,), (192, 192), (8, 192)]
     choice = powersgd_choice(shapes, advise(192, "adamw", 4096))
-    assert (choice["powersgd_rank"], choice["powersgd_advised"]) == (24, True)
+    assert (choice["powersgd_rank"], choice["powersgd_advised"]) == (32, True)
     assert choice["powersgd_bytes_per_step"] == candidate_methods(
-        shapes, recommended=(24, choice["powersgd_options"]))[2 + 1].bytes_per_step  # allreduce, fp16, r4, r24
+        shapes, recommended=(32, choice["powersgd_options"]))[2 + 1].bytes_per_step  # allreduce, fp16, r4, r32
     # Without the map's inputs: the rule, and the report says it is the rule.
     choice = powersgd_choice(shapes, None)
     assert choice["powersgd_rank"] == recipe_rule().rank(192) == 22 and choice["powersgd_options"] == {
@@ -184,7 +184,8 @@ def test_the_check_page_shows_the_rank_line_the_report_prints():
     gpt2 = [tuple(p.shape) for p in gradpress.tools.zoo.build_model("gpt2").parameters()]
     assert model_width(gpt2) == 768 and "--model gpt2 --optimizer adamw --tokens-per-step 491520" in page
     line = _rank_line({"width": 768, **powersgd_choice(gpt2, advise(768, "adamw", 491520))})
-    assert line + "\n" in page and "beyond the map (rule: max(24, width / 8) = 96; not measured at 768)" in line
+    assert line + "\n" in page
+    assert "beyond the map (rule: 2 x sqrt(width) up the ladder = 64; not measured at 768)" in line
 
 
 # --- the recommended rank follows the model's width ---------------------------------------------------------

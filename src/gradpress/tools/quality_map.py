@@ -22,11 +22,12 @@ count: 2 workers x 64 sequences stands for 8 workers x 16.
   measured"``).
 
 A model whose width no row has is never ``"measured"``. With AdamW its rank comes from the width rule
-(:func:`width_rule_rank`: width / 8, at least 24, the smallest measured rank that held at each measured
-width), status ``"beyond the map (rule)"`` (:data:`RULE`), e.g. ``beyond the map (rule: max(24, width / 8)
-= 96; not measured at 768)``. With SGD (no width rule measured) it is read from the rows of the nearest
-measured width: status ``"borrowed"`` (:data:`BORROWED`), and :attr:`Advice.status_text` names both widths
-and what the borrowed rows said, e.g. ``borrowed (nearest measured width 512; not measured at 768)``.
+(:func:`width_rule_rank`: 2 x sqrt(width) up the rank ladder, the smallest measured rank that held at
+each measured width), status ``"beyond the map (rule)"`` (:data:`RULE`), e.g. ``beyond the map (rule:
+2 x sqrt(width) up the ladder = 64; not measured at 768)``. With SGD (no width rule measured) it is read
+from the rows of the nearest measured width: status ``"borrowed"`` (:data:`BORROWED`), and
+:attr:`Advice.status_text` names both widths and what the borrowed rows said, e.g. ``borrowed (nearest
+measured width 512; not measured at 768)``.
 
 >>> advice = advise(width=128, optimizer="adamw", tokens_per_step=2 * 64 * 64)
 >>> advice.method, advice.rank, advice.status, advice.powersgd_options
@@ -35,7 +36,7 @@ and what the borrowed rows said, e.g. ``borrowed (nearest measured width 512; no
 'fp16'
 >>> advice = advise(width=768, optimizer="adamw", tokens_per_step=2 * 64 * 64)   # GPT-2's width: not measured
 >>> advice.rank, advice.status_text
-(96, 'beyond the map (rule: max(24, width / 8) = 96; not measured at 768)')
+(64, 'beyond the map (rule: 2 x sqrt(width) up the ladder = 64; not measured at 768)')
 >>> advise(width=768, optimizer="sgd", tokens_per_step=2 * 16 * 64).status_text
 'borrowed (nearest measured width 512; not measured at 768)'
 """
@@ -46,10 +47,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from ..autorank import RANK_LADDER
 from .quality_rows import CHARS_PER_SEQUENCE, MEASURED, OPTIMIZER_WORDS, QUALITY_TARGET, Measured, describe_runs
 
 __all__ = ["ADAMW_OPTIONS", "BORROWED", "FP16_WIRE", "HALF_WARM_UP_EVIDENCE", "MEASURED", "QUALITY_TARGET", "RULE",
-           "RULE_FLOOR", "RULE_FRACTION", "START_RULE", "Advice", "Measured", "advise", "early_start_warning",
+           "RULE_COEFFICIENT", "START_RULE", "Advice", "Measured", "advise", "early_start_warning",
            "markdown_table", "rank_for_width", "recipe_options", "rule_evidence", "width_rule_rank"]
 
 #: The status of advice read from the rows of another width than the model's (the nearest measured one):
@@ -131,23 +133,25 @@ def _settings(rows: list[Measured]) -> dict[int, _Setting]:
 #: The status of advice for a model whose width the map did not measure, from the width rule
 #: (:func:`width_rule_rank`): with AdamW, any width without rows of its own.
 RULE = "beyond the map (rule)"
-#: The width rule, AdamW: the rank is ``width * RULE_FRACTION``, at least ``RULE_FLOOR``. At every measured
-#: AdamW width (128, 256, 384) it is the smallest measured rank that held at the smallest measured batch,
-#: and the measured rank below it fell behind there (:func:`rule_evidence`; docs/tuning.md, "The width rule").
-RULE_FRACTION = 8
-RULE_FLOOR = 24
+#: The width rule, AdamW: the rank is ``RULE_COEFFICIENT * sqrt(width)``, rounded up to the rank ladder the
+#: map measures on (:data:`gradpress.autorank.RANK_LADDER`). At every measured AdamW width (128, 256, 384,
+#: 512) that is the smallest measured rank that held at the smallest measured batch, and the measured
+#: rank below it fell behind there (:func:`rule_evidence`; docs/tuning.md, "The width rule").
+RULE_COEFFICIENT = 2.0
 
 
 def width_rule_rank(width: int) -> int:
-    """The width rule's rank for a model of ``width``: ``max(RULE_FLOOR, ceil(width / RULE_FRACTION))``, at
-    most ``width``.
+    """The width rule's rank for a model of ``width``: the smallest rank of
+    :data:`~gradpress.autorank.RANK_LADDER` at least ``RULE_COEFFICIENT * sqrt(width)`` (past the
+    ladder's top, that product rounded up), at most ``width``.
 
-    >>> [width_rule_rank(w) for w in (128, 256, 384, 768, 4096)]
-    [24, 32, 48, 96, 512]
+    >>> [width_rule_rank(w) for w in (128, 256, 384, 512, 768, 4096)]
+    [24, 32, 48, 48, 64, 128]
     """
     if not (isinstance(width, int) and width >= 1):
         raise ValueError(f"width must be an integer >= 1, got {width!r}")
-    return min(width, max(RULE_FLOOR, -(-width // RULE_FRACTION)))
+    target = RULE_COEFFICIENT * math.sqrt(width)
+    return min(width, next((r for r in RANK_LADDER if r >= target), math.ceil(target)))
 
 
 def rule_evidence(optimizer: str = "adamw") -> tuple[Measured, ...]:
@@ -175,9 +179,9 @@ def _rule_advice(width: int, optimizer: str, tokens_per_step: int, rows: list[Me
     widths = ", ".join(str(w) for w in sorted({m.width for m in rows}))
     return Advice("powersgd", rank, recipe_options(optimizer), RULE,
                   f"{OPTIMIZER_WORDS[optimizer]} at width {width}, not measured (measured widths {widths}): the width "
-                  f"rule's rank max({RULE_FLOOR}, width / {RULE_FRACTION}) = {rank}, the smallest measured rank that "
-                  f"held at each measured width's smallest batch ({'; '.join(fit)}); AutoRank chooses one on your "
-                  "own gradients instead (docs/tuning.md)",
+                  f"rule's rank, {RULE_COEFFICIENT:g} x sqrt(width) up the rank ladder = {rank}, the smallest measured "
+                  f"rank that held at each measured width's smallest batch ({'; '.join(fit)}); AutoRank chooses one "
+                  "on your own gradients instead (docs/tuning.md)",
                   None, rule_evidence(optimizer), width=width)
 
 
@@ -227,7 +231,7 @@ class Advice:
         from and what that width's rows said, e.g. ``"borrowed (nearest measured width 256; not measured at
         768)"``, ``"borrowed (nearest measured width 256, beyond the map there; not measured at 768)"``."""
         if self.status == RULE:
-            return (f"{RULE[:-1]}: max({RULE_FLOOR}, width / {RULE_FRACTION}) = {self.rank}; "
+            return (f"{RULE[:-1]}: {RULE_COEFFICIENT:g} x sqrt(width) up the ladder = {self.rank}; "
                     f"not measured at {self.width})")
         if self.status != BORROWED:
             return self.status
@@ -270,7 +274,7 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
     nearest measured batch. Where the rows read are not of ``width`` (the nearest measured width stands
     in for it) the status is :data:`BORROWED`, whatever those rows said, and never ``"measured"``.
 
-    >>> advise(384, "adamw", 2 * 16 * 64).rank, advise(512, "adamw", 2 * 16 * 64).status
+    >>> advise(512, "adamw", 2 * 16 * 64).rank, advise(640, "adamw", 2 * 16 * 64).status
     (48, 'beyond the map (rule)')
     """
     if optimizer not in OPTIMIZER_WORDS:

@@ -133,9 +133,11 @@ MEASURED: tuple[Measured, ...] = (
          "quality-adamw/adamw-gpt-wide-w2b128-powersgd32-fp16-lr1.5e-3"),
     _row("gpt-wide", 256, "adamw", 512, 32, -21.15, 0.87, 11.31, 7.5e-4,
          "quality-adamw-gpu/adamw-gpt-wide-w2b256-powersgd32-fp16-hwu-lr7.5e-4", device="h100"),
-    # The width axis, on data seen about once; rank 48 is the rank AutoRank(0.995) chose in that run.
+    # The width axis, on data seen about once; rank 48 is the rank AutoRank(0.995) chose in those runs.
     _row("gpt-stdlib-w384", 384, "adamw", 32, 32, 1.92, 1.92, 16.91, 7.5e-4,
          "quality-width/adamw-w384-w2b16-powersgd32-fp16-hwu-lr7.5e-4"),
     _row("gpt-stdlib-w384", 384, "adamw", 32, 48, 0.91, 0.91, 11.35, 7.5e-4,
          "quality-width/adamw-w384-w2b16-powersgdauto0.995-fp16-hwu-lr7.5e-4"),
+    _row("gpt-stdlib-w512", 512, "adamw", 32, 48, 0.86, 0.86, 15.08, 7.5e-4,
+         "quality-width/adamw-w512-w2b16-powersgdauto0.995-fp16-hwu-lr7.5e-4"),
 )
