@@ -186,4 +186,3 @@ def test_the_cpu_commit_straight_into_the_gradients_gives_the_bits_of_the_commit
     for got, want in zip(straight, through):
         for a, b in zip(got, want):
             assert torch.equal(a, b)
-
