@@ -169,27 +169,22 @@ def rule_evidence(optimizer: str = "adamw") -> tuple[Measured, ...]:
     return tuple(evidence)
 
 
-def _rule_advice(width: int, optimizer: str, tokens_per_step: int, rows: list[Measured]) -> Advice:
+def _rule_advice(width: int, optimizer: str, rows: list[Measured]) -> Advice:
     """The width rule's advice for a ``width`` the map's ``rows`` (``optimizer``'s) do not have."""
     rank = width_rule_rank(width)
+    evidence = rule_evidence(optimizer)
     fit = []
-    for w, ms in _by_width(rule_evidence(optimizer)).items():
-        below = sorted({m.rank for m in ms if m.rank < width_rule_rank(w)})
-        fit.append(f"width {w}: {width_rule_rank(w)} held" + "".join(f", {r} fell behind" for r in below))
+    for w in sorted({m.width for m in evidence}):
+        held = width_rule_rank(w)
+        below = sorted({m.rank for m in evidence if m.width == w and m.rank < held})
+        fit.append(f"width {w}: {held} held" + "".join(f", {r} fell behind" for r in below))
     widths = ", ".join(str(w) for w in sorted({m.width for m in rows}))
     return Advice("powersgd", rank, recipe_options(optimizer), RULE,
                   f"{OPTIMIZER_WORDS[optimizer]} at width {width}, not measured (measured widths {widths}): the width "
                   f"rule's rank, {RULE_COEFFICIENT:g} x sqrt(width) up the rank ladder = {rank}, the smallest measured "
                   f"rank that held at each measured width's smallest batch ({'; '.join(fit)}); AutoRank chooses one "
                   "on your own gradients instead (docs/tuning.md)",
-                  None, rule_evidence(optimizer), width=width)
-
-
-def _by_width(rows: tuple[Measured, ...]) -> dict[int, list[Measured]]:
-    grouped: dict[int, list[Measured]] = {}
-    for m in rows:
-        grouped.setdefault(m.width, []).append(m)
-    return grouped
+                  None, evidence, width=width)
 
 
 def rank_for_width(width: int) -> int:
@@ -288,7 +283,7 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
     words = OPTIMIZER_WORDS[optimizer]
     if task is not None and not any(m.task == task for m in MEASURED):
         if optimizer == "adamw" and rows and task.startswith("gpt"):  # the rule's models: GPTs of any width
-            return _rule_advice(width, optimizer, tokens_per_step, rows)
+            return _rule_advice(width, optimizer, rows)
         return Advice("powersgd", rank, recipe_options(optimizer), "not measured",
                       f"PowerSGD was not measured on {task}: rank {rank} (width {width} / 8) with an fp16 wire is the "
                       "rule of the measured recipes; watch the global residual (docs/tuning.md)", width=width)
@@ -302,7 +297,7 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
     else:
         near = _nearest_width(rows, width)
         if near != width and optimizer == "adamw":
-            return _rule_advice(width, optimizer, tokens_per_step, rows)
+            return _rule_advice(width, optimizer, rows)
         rows = [m for m in rows if m.width == near]
         where = f"at width {near}" + ("" if near == width else f" (the nearest measured to {width})")
     measured_width = rows[0].width
