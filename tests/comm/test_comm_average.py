@@ -146,6 +146,14 @@ def test_a_scaled_fp16_wire_alone_and_on_the_meta_device():
     zeros = comm.start_average([torch.zeros(3), torch.tensor([float("inf"), 1.0])], wire_dtype=torch.float16,
                                world_size=1, scaled=True)
     assert zeros.scales[0].tolist() == [1.0, 1.0] and not bool(zeros.finite())  # all zero / not finite: scale 1
+    # Largest magnitudes among fp32's subnormals (below 2^-126): the scale stops at 2^-126, so the wire
+    # stays finite and a tensor of them keeps fp16's precision (its values / 2^-126 are normal fp16 numbers).
+    tiny = [torch.tensor([3e-39, -1e-40, 2e-39]), torch.tensor([1e-45, 0.0]), torch.tensor([1.0, -2.0])]
+    averaged = comm.start_average([t.clone() for t in tiny], wire_dtype=torch.float16, world_size=1, scaled=True)
+    assert bool(averaged.finite()), averaged.buffers
+    got = averaged.wait()
+    assert max(_relative_errors(got[:1] + got[2:], [tiny[0].double(), tiny[2].double()])) < 1e-3
+    assert float(got[1][0]) > 0 and float(got[1][1]) == 0.0  # the smallest subnormal survives as itself
     meta = [t.to("meta") for t in tensors]
     with no_host_reads(), ForbidBlockingUploads():  # lengths uploaded non-blocking, nothing read back
         comm.start_average(meta, wire_dtype=torch.float16, world_size=1, scaled=True).wait()

@@ -25,6 +25,7 @@ tensor([2., 2., 2.])
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol
 
@@ -90,11 +91,14 @@ def _spread(scales: Tensor, members: list[Tensor], flat: Tensor) -> Tensor:
 
 
 def _scales(bound: Tensor) -> Tensor:
-    """Per span, the power of two the scaled fp16 wire divides by: ``2^(ceil(log2(bound)) - 14)``, or 1
-    where ``bound`` (the largest magnitude over all ranks) is zero or not finite (the wire then carries
-    the zeros, or the inf/NaN that makes the average non-finite)."""
+    """Per span, the power of two the scaled fp16 wire divides by: ``2^(ceil(log2(bound)) - 14)``, never
+    below the smallest normal number of ``bound``'s dtype (a bound among the subnormals would otherwise
+    give a scale of zero, and the wire inf and NaN), or 1 where ``bound`` (the largest magnitude over all
+    ranks) is zero or not finite (the wire then carries the zeros, or the inf/NaN that makes the average
+    non-finite)."""
     usable = torch.isfinite(bound) & (bound > 0)
-    powers = torch.exp2(torch.ceil(torch.log2(bound)) - FP16_HEADROOM)
+    floor = math.log2(torch.finfo(bound.dtype).tiny) + FP16_HEADROOM
+    powers = torch.exp2(torch.ceil(torch.log2(bound)).clamp_(min=floor) - FP16_HEADROOM)
     return torch.where(usable, powers, torch.ones_like(bound))
 
 
