@@ -21,6 +21,9 @@ count: 2 workers x 64 sequences stands for 8 workers x 16.
 * PowerSGD with the rule's rank where nothing was measured for the optimizer or the task (``"not
   measured"``).
 
+For a user's model (no ``task``), the rows on data seen about once (:attr:`Measured.seen_once`, as
+pre-training reads its data) replace the repeated text's from the smallest batch they were measured at.
+
 A model whose width no row has is never ``"measured"``. With AdamW its rank comes from the width rule
 (:func:`width_rule_rank`: 2 x sqrt(width) up the rank ladder, the smallest measured rank that held at
 each measured width), status ``"beyond the map (rule)"`` (:data:`RULE`), e.g. ``beyond the map (rule:
@@ -29,9 +32,11 @@ from the rows of the nearest measured width: status ``"borrowed"`` (:data:`BORRO
 :attr:`Advice.status_text` names both widths and what the borrowed rows said, e.g. ``borrowed (nearest
 measured width 512; not measured at 768)``.
 
->>> advice = advise(width=128, optimizer="adamw", tokens_per_step=2 * 64 * 64)
+>>> advice = advise(width=128, optimizer="adamw", tokens_per_step=2 * 64 * 64)   # read on data seen once
 >>> advice.method, advice.rank, advice.status, advice.powersgd_options
-('powersgd', 16, 'measured', {'bytes_per_weight': 2, 'warm_up_bytes_per_weight': 2})
+('powersgd', 32, 'measured', {'bytes_per_weight': 2, 'warm_up_bytes_per_weight': 2})
+>>> advise(width=128, optimizer="adamw", tokens_per_step=2 * 64 * 64, task="gpt").rank   # the repeated text
+16
 >>> advise(width=128, optimizer="sgd", tokens_per_step=4 * 16 * 64).method   # gpt, 4 workers, SGD: +4.3%
 'fp16'
 >>> advice = advise(width=768, optimizer="adamw", tokens_per_step=2 * 64 * 64)   # GPT-2's width: not measured
