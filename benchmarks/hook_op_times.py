@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import json
 import os
 import sys
@@ -94,8 +93,6 @@ def main() -> None:
     try:
         group = make_group(len(make_buckets(model_parameters(args.model))) + 2)
         results = [profile(args.model, args.rank, h, args.steps, args.warmup, group) for h in args.hooks.split(",")]
-        del group
-        gc.collect()  # the extra gloo group's threads end before the default group's
     finally:
         dist.destroy_process_group()
     for r in results:
