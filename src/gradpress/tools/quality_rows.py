@@ -154,7 +154,8 @@ MEASURED: tuple[Measured, ...] = (
          "quality-stdlib/adamw-gpt-stdlib-w2b64-powersgdauto0.995-fp16-hwu-lr6e-3"),
     _row("gpt-stdlib", 128, "adamw", 128, 32, 0.18, 0.18, 5.05, 6e-3,
          "quality-stdlib/adamw-gpt-stdlib-w2b64-powersgd32-fp16-hwu-lr6e-3"),
-    # The width axis, on data seen about once; rank 48 is the rank AutoRank(0.995) chose in those runs.
+    # The width axis, on data seen about once; rank 48 at 2 x 16 is the rank AutoRank(0.995) chose in those
+    # runs, and at 2 x 32 the width rule's, given from the start.
     _row("gpt-stdlib-w384", 384, "adamw", 32, 32, 1.92, 1.92, 16.91, 7.5e-4,
          "quality-width/adamw-w384-w2b16-powersgd32-fp16-hwu-lr7.5e-4"),
     _row("gpt-stdlib-w384", 384, "adamw", 32, 48, 0.91, 0.91, 11.35, 7.5e-4,
