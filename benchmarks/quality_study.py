@@ -258,6 +258,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> Non
     from gradpress.tools.workloads import DemoConfig, parse_methods, train
 
     torch.set_num_threads(1)
+    if args.orthogonalization != "auto":
+        force_orthogonalization(args.orthogonalization)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.workers)
     config = DemoConfig(task=args.task, steps=args.steps, start_iter=args.start_iter, seed=args.seed,
                         lr=args.lr, momentum=args.momentum, evals=args.evals, warm_up_beta=args.warm_up_beta,
@@ -278,7 +280,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> Non
     if rank != 0:
         return
     record = run_record(result, config, label=args.label, command=command, workers=args.workers,
-                        device=args.device)
+                        device=args.device, **({"orthogonalization": args.orthogonalization}
+                                               if args.orthogonalization != "auto" else {}))
     per_step = record["bytes_per_step"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -286,6 +289,22 @@ def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> Non
     print(f"{args.label}: ppl {record['ppl_mid']:.2f} at step {args.steps // 2}, {record['ppl_end']:.2f} at the "
           f"end, {per_step:,.0f} B/step after warm-up ({record['bytes_allreduce_per_step'] / per_step:.2f}x fewer "
           f"than allreduce)", flush=True)
+
+
+def force_orthogonalization(method: str) -> None:
+    """Make this process's PowerSGD step orthogonalize with ``method`` ("householder" or "cholesky") on
+    every device. The step picks Householder QR on the CPU and Cholesky-QR on an accelerator; this lets
+    the CPU measure what the accelerator path's rounding does to quality, on the same data and weights."""
+    from gradpress.powersgd import linalg, step
+
+    def orthogonalize_groups(groups: Any, epsilon: float = 0.0, _method: str = "auto") -> None:
+        linalg.orthogonalize_groups_(groups, epsilon, method)
+
+    def orthogonalize(matrices: Any, epsilon: float = 0.0, _method: str = "auto") -> Any:
+        return linalg.orthogonalize_(matrices, epsilon, method)
+
+    step.orthogonalize_groups_ = orthogonalize_groups  # type: ignore[assignment]
+    step.orthogonalize_ = orthogonalize  # type: ignore[assignment]
 
 
 def run_record(result: dict[str, Any], config: Any, *, label: str, command: str, workers: int,
@@ -360,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clip-before-averaging", action="store_true",
                         help="with --clip-grad-norm: clip each worker's own gradient before the hook instead "
                              "(before PowerSGD's error feedback)")
+    parser.add_argument("--orthogonalization", choices=("auto", "householder", "cholesky"), default="auto",
+                        help="PowerSGD's orthogonalization on every device (auto: the step's own choice, "
+                             "Householder QR on the CPU, Cholesky-QR on an accelerator)")
     parser.add_argument("--label", default=None, help="the run's name (its JSON is LABEL.json in --out)")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--table", action="store_true", help="print the markdown table of the runs in --out")

@@ -118,3 +118,31 @@ def test_both_study_scripts_write_the_same_record(tmp_path: Path) -> None:
                              env=env, capture_output=True, text=True, timeout=120)
     assert printed.returncode == 0, printed.stderr[-2000:]
     assert "processes" in printed.stdout and "threads" in printed.stdout
+
+
+def test_forced_orthogonalization_reaches_the_steps_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--orthogonalization cholesky`` makes the CPU step run the accelerator path's Cholesky-QR: the step's
+    two entry points then give Cholesky-QR's bits, which are not Householder's, and still an orthonormal
+    basis of the same span."""
+    import torch
+
+    from gradpress.powersgd import linalg, step
+
+    monkeypatch.setattr(step, "orthogonalize_groups_", step.orthogonalize_groups_)
+    monkeypatch.setattr(step, "orthogonalize_", step.orthogonalize_)
+    factors = torch.randn(3, 40, 4, generator=torch.Generator().manual_seed(0))
+    householder = factors.clone()
+    linalg.orthogonalize_groups_([householder], 0.0, "householder")
+    cholesky = factors.clone()
+    linalg.orthogonalize_groups_([cholesky], 0.0, "cholesky")
+    assert not torch.equal(householder, cholesky)
+
+    qs.force_orthogonalization("cholesky")
+    forced = factors.clone()
+    step.orthogonalize_groups_([forced], 0.0, "householder")  # what the CPU step asks for
+    assert torch.equal(forced, cholesky)
+    single = factors.clone()
+    step.orthogonalize_(single, 0.0, "householder")
+    assert torch.equal(single, cholesky)
+    projector = forced @ forced.transpose(1, 2)  # the same span as Householder's basis
+    assert torch.allclose(projector, householder @ householder.transpose(1, 2), atol=1e-5)
