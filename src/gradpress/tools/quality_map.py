@@ -25,8 +25,8 @@ For a user's model (no ``task``), the rows on data seen about once (:attr:`Measu
 pre-training reads its data) replace the repeated text's from the smallest batch they were measured at.
 
 A model whose width no row has is never ``"measured"``. With AdamW its rank comes from the width rule
-(:func:`width_rule_rank`: 2 x sqrt(width) up the rank ladder, the smallest measured rank that held at
-each measured width), status ``"beyond the map (rule)"`` (:data:`RULE`), e.g. ``beyond the map (rule:
+(:func:`width_rule_rank`: 2 x sqrt(width), at least 32, up the rank ladder, the smallest measured rank
+that held at each measured width), status ``"beyond the map (rule)"`` (:data:`RULE`), e.g. ``beyond the map (rule:
 2 x sqrt(width) up the ladder = 64; not measured at 768)``. With SGD (no width rule measured) it is read
 from the rows of the nearest measured width: status ``"borrowed"`` (:data:`BORROWED`), and
 :attr:`Advice.status_text` names both widths and what the borrowed rows said, e.g. ``borrowed (nearest
@@ -138,34 +138,48 @@ def _settings(rows: list[Measured]) -> dict[int, _Setting]:
 #: The status of advice for a model whose width the map did not measure, from the width rule
 #: (:func:`width_rule_rank`): with AdamW, any width without rows of its own.
 RULE = "beyond the map (rule)"
-#: The width rule, AdamW: the rank is ``RULE_COEFFICIENT * sqrt(width)``, rounded up to the rank ladder the
-#: map measures on (:data:`gradpress.autorank.RANK_LADDER`). At every measured AdamW width (128, 256, 384,
-#: 512) that is the smallest measured rank that held at the smallest measured batch, and the measured
-#: rank below it fell behind there (:func:`rule_evidence`; docs/tuning.md, "The width rule").
+#: The width rule, AdamW: the rank is ``RULE_COEFFICIENT * sqrt(width)``, at least ``RULE_FLOOR``, rounded up
+#: to the rank ladder the map measures on (:data:`gradpress.autorank.RANK_LADDER`). At every measured AdamW
+#: width (128, 256, 384, 512) that is the smallest measured rank that held at the smallest measured batch
+#: (on data seen about once where the width was measured on it), and the measured rank below it fell
+#: behind there (:func:`rule_evidence`; docs/tuning.md, "The width rule").
 RULE_COEFFICIENT = 2.0
+#: The width rule's smallest rank: at width 128 on data seen once, 2 x sqrt(width)'s 24 fell behind at 2 and
+#: 8 workers' worth, where 32 held. It decides the rule only below width 256.
+RULE_FLOOR = 32
 
 
 def width_rule_rank(width: int) -> int:
     """The width rule's rank for a model of ``width``: the smallest rank of
-    :data:`~gradpress.autorank.RANK_LADDER` at least ``RULE_COEFFICIENT * sqrt(width)`` (past the
-    ladder's top, that product rounded up), at most ``width``.
+    :data:`~gradpress.autorank.RANK_LADDER` at least ``RULE_COEFFICIENT * sqrt(width)`` and at least
+    :data:`RULE_FLOOR` (past the ladder's top, that product rounded up), at most ``width``.
 
     >>> [width_rule_rank(w) for w in (128, 256, 384, 512, 768, 4096)]
-    [24, 32, 48, 48, 64, 128]
+    [32, 32, 48, 48, 64, 128]
     """
     if not (isinstance(width, int) and width >= 1):
         raise ValueError(f"width must be an integer >= 1, got {width!r}")
-    target = RULE_COEFFICIENT * math.sqrt(width)
-    return min(width, next((r for r in RANK_LADDER if r >= target), math.ceil(target)))
+    return min(width, _up_the_ladder(max(RULE_FLOOR, RULE_COEFFICIENT * math.sqrt(width))))
+
+
+def _up_the_ladder(target: float) -> int:
+    return next((r for r in RANK_LADDER if r >= target), math.ceil(target))
+
+
+def _rule_words(width: int | None = None) -> str:
+    """The width rule in words; with ``width``, the floor is named only where it raises the rank."""
+    floor = width is None or _up_the_ladder(RULE_COEFFICIENT * math.sqrt(width)) < RULE_FLOOR
+    return f"{RULE_COEFFICIENT:g} x sqrt(width)" + (f", at least {RULE_FLOOR}," if floor else "")
 
 
 def rule_evidence(optimizer: str = "adamw") -> tuple[Measured, ...]:
     """The rows the width rule rests on: at each measured width, at its smallest measured batch, every seed
-    of the rule's rank and of the largest measured rank below it."""
+    of the rule's rank and of the largest measured rank below it; where a width was measured on data seen
+    about once, from those rows (as :func:`advise` reads them for a user's model)."""
     rows = [m for m in MEASURED if m.optimizer == optimizer]
     evidence: list[Measured] = []
     for width in sorted({m.width for m in rows}):
-        here = [m for m in rows if m.width == width]
+        here = _seen_once_first([m for m in rows if m.width == width])
         tokens = min(m.tokens_per_step for m in here)
         here = [m for m in here if m.tokens_per_step == tokens]
         rank = width_rule_rank(width)
@@ -186,7 +200,7 @@ def _rule_advice(width: int, optimizer: str, rows: list[Measured]) -> Advice:
     widths = ", ".join(str(w) for w in sorted({m.width for m in rows}))
     return Advice("powersgd", rank, recipe_options(optimizer), RULE,
                   f"{OPTIMIZER_WORDS[optimizer]} at width {width}, not measured (measured widths {widths}): the width "
-                  f"rule's rank, {RULE_COEFFICIENT:g} x sqrt(width) up the rank ladder = {rank}, the smallest measured "
+                  f"rule's rank, {_rule_words()} up the rank ladder = {rank}, the smallest measured "
                   f"rank that held at each measured width's smallest batch ({'; '.join(fit)}); AutoRank chooses one "
                   "on your own gradients instead (docs/tuning.md)",
                   None, evidence, width=width)
@@ -231,7 +245,7 @@ class Advice:
         from and what that width's rows said, e.g. ``"borrowed (nearest measured width 256; not measured at
         768)"``, ``"borrowed (nearest measured width 256, beyond the map there; not measured at 768)"``."""
         if self.status == RULE:
-            return (f"{RULE[:-1]}: {RULE_COEFFICIENT:g} x sqrt(width) up the ladder = {self.rank}; "
+            return (f"{RULE[:-1]}: {_rule_words(self.width)} up the ladder = {self.rank}; "
                     f"not measured at {self.width})")
         if self.status != BORROWED:
             return self.status

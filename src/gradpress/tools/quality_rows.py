@@ -96,8 +96,8 @@ def _row(task: str, width: int, optimizer: Literal["sgd", "adamw"], sequences: i
 #: weight decay 0.1, warm-up then cosine), 2 workers x 16, 32, 64 or 128 sequences (2, 4, 8 and 16
 #: workers' worth of 16), seeds 0, 1 and 2 at 2 x 16; 2 x 256 (32 workers' worth) on an H100, with the
 #: recipe's half-precision warm-up (:data:`~gradpress.tools.quality_map.ADAMW_OPTIONS`); widths 384 and
-#: 512 (``gpt-stdlib-w<width>``, Python's standard library, seen about once) at 2 x 16, and 384 at 2 x 32
-#: too, the same warm-up; gpt-stdlib (width 128, seen once) at 2 x 64.
+#: 512 (``gpt-stdlib-w<width>``, Python's standard library, seen about once) at 2 x 16, 384 at 2 x 32 and
+#: 512 at 2 x 8 too, the same warm-up; gpt-stdlib (width 128, seen once) at 2 x 16, 32 and 64.
 MEASURED: tuple[Measured, ...] = (
     _row("charlm", 256, "sgd", 32, 22, 0.97, 0.97, 10.58, 2.0, "quality/study-charlm-w2-powersgd22-half-lr2.0"),
     _row("charlm", 256, "sgd", 64, 22, 0.23, 1.06, 10.58, 2.0, "quality/study-charlm-w4-powersgd22-half-lr2.0"),
@@ -146,8 +146,21 @@ MEASURED: tuple[Measured, ...] = (
          "quality-adamw/adamw-gpt-wide-w2b128-powersgd32-fp16-lr1.5e-3"),
     _row("gpt-wide", 256, "adamw", 512, 32, -21.15, 0.87, 11.31, 7.5e-4,
          "quality-adamw-gpu/adamw-gpt-wide-w2b256-powersgd32-fp16-hwu-lr7.5e-4", device="h100"),
-    # Data seen about once at 8 workers' worth (2 x 64): where the repeated text's rank-16 row held, it falls
-    # behind; rank 24 is what AutoRank(0.995) chose in its run.
+    # Data seen about once (gpt-stdlib), width 128, allreduce's rate tuned at each batch (6e-3 at all three):
+    # rank 16 falls behind at every batch where the repeated text's held from 8 workers' worth on; 24 is
+    # behind at 2 and 8 workers' worth (at 8, the rank AutoRank(0.995) chose in its run), 32 holds.
+    _row("gpt-stdlib", 128, "adamw", 32, 16, 3.79, 3.79, 11.25, 6e-3,
+         "quality-stdlib/adamw-gpt-stdlib-w2b16-powersgd16-fp16-hwu-lr6e-3"),
+    _row("gpt-stdlib", 128, "adamw", 32, 24, 1.97, 1.97, 7.50, 6e-3,
+         "quality-stdlib/adamw-gpt-stdlib-w2b16-powersgd24-fp16-hwu-lr6e-3"),
+    _row("gpt-stdlib", 128, "adamw", 32, 32, 0.72, 0.72, 5.05, 6e-3,
+         "quality-stdlib/adamw-gpt-stdlib-w2b16-powersgd32-fp16-hwu-lr6e-3"),
+    _row("gpt-stdlib", 128, "adamw", 64, 16, 3.59, 3.59, 11.25, 6e-3,
+         "quality-stdlib/adamw-gpt-stdlib-w2b32-powersgd16-fp16-hwu-lr6e-3"),
+    _row("gpt-stdlib", 128, "adamw", 64, 24, 1.10, 1.10, 7.50, 6e-3,
+         "quality-stdlib/adamw-gpt-stdlib-w2b32-powersgd24-fp16-hwu-lr6e-3"),
+    _row("gpt-stdlib", 128, "adamw", 64, 32, 0.05, 0.05, 5.05, 6e-3,
+         "quality-stdlib/adamw-gpt-stdlib-w2b32-powersgd32-fp16-hwu-lr6e-3"),
     _row("gpt-stdlib", 128, "adamw", 128, 16, 3.93, 3.93, 11.25, 6e-3,
          "quality-stdlib/adamw-gpt-stdlib-w2b64-powersgd16-fp16-hwu-lr6e-3"),
     _row("gpt-stdlib", 128, "adamw", 128, 24, 1.63, 1.63, 7.50, 6e-3,
