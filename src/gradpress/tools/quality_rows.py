@@ -96,8 +96,8 @@ def _row(task: str, width: int, optimizer: Literal["sgd", "adamw"], sequences: i
 #: weight decay 0.1, warm-up then cosine), 2 workers x 16, 32, 64 or 128 sequences (2, 4, 8 and 16
 #: workers' worth of 16), seeds 0, 1 and 2 at 2 x 16; 2 x 256 (32 workers' worth) on an H100, with the
 #: recipe's half-precision warm-up (:data:`~gradpress.tools.quality_map.ADAMW_OPTIONS`); widths 384 and
-#: 512 (``gpt-stdlib-w<width>``, Python's standard library, seen about once) at 2 x 16, 384 at 2 x 32 and
-#: 512 at 2 x 8 too, the same warm-up; gpt-stdlib (width 128, seen once) at 2 x 16, 32 and 64.
+#: 512 (``gpt-stdlib-w<width>``, Python's standard library, seen about once) at 2 x 16, and 384 at 2 x 32
+#: too, the same warm-up; gpt-stdlib (width 128, seen once) at 2 x 16, 32 and 64.
 MEASURED: tuple[Measured, ...] = (
     _row("charlm", 256, "sgd", 32, 22, 0.97, 0.97, 10.58, 2.0, "quality/study-charlm-w2-powersgd22-half-lr2.0"),
     _row("charlm", 256, "sgd", 64, 22, 0.23, 1.06, 10.58, 2.0, "quality/study-charlm-w4-powersgd22-half-lr2.0"),
