@@ -12,6 +12,8 @@ counts whole; vectors are left out: they are always sent exactly). It pools the 
 the workers (their carried and total energies summed, one all-reduce of ``max_rank + 1`` floats at the
 first compressed iteration, so every rank takes the same decision), and compression starts at the
 smallest rank of :meth:`AutoRank.candidates` whose E reaches ``threshold`` (``max_rank`` if none does).
+The candidates start at a floor, ``min_rank`` (by default :data:`DEFAULT_MIN_RANK`, 32, or ``max_rank``
+if that is lower): below it the energy alone chose ranks that fell behind on data seen about once.
 The decision is logged at INFO, kept in the state's checkpoints, and a resume does not decide again.
 
 E(k) comes from the singular values of each mean gradient: exactly for matrices with at most
@@ -28,8 +30,10 @@ gradients") gives the study behind the default (0.995) and where it held and whe
 >>> profile = energy_profile([g], max_rank=16, min_compression_rate=1.0, seed=0)
 >>> round(float(profile[7] / profile[-1]), 4), round(float(profile[3] / profile[-1]), 2) < 1
 (1.0, True)
->>> AutoRank(threshold=0.9, max_rank=16).choose([0.5, 0.7, 0.8, 0.85, 0.88, 0.89, 0.9, 0.95] + [1.0] * 8)
+>>> AutoRank(threshold=0.9, max_rank=16, min_rank=1).choose([0.5, 0.7, 0.8, 0.85, 0.88, 0.89, 0.9, 0.95] + [1.0] * 8)
 8
+>>> AutoRank(max_rank=64).candidates()   # the default floor, 32
+(32, 48, 64)
 """
 
 from __future__ import annotations
@@ -46,10 +50,16 @@ from .powersgd.linalg import as_matrix_shape
 from .powersgd.plan import should_compress
 from .powersgd.seeding import upload
 
-__all__ = ["AutoRank", "energy_profile"]
+__all__ = ["DEFAULT_MIN_RANK", "AutoRank", "energy_profile"]
 
 #: The ranks an automatic rank chooses from (up to ``max_rank``, which is always a candidate).
 RANK_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+#: The lowest rank :class:`AutoRank` chooses unless given ``min_rank`` (at most its ``max_rank``). On the
+#: quality study's AdamW GPTs on data seen about once (docs/tuning.md), five of the six runs at a rank
+#: below 32 fell behind allreduce by more than 1.5%, two of them at ranks ``AutoRank(0.995)`` chose from
+#: the energy alone (E(24) 0.998); every run at 32 or more held. The width rule has the same floor.
+DEFAULT_MIN_RANK = 32
 
 #: Extra columns of the randomized range finder.
 OVERSAMPLING = 8
@@ -68,6 +78,9 @@ class AutoRank:
             ``threshold``.
         measure_iters: how many of the last warm-up iterations are measured (>= 1; fewer if the warm-up
             is shorter).
+        min_rank: the lowest rank it may choose (1 <= ``min_rank`` <= ``max_rank``); ``None`` (the default):
+            :data:`DEFAULT_MIN_RANK`, or ``max_rank`` if that is lower. ``min_rank=1`` lets the energy alone
+            decide (how the study's ``AutoRank`` runs before this floor chose).
 
     >>> import gradpress
     >>> state = gradpress.PowerSGDState(None, matrix_approximation_rank=64, start_powerSGD_iter=80,
@@ -77,6 +90,7 @@ class AutoRank:
     threshold: float = 0.995
     max_rank: int = 64
     measure_iters: int = 4
+    min_rank: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_rank", "measure_iters"):
@@ -86,10 +100,26 @@ class AutoRank:
         threshold = self.threshold
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
             raise ValueError(f"AutoRank.threshold must be a number in (0, 1], got {threshold!r}")
+        low = self.min_rank
+        if low is not None and (isinstance(low, bool) or not isinstance(low, int) or not 1 <= low <= self.max_rank):
+            raise ValueError(f"AutoRank.min_rank must be None or an integer from 1 to max_rank ({self.max_rank}), "
+                             f"got {low!r}")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A rule pickled before min_rank existed chose by the energy alone, from rank 1.
+        for name, value in {"min_rank": 1, **state}.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def floor(self) -> int:
+        """The lowest rank it chooses: ``min_rank``, or :data:`DEFAULT_MIN_RANK` capped at ``max_rank``."""
+        return min(DEFAULT_MIN_RANK, self.max_rank) if self.min_rank is None else self.min_rank
 
     def candidates(self) -> tuple[int, ...]:
-        """The ranks it chooses from: :data:`RANK_LADDER` up to ``max_rank``, and ``max_rank``."""
-        return tuple(sorted({r for r in RANK_LADDER if r < self.max_rank} | {self.max_rank}))
+        """The ranks it chooses from: :attr:`floor`, the ranks of :data:`RANK_LADDER` between it and
+        ``max_rank``, and ``max_rank``."""
+        floor = self.floor
+        return tuple(sorted({r for r in RANK_LADDER if floor < r < self.max_rank} | {floor, self.max_rank}))
 
     def choose(self, captured: Sequence[float]) -> int:
         """The smallest candidate rank k whose ``captured[k - 1]`` (E(k)) reaches ``threshold``."""
@@ -99,7 +129,15 @@ class AutoRank:
         return self.max_rank
 
     def to_dict(self) -> dict[str, Any]:
-        return {"threshold": self.threshold, "max_rank": self.max_rank, "measure_iters": self.measure_iters}
+        """The keyword arguments that rebuild it (a checkpoint's form)."""
+        return {"threshold": self.threshold, "max_rank": self.max_rank, "measure_iters": self.measure_iters,
+                "min_rank": self.min_rank}
+
+    @classmethod
+    def from_saved(cls, saved: dict[str, Any]) -> AutoRank:
+        """The rule a checkpoint's :meth:`to_dict` was saved from; one saved before ``min_rank`` existed
+        (no such key) chose from rank 1."""
+        return cls(**{"min_rank": 1, **saved})
 
 
 def energy_profile(matrices: Sequence[Tensor], max_rank: int, min_compression_rate: float,

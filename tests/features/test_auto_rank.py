@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gradpress
-from gradpress.autorank import RANK_LADDER, AutoRank, energy_profile
+from gradpress.autorank import DEFAULT_MIN_RANK, RANK_LADDER, AutoRank, energy_profile
 
 from distributed import run
 
@@ -54,15 +54,50 @@ def test_large_matrices_are_estimated_from_below_and_close() -> None:
 
 
 def test_the_rule_chooses_the_smallest_candidate_that_reaches_the_threshold() -> None:
-    rule = AutoRank(threshold=0.8, max_rank=40)
+    rule = AutoRank(threshold=0.8, max_rank=40, min_rank=1)
     assert rule.candidates() == tuple(r for r in RANK_LADDER if r < 40) + (40,)
     captured = [min(1.0, k / 20) for k in range(1, 41)]      # E(k) = k / 20
     assert rule.choose(captured) == 16                        # E(16) = 0.8; 12 falls short
     assert rule.choose([0.1] * 40) == 40                      # none reaches it: the highest
     for bad in ({"threshold": 0.0}, {"threshold": 1.5}, {"threshold": True}, {"max_rank": 0},
-                {"max_rank": 2.0}, {"measure_iters": 0}):
+                {"max_rank": 2.0}, {"measure_iters": 0}, {"min_rank": 0}, {"min_rank": 65}, {"min_rank": 8.0},
+                {"min_rank": True}, {"min_rank": 24, "max_rank": 16}):
         with pytest.raises(ValueError, match="AutoRank"):
             AutoRank(**bad)
+
+
+def test_by_default_it_never_chooses_below_the_floor_the_study_measured() -> None:
+    """E(24) = 1 would choose 24 from the energy alone; the default floor (the width rule's too) starts at 32,
+    or at max_rank where that is lower; an explicit min_rank is its own floor, on or off the ladder."""
+    from gradpress.tools.quality_map import RULE_FLOOR
+
+    captured = [min(1.0, k / 24) for k in range(1, 65)]
+    assert DEFAULT_MIN_RANK == RULE_FLOOR == 32
+    assert AutoRank().candidates() == (32, 48, 64) and AutoRank().choose(captured) == 32
+    assert AutoRank(min_rank=1).choose(captured) == 24
+    assert AutoRank(max_rank=16).candidates() == (16,)
+    assert AutoRank(max_rank=40, min_rank=20).candidates() == (20, 24, 32, 40)
+    assert AutoRank(max_rank=40, min_rank=20).choose(captured) == 24
+
+
+def test_a_checkpoint_or_pickle_saved_before_min_rank_chose_from_rank_1() -> None:
+    """A saved rule without ``min_rank`` decided by the energy alone: it loads into a state given
+    ``min_rank=1`` and is refused, naming auto_rank, by one with the default floor; unpickled, it stays so."""
+    old = gradpress.PowerSGDState(None, 2, start_powerSGD_iter=4, auto_rank=AutoRank(0.999, 24, 2, min_rank=1))
+    saved = old.local_state_dict()
+    del saved["options"]["auto_rank"]["min_rank"]                 # the form saved before it existed
+    gradpress.PowerSGDState(None, 2, start_powerSGD_iter=4,
+                            auto_rank=AutoRank(0.999, 24, 2, min_rank=1)).load_state_dict(saved)
+    with pytest.raises(ValueError, match="auto_rank"):
+        gradpress.PowerSGDState(None, 2, start_powerSGD_iter=4,
+                                auto_rank=AutoRank(0.999, 24, 2)).load_state_dict(saved)
+    copy = gradpress.PowerSGDState.__new__(gradpress.PowerSGDState)
+    copy.__setstate__(saved)
+    assert copy.auto_rank == AutoRank(0.999, 24, 2, min_rank=1)
+    rule = AutoRank.__new__(AutoRank)
+    rule.__setstate__({"threshold": 0.9, "max_rank": 8, "measure_iters": 2})
+    assert rule == AutoRank(0.9, 8, 2, 1) and rule.candidates() == (1, 2, 4, 8)
+    assert pickle.loads(pickle.dumps(AutoRank(0.9, 8, 2))).min_rank is None   # a new pickle keeps its own
 
 
 def test_what_it_cannot_be_combined_with_is_refused_at_construction() -> None:
@@ -108,7 +143,7 @@ def _train(rank: int, world: int, steps: int, true_rank: int, saved: list[bytes]
 
     model = DDP(_Matrices())
     state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=4,
-                                    auto_rank=AutoRank(threshold=0.999, max_rank=24, measure_iters=2))
+                                    auto_rank=AutoRank(threshold=0.999, max_rank=24, measure_iters=2, min_rank=1))
     if saved is not None:
         state.load_state_dict(torch.load(io.BytesIO(saved[rank]), weights_only=False))
     model.register_comm_hook(state, gradpress.powerSGD_hook)
@@ -127,7 +162,7 @@ def test_ddp_ranks_decide_the_averaged_gradients_rank_and_a_resume_never_decides
     assert [rank for rank, *_ in decided] == [8, 8]            # E(8) = 1 (to rounding); E(4) is not
     assert [it for _, it, *_ in decided] == [6, 6]
     copy = decided[0][3]                                       # pickling keeps the rule and the decision
-    assert (copy.matrix_approximation_rank, copy.auto_rank) == (8, AutoRank(0.999, 24, 2))
+    assert (copy.matrix_approximation_rank, copy.auto_rank) == (8, AutoRank(0.999, 24, 2, 1))
     assert [rank for rank, *_ in run(_train, 2, 6, 16, None, 0)] == [16, 16]   # a fresh run on rank-16 means
     # Resumed after the decision, on gradients of rank 16: the saved decision stands.
     after = run(_train, 2, 2, 16, [blob for _, _, blob, *_ in decided], 6)
@@ -150,7 +185,7 @@ def _compressed_grads(rank: int, world: int, auto: bool):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = DDP(_Matrices())
-    options = {"auto_rank": AutoRank(threshold=0.999, max_rank=24, measure_iters=2)} if auto else {}
+    options = {"auto_rank": AutoRank(threshold=0.999, max_rank=24, measure_iters=2, min_rank=1)} if auto else {}
     state = gradpress.PowerSGDState(None, matrix_approximation_rank=2 if auto else 8, start_powerSGD_iter=4,
                                     **options)
     model.register_comm_hook(state, gradpress.powerSGD_hook)

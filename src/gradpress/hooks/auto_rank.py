@@ -24,11 +24,11 @@ def auto_rank_decision(auto_rank: AutoRank | dict[str, Any] | None, adaptive_ran
     for what it cannot be combined with."""
     if auto_rank is None:
         return None
-    if isinstance(auto_rank, dict):  # the checkpoint form (unpickling)
+    if isinstance(auto_rank, dict):  # its keyword arguments (a JSON options string gives them)
         auto_rank = AutoRank(**auto_rank)
     if not isinstance(auto_rank, AutoRank):
-        raise TypeError(f"auto_rank must be None or a gradpress.AutoRank(threshold, max_rank, measure_iters), "
-                        f"got {type(auto_rank).__name__}")
+        raise TypeError("auto_rank must be None or a gradpress.AutoRank(threshold, max_rank, measure_iters, "
+                        f"min_rank), got {type(auto_rank).__name__}")
     if adaptive_rank is not None:
         raise ValueError("auto_rank and adaptive_rank both choose the rank: give one of them")
     if rank_policy is not None and callable(rank_policy):
@@ -68,9 +68,9 @@ def decide_rank(state: Any, bucket: Any) -> None:
                        "from a checkpoint without a decision?); keeping matrix_approximation_rank=%s", rank)
         return
     shown = ", ".join(f"E({k})={captured[k - 1]:.3f}" for k in state._auto.rule.candidates())
-    logger.info("PowerSGDState auto_rank: rank %s, the smallest whose captured energy of the averaged gradients "
-                "over %s warm-up iterations reaches %s (%s)", rank, state._auto.measured,
-                state._auto.rule.threshold, shown)
+    logger.info("PowerSGDState auto_rank: rank %s, the smallest from %s whose captured energy of the averaged "
+                "gradients over %s warm-up iterations reaches %s (%s)", rank, state._auto.rule.floor,
+                state._auto.measured, state._auto.rule.threshold, shown)
 
 
 def apply_rank(state: Any, rank: int) -> None:

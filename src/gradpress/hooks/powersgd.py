@@ -131,11 +131,11 @@ class PowerSGDState(StateReport, StateCheckpoint):
             resize the warm-start factors, bytes are counted at the ranks in force, and checkpoints
             resume exactly. With a ``rank_policy``, the policy says which parameters are sent exactly
             and the adaptive rank sets the others'. See :mod:`gradpress.adaptive`.
-        auto_rank: an :class:`~gradpress.autorank.AutoRank` ``(threshold, max_rank, measure_iters)``: the
-            rank is chosen once, at the first compressed iteration, as the smallest that carries
-            ``threshold`` of the averaged gradients' energy in the last warm-up iterations (the same on
-            every rank; logged; checkpointed), then read as ``matrix_approximation_rank``. DDP hooks only;
-            a mapping ``rank_policy`` keeps its own ranks. See :mod:`gradpress.autorank`.
+        auto_rank: an :class:`~gradpress.autorank.AutoRank`: the rank is chosen once, at the first
+            compressed iteration, as the smallest from ``min_rank`` (32 by default) that carries ``threshold``
+            of the averaged gradients' energy in the last warm-up iterations (the same on every rank;
+            logged; checkpointed), then read as ``matrix_approximation_rank``. DDP hooks only; a mapping
+            ``rank_policy`` keeps its own ranks. See :mod:`gradpress.autorank`.
 
     Non-finite iterations (AMP): when anything the hook averaged in an iteration is inf/NaN (on any
     rank: the sum carries it to all), the error memory and warm-start factors of every bucket, on every

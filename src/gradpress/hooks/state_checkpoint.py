@@ -21,6 +21,7 @@ from ..adaptive import AdaptiveRank
 from ..checkpoint import (check_placement, check_saved_options, per_rank_state, placement, read_per_rank,
                           reject_gathered)
 from ..policy import RankRules
+from ..autorank import AutoRank
 from .auto_rank import apply_rank
 
 __all__ = ["StateCheckpoint"]
@@ -189,7 +190,9 @@ class StateCheckpoint:
         adaptive = None if self.adaptive_rank is None else self.adaptive_rank.to_dict()
         remedy = "construct the state with the same value to resume"
         auto = None if self._auto is None else self._auto.rule.to_dict()
-        check_saved_options(state_dict["options"], {"auto_rank": auto}, "PowerSGDState", remedy)
+        saved_auto = state_dict["options"].get("auto_rank")
+        saved_auto = None if saved_auto is None else AutoRank.from_saved(saved_auto).to_dict()
+        check_saved_options({"auto_rank": saved_auto}, {"auto_rank": auto}, "PowerSGDState", remedy)
         if self._auto is not None and "auto_rank" in state_dict:  # a decision is kept, never taken again
             self._auto.load(state_dict["auto_rank"])
             if self._auto.rank is not None:
@@ -220,6 +223,8 @@ class StateCheckpoint:
 
     def __setstate__(self: _State, state: dict[str, Any]) -> None:
         options = dict(state["options"])
+        if isinstance(options.get("auto_rank"), dict):
+            options["auto_rank"] = AutoRank.from_saved(options["auto_rank"])
         self.__init__(None, **options)  # type: ignore[misc]  # re-runs PowerSGDState.__init__ on purpose
         self.load_state_dict(state, allow_other_rank=True)  # a copy, not a resume on a given rank
         if dist.is_available() and dist.is_initialized():

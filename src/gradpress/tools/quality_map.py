@@ -52,7 +52,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from ..autorank import RANK_LADDER
+from ..autorank import DEFAULT_MIN_RANK, RANK_LADDER
 from .quality_rows import CHARS_PER_SEQUENCE, MEASURED, OPTIMIZER_WORDS, QUALITY_TARGET, Measured, describe_runs
 
 __all__ = ["ADAMW_OPTIONS", "BORROWED", "FP16_WIRE", "HALF_WARM_UP_EVIDENCE", "MEASURED", "QUALITY_TARGET", "RULE",
@@ -145,8 +145,9 @@ RULE = "beyond the map (rule)"
 #: behind there (:func:`rule_evidence`; docs/tuning.md, "The width rule").
 RULE_COEFFICIENT = 2.0
 #: The width rule's smallest rank: at width 128 on data seen once, 2 x sqrt(width)'s 24 fell behind at 2 and
-#: 8 workers' worth, where 32 held. It decides the rule only below width 256.
-RULE_FLOOR = 32
+#: 8 workers' worth, where 32 held. It decides the rule only below width 256. ``AutoRank``'s default floor
+#: is the same rank, for the same reason.
+RULE_FLOOR = DEFAULT_MIN_RANK
 
 
 def width_rule_rank(width: int) -> int:
