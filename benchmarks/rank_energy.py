@@ -49,7 +49,7 @@ def measure(task_name: str, sequences: int, lr: float, seed: int, steps: int, st
             group["lr"] = config.lr_at(step)
         loss = task.loss(model, data.x_train[index], data.y_train[index])
         loss.backward()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if step > start_iter - measure_iters:
             matrices = [p.grad for p in model.parameters() if p.grad is not None and p.dim() >= 2]
             profile += energy_profile(matrices, max_rank, config.min_compression_rate, seed=step)
