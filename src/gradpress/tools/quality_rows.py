@@ -97,7 +97,8 @@ def _row(task: str, width: int, optimizer: Literal["sgd", "adamw"], sequences: i
 #: workers' worth of 16), seeds 0, 1 and 2 at 2 x 16; 2 x 256 (32 workers' worth) on an H100, with the
 #: recipe's half-precision warm-up (:data:`~gradpress.tools.quality_map.ADAMW_OPTIONS`); widths 384 and
 #: 512 (``gpt-stdlib-w<width>``, Python's standard library, seen about once) at 2 x 16, 384 at 2 x 32 and
-#: 512 at 2 x 8 too, the same warm-up; gpt-stdlib (width 128, seen once) at 2 x 16, 32 and 64.
+#: 512 at 2 x 8 too, the same warm-up; gpt-stdlib (width 128, seen once) at 2 x 16, 32 and 64;
+#: gpt-wide-stdlib (256, seen once) at 2 x 16, rank 32 with two seeds.
 MEASURED: tuple[Measured, ...] = (
     _row("charlm", 256, "sgd", 32, 22, 0.97, 0.97, 10.58, 2.0, "quality/study-charlm-w2-powersgd22-half-lr2.0"),
     _row("charlm", 256, "sgd", 64, 22, 0.23, 1.06, 10.58, 2.0, "quality/study-charlm-w4-powersgd22-half-lr2.0"),
@@ -167,6 +168,16 @@ MEASURED: tuple[Measured, ...] = (
          "quality-stdlib/adamw-gpt-stdlib-w2b64-powersgdauto0.995-fp16-hwu-lr6e-3"),
     _row("gpt-stdlib", 128, "adamw", 128, 32, 0.18, 0.18, 5.05, 6e-3,
          "quality-stdlib/adamw-gpt-stdlib-w2b64-powersgd32-fp16-hwu-lr6e-3"),
+    # Width 256 on data seen about once (gpt-wide-stdlib), 2 x 16, allreduce's rate tuned (1.5e-3, between
+    # 7.5e-4 and 3e-3): rank 24 falls behind, 32 holds on the mean of its seeds, 48 holds.
+    _row("gpt-wide-stdlib", 256, "adamw", 32, 24, 2.37, 2.37, 15.13, 1.5e-3,
+         "quality-stdlib/adamw-gpt-wide-stdlib-w2b16-powersgd24-fp16-hwu-lr1.5e-3"),
+    _row("gpt-wide-stdlib", 256, "adamw", 32, 32, 1.54, 1.54, 11.31, 1.5e-3,
+         "quality-stdlib/adamw-gpt-wide-stdlib-w2b16-powersgd32-fp16-hwu-lr1.5e-3"),
+    _row("gpt-wide-stdlib", 256, "adamw", 32, 32, 1.05, 1.05, 11.31, 1.5e-3,
+         "quality-stdlib/adamw-gpt-wide-stdlib-w2b16-powersgd32-fp16-hwu-lr1.5e-3-seed1", seed=1),
+    _row("gpt-wide-stdlib", 256, "adamw", 32, 48, 0.55, 0.55, 7.61, 1.5e-3,
+         "quality-stdlib/adamw-gpt-wide-stdlib-w2b16-powersgd48-fp16-hwu-lr1.5e-3"),
     # The width axis, on data seen about once; rank 48 at 2 x 16 is the rank AutoRank(0.995) chose in those
     # runs, and at 2 x 32 the width rule's, given from the start.
     _row("gpt-stdlib-w384", 384, "adamw", 32, 32, 1.92, 1.92, 16.91, 7.5e-4,
