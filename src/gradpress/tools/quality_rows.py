@@ -98,7 +98,7 @@ def _row(task: str, width: int, optimizer: Literal["sgd", "adamw"], sequences: i
 #: recipe's half-precision warm-up (:data:`~gradpress.tools.quality_map.ADAMW_OPTIONS`); widths 384 and
 #: 512 (``gpt-stdlib-w<width>``, Python's standard library, seen about once) at 2 x 16, 384 at 2 x 32 and
 #: 512 at 2 x 8 too, the same warm-up; gpt-stdlib (width 128, seen once) at 2 x 16, 32 and 64;
-#: gpt-wide-stdlib (256, seen once) at 2 x 16, rank 32 with two seeds.
+#: gpt-wide-stdlib (256, seen once) at 2 x 16, rank 32 with seeds 0, 1 and 2.
 MEASURED: tuple[Measured, ...] = (
     _row("charlm", 256, "sgd", 32, 22, 0.97, 0.97, 10.58, 2.0, "quality/study-charlm-w2-powersgd22-half-lr2.0"),
     _row("charlm", 256, "sgd", 64, 22, 0.23, 1.06, 10.58, 2.0, "quality/study-charlm-w4-powersgd22-half-lr2.0"),
@@ -176,6 +176,8 @@ MEASURED: tuple[Measured, ...] = (
          "quality-stdlib/adamw-gpt-wide-stdlib-w2b16-powersgd32-fp16-hwu-lr1.5e-3"),
     _row("gpt-wide-stdlib", 256, "adamw", 32, 32, 1.05, 1.05, 11.31, 1.5e-3,
          "quality-stdlib/adamw-gpt-wide-stdlib-w2b16-powersgd32-fp16-hwu-lr1.5e-3-seed1", seed=1),
+    _row("gpt-wide-stdlib", 256, "adamw", 32, 32, 1.21, 1.21, 11.31, 1.5e-3,
+         "quality-stdlib/adamw-gpt-wide-stdlib-w2b16-powersgd32-fp16-hwu-lr1.5e-3-seed2", seed=2),
     _row("gpt-wide-stdlib", 256, "adamw", 32, 48, 0.55, 0.55, 7.61, 1.5e-3,
          "quality-stdlib/adamw-gpt-wide-stdlib-w2b16-powersgd48-fp16-hwu-lr1.5e-3"),
     # The width axis, on data seen about once; rank 48 at 2 x 16 is the rank AutoRank(0.995) chose in those
