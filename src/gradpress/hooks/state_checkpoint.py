@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from ..adaptive import AdaptiveRank
+from ..autorank import AutoRank
 from ..checkpoint import (check_placement, check_saved_options, per_rank_state, placement, read_per_rank,
                           reject_gathered)
 from ..policy import RankRules
-from ..autorank import AutoRank
 from .auto_rank import apply_rank
 
 __all__ = ["StateCheckpoint"]
