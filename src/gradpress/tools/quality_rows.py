@@ -97,7 +97,8 @@ def _row(task: str, width: int, optimizer: Literal["sgd", "adamw"], sequences: i
 #: workers' worth of 16), seeds 0, 1 and 2 at 2 x 16; 2 x 256 (32 workers' worth) on an H100, with the
 #: recipe's half-precision warm-up (:data:`~gradpress.tools.quality_map.ADAMW_OPTIONS`); widths 384 and
 #: 512 (``gpt-stdlib-w<width>``, Python's standard library, seen about once) at 2 x 16, 384 at 2 x 32 and
-#: 512 at 2 x 8 too, the same warm-up; gpt-stdlib (width 128, seen once) at 2 x 16, 32 and 64;
+#: 512 at 2 x 8 too, the same warm-up; gpt-stdlib (width 128, seen once) at 2 x 16, 32 and 64, ranks 24
+#: and 32 at 2 x 32 with seeds 0 and 1;
 #: gpt-wide-stdlib (256, seen once) at 2 x 16, rank 32 with seeds 0, 1 and 2.
 MEASURED: tuple[Measured, ...] = (
     _row("charlm", 256, "sgd", 32, 22, 0.97, 0.97, 10.58, 2.0, "quality/study-charlm-w2-powersgd22-half-lr2.0"),
@@ -149,7 +150,8 @@ MEASURED: tuple[Measured, ...] = (
          "quality-adamw-gpu/adamw-gpt-wide-w2b256-powersgd32-fp16-hwu-lr7.5e-4", device="h100"),
     # Data seen about once (gpt-stdlib), width 128, allreduce's rate tuned at each batch (6e-3 at all three):
     # rank 16 falls behind at every batch where the repeated text's held from 8 workers' worth on; 24 is
-    # behind at 2 and 8 workers' worth (at 8, the rank AutoRank(0.995) chose in its run), 32 holds.
+    # behind at 2 and 8 workers' worth (at 8, the rank AutoRank(0.995) chose in its run) and holds at 4 with
+    # two seeds (+1.10%, +1.29%), 32 holds at every one.
     _row("gpt-stdlib", 128, "adamw", 32, 16, 3.79, 3.79, 11.25, 6e-3,
          "quality-stdlib/adamw-gpt-stdlib-w2b16-powersgd16-fp16-hwu-lr6e-3"),
     _row("gpt-stdlib", 128, "adamw", 32, 24, 1.97, 1.97, 7.50, 6e-3,
@@ -162,6 +164,10 @@ MEASURED: tuple[Measured, ...] = (
          "quality-stdlib/adamw-gpt-stdlib-w2b32-powersgd24-fp16-hwu-lr6e-3"),
     _row("gpt-stdlib", 128, "adamw", 64, 32, 0.05, 0.05, 5.05, 6e-3,
          "quality-stdlib/adamw-gpt-stdlib-w2b32-powersgd32-fp16-hwu-lr6e-3"),
+    _row("gpt-stdlib", 128, "adamw", 64, 24, 1.29, 1.29, 7.50, 6e-3,
+         "quality-stdlib/adamw-gpt-stdlib-w2b32-powersgd24-fp16-hwu-lr6e-3-seed1", seed=1),
+    _row("gpt-stdlib", 128, "adamw", 64, 32, 0.75, 0.75, 5.05, 6e-3,
+         "quality-stdlib/adamw-gpt-stdlib-w2b32-powersgd32-fp16-hwu-lr6e-3-seed1", seed=1),
     _row("gpt-stdlib", 128, "adamw", 128, 16, 3.93, 3.93, 11.25, 6e-3,
          "quality-stdlib/adamw-gpt-stdlib-w2b64-powersgd16-fp16-hwu-lr6e-3"),
     _row("gpt-stdlib", 128, "adamw", 128, 24, 1.63, 1.63, 7.50, 6e-3,
