@@ -189,7 +189,7 @@ MEASURED: tuple[Measured, ...] = (
          "quality-stdlib/adamw-gpt-wide-stdlib-w2b16-powersgd32-fp16-hwu-lr1.5e-3-seed2", seed=2),
     _row("gpt-wide-stdlib", 256, "adamw", 32, 48, 0.55, 0.55, 7.61, 1.5e-3,
          "quality-stdlib/adamw-gpt-wide-stdlib-w2b16-powersgd48-fp16-hwu-lr1.5e-3"),
-    # 4 workers' worth (2 x 32): allreduce's best rate doubles (3e-3; 1.5e-3 ends +0.54%, 6e-3 +6.6%); at it
+    # 4 workers' worth (2 x 32): allreduce's best rate doubles (3e-3; 1.5e-3 ends +0.55%, 6e-3 +6.6%); at it
     # the width rule's rank 32 falls behind and 48 holds.
     _row("gpt-wide-stdlib", 256, "adamw", 64, 32, 2.05, 2.05, 11.31, 3e-3,
          "quality-stdlib/adamw-gpt-wide-stdlib-w2b32-powersgd32-fp16-hwu-lr3e-3"),
