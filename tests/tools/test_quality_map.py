@@ -165,11 +165,12 @@ def test_a_users_model_is_advised_from_data_seen_once_where_its_width_was_measur
     assert {m.task for m in advice.evidence} == {"gpt-stdlib"} and "gpt-stdlib (data seen once)" in advice.reason
     assert "rank 16 was behind" in advice.reason and "rank 24 was behind" in advice.reason
     assert advise(128, "adamw", _tokens(128), task="gpt").rank == 16
-    # At 16 workers' worth (2 x 128) rank 32 held on data seen once too; past it, the rank that held there,
-    # beyond the map; no repeated-text row from 8 workers' worth up is read.
-    advice = advise(128, "adamw", _tokens(256))
-    assert (advice.rank, advice.status) == (32, "measured") and all(m.seen_once for m in advice.evidence)
-    for sequences in (512, 1024):
+    # At 16 and 32 workers' worth (2 x 128, 2 x 256) rank 32 held on data seen once too; past them, the rank
+    # that held there, beyond the map; no repeated-text row from 8 workers' worth up is read.
+    for sequences in (256, 512):
+        advice = advise(128, "adamw", _tokens(sequences))
+        assert (advice.rank, advice.status) == (32, "measured") and all(m.seen_once for m in advice.evidence)
+    for sequences in (1024, 4096):
         advice = advise(128, "adamw", _tokens(sequences))
         assert (advice.rank, advice.status) == (32, "beyond the map"), advice.reason
         assert all(m.seen_once for m in advice.evidence if m.tokens_per_step >= _tokens(128))
