@@ -60,8 +60,8 @@ RANK_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 #: below 32 (width 128's 16 and 24, width 256's 24) fell behind allreduce by more than 1.5%, two of them
 #: at ranks ``AutoRank(0.995)`` chose from the energy alone (E(24) 0.998), and rank 32 held at width 128's
 #: five batches (2-32 workers' worth) and on the mean of three seeds at width 256's smallest batch. Above
-#: the floor the energy told the ranks apart but once (width 256 at 4 workers' worth: E(32) 0.995, and 32
-#: fell behind where 48 held). The width rule has the same floor.
+#: the floor the energy did not tell the ranks apart at width 256 from 4 workers' worth up (E(32) 0.995 at
+#: 4 and 8, and 32 fell behind where 48 held). The width rule has the same floor.
 DEFAULT_MIN_RANK = 32
 
 #: Extra columns of the randomized range finder.
