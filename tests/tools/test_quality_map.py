@@ -181,9 +181,8 @@ def test_a_users_model_is_advised_from_data_seen_once_where_its_width_was_measur
     assert advise(128, "adamw", _tokens(64)).rank == 24 and advise(128, "adamw", _tokens(32), task="gpt").rank == 24
     # Width 256, measured on data seen once at 2, 4 and 8 workers' worth: rank 32 at 2, where it held on the
     # mean of three seeds; 48 at 4, where 32 fell behind on the mean of two, and at 8, where 32 fell behind
-    # again (+1.90%) and 48 held; beyond
-    # the map above it, where the repeated text's rows (still the demo task's) said rank 32 measured up to 32
-    # workers' worth.
+    # again (+1.90%) and 48 held; beyond the map above it, where the repeated text's rows (still the demo
+    # task's) said rank 32 measured up to 32 workers' worth.
     assert (advise(256, "adamw", _tokens(32)).rank, advise(256, "adamw", _tokens(32)).status) == (32, "measured")
     for sequences in (64, 96, 128):
         advice = advise(256, "adamw", _tokens(sequences))
