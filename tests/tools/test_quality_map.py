@@ -187,8 +187,7 @@ def test_a_users_model_is_advised_from_data_seen_once_where_its_width_was_measur
     for sequences in (64, 96, 128):
         advice = advise(256, "adamw", _tokens(sequences))
         assert (advice.rank, advice.status) == (48, "measured") and "rank 32 was behind" in advice.reason
-    advice = advise(256, "adamw", _tokens(128))
-    evidence = [(m.rank, m.tokens_per_step) for m in advice.evidence]
+    evidence = [(m.rank, m.tokens_per_step) for m in advice.evidence]  # the loop's last: 8 workers' worth
     assert evidence[0] == (48, _tokens(128)) and (32, _tokens(128)) in evidence, evidence
     above = advise(256, "adamw", _tokens(256))
     assert (above.rank, above.status) == (48, "beyond the map") and all(m.seen_once for m in above.evidence)
