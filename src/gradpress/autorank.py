@@ -23,7 +23,7 @@ value, so the rank it picks errs high. Matrices of one shape are measured togeth
 per shape). Nothing is read on the host until the decision.
 
 What threshold to use is a measured question, not a law: docs/tuning.md ("A rank chosen on your own
-gradients") gives the study behind the default (0.995) and where it held and where it did not.
+gradients") gives the study behind the default (0.996) and where it held and where it did not.
 
 >>> import torch
 >>> g = torch.randn(64, 8) @ torch.randn(8, 96)          # a rank-8 matrix
@@ -60,8 +60,8 @@ RANK_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 #: below 32 (width 128's 16 and 24, width 256's 24) fell behind allreduce by more than 1.5%, two of them
 #: at ranks ``AutoRank(0.995)`` chose from the energy alone (E(24) 0.998), and rank 32 held at width 128's
 #: five batches (2-32 workers' worth) and on the mean of three seeds at width 256's smallest batch. Above
-#: the floor the energy did not tell the ranks apart at width 256 from 4 workers' worth up (E(32) 0.995 at
-#: 4 and 8, and 32 fell behind where 48 held). The width rule has the same floor.
+#: the floor the energy tells the measured ranks apart at the default threshold. The width rule has the
+#: same floor.
 DEFAULT_MIN_RANK = 32
 
 #: Extra columns of the randomized range finder.
@@ -74,9 +74,10 @@ class AutoRank:
     (see :mod:`gradpress.autorank`).
 
     Args:
-        threshold: the captured energy E(k) in (0, 1] the chosen rank must reach. The default, 0.995,
-            separated the ranks that held from those that fell behind on the quality study's GPTs
-            (docs/tuning.md, "A rank chosen on your own gradients").
+        threshold: the captured energy E(k) in (0, 1] the chosen rank must reach. The default, 0.996,
+            separated the ranks that held from those that fell behind on the quality study's GPTs, above
+            the floor (docs/tuning.md, "A rank chosen on your own gradients"); 0.995, the default before,
+            chose rank 32 at width 256 from 4 workers' worth up (E(32) 0.9953-0.9955), where it fell behind.
         max_rank: the highest rank it may choose (>= 1), also the one taken when no lower rank reaches
             ``threshold``.
         measure_iters: how many of the last warm-up iterations are measured (>= 1; fewer if the warm-up
@@ -87,10 +88,10 @@ class AutoRank:
 
     >>> import gradpress
     >>> state = gradpress.PowerSGDState(None, matrix_approximation_rank=64, start_powerSGD_iter=80,
-    ...                                 auto_rank=gradpress.AutoRank(threshold=0.995, max_rank=64))
+    ...                                 auto_rank=gradpress.AutoRank(threshold=0.996, max_rank=64))
     """
 
-    threshold: float = 0.995
+    threshold: float = 0.996
     max_rank: int = 64
     measure_iters: int = 4
     min_rank: int | None = None

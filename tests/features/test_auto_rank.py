@@ -5,7 +5,10 @@ checkpoint keeps the decision (and a measurement in progress) so that a resume n
 from __future__ import annotations
 
 import io
+import json
+import logging
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,6 +81,40 @@ def test_by_default_it_never_chooses_below_the_floor_the_study_measured() -> Non
     assert AutoRank(max_rank=16).candidates() == (16,)
     assert AutoRank(max_rank=40, min_rank=20).candidates() == (20, 24, 32, 40)
     assert AutoRank(max_rank=40, min_rank=20).choose(captured) == 24
+
+
+def _measured_settings() -> list[tuple[str, list[float], dict[int, float]]]:
+    """Every setting ``benchmarks/rank_energy.py`` measured: its name, E(1..) at the end of the warm-up, and
+    for each rank the quality map trained there (same task and tokens per step, AdamW) the mean over seeds
+    of its lowest perplexity against the tuned allreduce's, in percent."""
+    from gradpress.tools.quality_rows import CHARS_PER_SEQUENCE, MEASURED
+
+    out = []
+    for path in sorted((Path(__file__).resolve().parents[2] / "benchmarks/results/rank-energy").glob("*.json")):
+        run = json.loads(path.read_text())
+        rows: dict[int, list[float]] = {}
+        setting = (run["task"], "adamw", run["sequences"] * CHARS_PER_SEQUENCE)
+        for m in MEASURED:
+            if (m.task, m.optimizer, m.tokens_per_step) == setting:
+                rows.setdefault(m.rank, []).append(m.best_vs_allreduce)
+        out.append((path.stem, run["captured"], {r: sum(v) / len(v) for r, v in rows.items()}))
+    return out
+
+
+def test_the_default_threshold_chooses_a_rank_that_held_wherever_the_study_trained_it() -> None:
+    """The oracle is the study's own runs: on every measured setting's energies the default rule chooses a
+    rank whose training there held (mean over seeds within the quality target), wherever that rank was
+    trained; the former default, 0.995, chose width 256's rank 32 where it fell behind."""
+    from gradpress.tools.quality_rows import QUALITY_TARGET
+
+    settings = _measured_settings()
+    judged = {name: held[AutoRank().choose(captured)] for name, captured, held in settings
+              if AutoRank().choose(captured) in held}
+    assert len(judged) >= 10 and all(v <= QUALITY_TARGET for v in judged.values()), judged
+    former = {name: held[AutoRank(0.995).choose(captured)] for name, captured, held in settings
+              if AutoRank(0.995).choose(captured) in held}
+    assert sorted(n for n, v in former.items() if v > QUALITY_TARGET) == [
+        "gpt-wide-stdlib-s128-lr0.003-seed0", "gpt-wide-stdlib-s64-lr0.003-seed0"]
 
 
 def test_a_checkpoint_or_pickle_saved_before_min_rank_chose_from_rank_1() -> None:
@@ -157,7 +194,8 @@ def _train(rank: int, world: int, steps: int, true_rank: int, saved: list[bytes]
 
 
 @pytest.mark.slow
-def test_ddp_ranks_decide_the_averaged_gradients_rank_and_a_resume_never_decides_again() -> None:
+def test_ddp_ranks_decide_the_averaged_gradients_rank_and_a_resume_never_decides_again(
+        caplog: pytest.LogCaptureFixture) -> None:
     decided = run(_train, 2, 6, 8, None, 0)
     assert [rank for rank, *_ in decided] == [8, 8]            # E(8) = 1 (to rounding); E(4) is not
     assert [it for _, it, *_ in decided] == [6, 6]
@@ -177,6 +215,33 @@ def test_ddp_ranks_decide_the_averaged_gradients_rank_and_a_resume_never_decides
     assert len(captured) == 24 and captured[7] > 0.999 > captured[3] and captured == decided[1][4]
     assert [c[4] for c in finished] == [captured, captured]   # the same measurement, float for float
     assert after[0][4] == captured                            # kept through the later checkpoint
+    _a_decision_outlives_the_options_that_only_choose(decided[0][3], middle[0][3], caplog)
+
+
+def _a_decision_outlives_the_options_that_only_choose(decided: gradpress.PowerSGDState,
+                                                      pending: gradpress.PowerSGDState,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint holding a decision resumes under another threshold or floor (another version's default):
+    the decision stands and the log says so. Options that shape the measurement must still agree, and a
+    checkpoint whose decision is still to be taken is refused under another threshold, naming auto_rank."""
+    def fresh(**rule: object) -> gradpress.PowerSGDState:
+        options = {"threshold": 0.99, "max_rank": 24, "measure_iters": 2} | rule
+        return gradpress.PowerSGDState(None, 2, start_powerSGD_iter=4, auto_rank=AutoRank(**options))
+
+    resumed = fresh()                                          # threshold 0.99 and the default floor (24)
+    with caplog.at_level(logging.INFO, logger="gradpress.hooks.powersgd"):
+        resumed.load_state_dict(decided.local_state_dict(), allow_other_rank=True)
+    assert resumed.matrix_approximation_rank == 8 and resumed.auto_rank_captured() == decided.auto_rank_captured()
+    said = [r.getMessage() for r in caplog.records if "stands" in r.getMessage()]
+    assert len(said) == 1 and "rank 8" in said[0] and "taken with threshold=0.999, min_rank=1;" in said[0] \
+        and "this state's threshold=0.99, min_rank=None" in said[0]
+    with pytest.raises(ValueError, match="auto_rank"):          # max_rank shaped the measurement
+        fresh(max_rank=16).load_state_dict(decided.local_state_dict(), allow_other_rank=True)
+    with pytest.raises(ValueError, match="auto_rank"):          # not decided yet: the run's own rule decides
+        fresh(min_rank=1).load_state_dict(pending.local_state_dict(), allow_other_rank=True)
+    same = fresh(threshold=0.999, min_rank=1)
+    same.load_state_dict(pending.local_state_dict(), allow_other_rank=True)
+    assert same.matrix_approximation_rank == 2                # still to decide, with its measurement so far
 
 
 def _compressed_grads(rank: int, world: int, auto: bool):

@@ -31,6 +31,9 @@ logger = logging.getLogger("gradpress.hooks.powersgd")
 
 _STATE_DICT_VERSION = 1
 
+# AutoRank's options that only choose the rank from what was measured (see load_state_dict).
+_CHOOSING = ("threshold", "min_rank")
+
 
 # Options that decide what the memory means; a checkpoint must agree with the state on them.
 _MEMORY_OPTIONS = ("matrix_approximation_rank", "min_compression_rate", "use_error_feedback", "warm_start",
@@ -192,6 +195,18 @@ class StateCheckpoint:
         auto = None if self._auto is None else self._auto.rule.to_dict()
         saved_auto = state_dict["options"].get("auto_rank")
         saved_auto = None if saved_auto is None else AutoRank.from_saved(saved_auto).to_dict()
+        decided = (state_dict.get("auto_rank") or {}).get("rank")
+        if decided is not None and auto is not None and saved_auto is not None:
+            # A decision taken is kept: the options that only choose (threshold, floor) no longer matter, so
+            # a checkpoint saved under another default threshold still resumes; those that shape what was
+            # measured (max_rank, measure_iters) must agree.
+            choosing = {name: (saved_auto[name], auto[name]) for name in _CHOOSING if saved_auto[name] != auto[name]}
+            if choosing:
+                logger.info("PowerSGDState auto_rank: the checkpoint's decision, rank %s, stands (taken with %s; "
+                            "this state's %s chooses only before a decision)", decided,
+                            ", ".join(f"{n}={old}" for n, (old, _) in choosing.items()),
+                            ", ".join(f"{n}={new}" for n, (_, new) in choosing.items()))
+                saved_auto = saved_auto | {name: auto[name] for name in choosing}
         check_saved_options({"auto_rank": saved_auto}, {"auto_rank": auto}, "PowerSGDState", remedy)
         if self._auto is not None and "auto_rank" in state_dict:  # a decision is kept, never taken again
             self._auto.load(state_dict["auto_rank"])
