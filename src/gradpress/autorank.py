@@ -77,7 +77,7 @@ class AutoRank:
         threshold: the captured energy E(k) in (0, 1] the chosen rank must reach. The default, 0.996,
             separated the ranks that held from those that fell behind on the quality study's GPTs, above
             the floor (docs/tuning.md, "A rank chosen on your own gradients"); 0.995, the default before,
-            chose rank 32 at width 256 from 4 workers' worth up (E(32) 0.9953-0.9955), where it fell behind.
+            chose rank 32 at width 256 from 4 workers' worth up (E(32) 0.9952 and 0.9954), where it fell behind.
         max_rank: the highest rank it may choose (>= 1), also the one taken when no lower rank reaches
             ``threshold``.
         measure_iters: how many of the last warm-up iterations are measured (>= 1; fewer if the warm-up
