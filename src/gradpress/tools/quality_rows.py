@@ -210,11 +210,14 @@ MEASURED: tuple[Measured, ...] = (
     _row("gpt-wide-stdlib", 256, "adamw", 128, 48, -0.25, -0.25, 7.61, 3e-3,
          "quality-stdlib/adamw-gpt-wide-stdlib-w2b64-powersgd48-fp16-hwu-lr3e-3"),
     # The width axis, on data seen about once; rank 48 at 2 x 16 is the rank AutoRank(0.995) chose in those
-    # runs, and at 2 x 32 the width rule's, given from the start.
+    # runs, and at 2 x 32 the width rule's, given from the start. Rank 32 at 2 x 32 is what AutoRank(0.995)
+    # would have chosen there (E(32) 0.9959), given from the start.
     _row("gpt-stdlib-w384", 384, "adamw", 32, 32, 1.92, 1.92, 16.91, 7.5e-4,
          "quality-width/adamw-w384-w2b16-powersgd32-fp16-hwu-lr7.5e-4"),
     _row("gpt-stdlib-w384", 384, "adamw", 32, 48, 0.91, 0.91, 11.35, 7.5e-4,
          "quality-width/adamw-w384-w2b16-powersgdauto0.995-fp16-hwu-lr7.5e-4"),
+    _row("gpt-stdlib-w384", 384, "adamw", 64, 32, 1.73, 1.73, 16.91, 1.5e-3,
+         "quality-width/adamw-w384-w2b32-powersgd32-fp16-hwu-lr1.5e-3"),
     _row("gpt-stdlib-w384", 384, "adamw", 64, 48, 0.67, 0.67, 11.35, 1.5e-3,
          "quality-width/adamw-w384-w2b32-powersgd48-fp16-hwu-lr1.5e-3"),
     # Width 512 at 1 worker's worth (2 x 8): allreduce's rate tuned there too (7.5e-4, between 3.75e-4 and
