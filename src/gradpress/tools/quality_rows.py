@@ -216,6 +216,8 @@ MEASURED: tuple[Measured, ...] = (
          "quality-width/adamw-w384-w2b16-powersgd32-fp16-hwu-lr7.5e-4"),
     _row("gpt-stdlib-w384", 384, "adamw", 32, 48, 0.91, 0.91, 11.35, 7.5e-4,
          "quality-width/adamw-w384-w2b16-powersgdauto0.995-fp16-hwu-lr7.5e-4"),
+    _row("gpt-stdlib-w384", 384, "adamw", 32, 48, 0.61, 0.61, 11.35, 7.5e-4,
+         "quality-width/adamw-w384-w2b16-powersgd48-fp16-hwu-lr7.5e-4-seed1", seed=1),
     _row("gpt-stdlib-w384", 384, "adamw", 64, 32, 1.73, 1.73, 16.91, 1.5e-3,
          "quality-width/adamw-w384-w2b32-powersgd32-fp16-hwu-lr1.5e-3"),
     _row("gpt-stdlib-w384", 384, "adamw", 64, 48, 0.67, 0.67, 11.35, 1.5e-3,
