@@ -9,6 +9,7 @@ import json
 import logging
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -83,21 +84,20 @@ def test_by_default_it_never_chooses_below_the_floor_the_study_measured() -> Non
     assert AutoRank(max_rank=40, min_rank=20).choose(captured) == 24
 
 
-def _measured_settings() -> list[tuple[str, list[float], dict[int, float]]]:
+def _measured_settings() -> list[tuple[str, list[float], dict[int, Any]]]:
     """Every setting ``benchmarks/rank_energy.py`` measured: its name, E(1..) at the end of the warm-up, and
-    for each rank the quality map trained there (same task and tokens per step, AdamW) the mean over seeds
-    of its lowest perplexity against the tuned allreduce's, in percent."""
+    each rank the quality map trained there (same task and tokens per step, AdamW) as the map groups it,
+    its seeds together (``holds``: their mean lowest perplexity within the quality target)."""
+    from gradpress.tools.quality_map import _settings
     from gradpress.tools.quality_rows import CHARS_PER_SEQUENCE, MEASURED
 
     out = []
     for path in sorted((Path(__file__).resolve().parents[2] / "benchmarks/results/rank-energy").glob("*.json")):
         run = json.loads(path.read_text())
-        rows: dict[int, list[float]] = {}
-        setting = (run["task"], "adamw", run["sequences"] * CHARS_PER_SEQUENCE)
-        for m in MEASURED:
-            if (m.task, m.optimizer, m.tokens_per_step) == setting:
-                rows.setdefault(m.rank, []).append(m.best_vs_allreduce)
-        out.append((path.stem, run["captured"], {r: sum(v) / len(v) for r, v in rows.items()}))
+        rows = [m for m in MEASURED if (m.task, m.optimizer) == (run["task"], "adamw")]
+        tokens = run["sequences"] * CHARS_PER_SEQUENCE
+        trained = {rank: _settings([m for m in rows if m.rank == rank]).get(tokens) for rank in {m.rank for m in rows}}
+        out.append((path.stem, run["captured"], {rank: s for rank, s in trained.items() if s is not None}))
     return out
 
 
@@ -106,15 +106,15 @@ def test_the_default_threshold_chooses_a_rank_that_held_wherever_the_study_train
     rank whose training there held (mean over seeds within the quality target), wherever that rank was
     trained; the former default, 0.995, chose rank 32 where it fell behind (width 256 at 4 and 8 workers'
     worth, width 384 at 4)."""
-    from gradpress.tools.quality_rows import QUALITY_TARGET
-
     settings = _measured_settings()
-    judged = {name: held[AutoRank().choose(captured)] for name, captured, held in settings
-              if AutoRank().choose(captured) in held}
-    assert len(judged) >= 10 and all(v <= QUALITY_TARGET for v in judged.values()), judged
-    former = {name: held[AutoRank(0.995).choose(captured)] for name, captured, held in settings
-              if AutoRank(0.995).choose(captured) in held}
-    assert sorted(n for n, v in former.items() if v > QUALITY_TARGET) == [
+
+    def outcomes(rule: AutoRank) -> dict[str, Any]:
+        """Each setting's training at the rank ``rule`` chooses there, where that rank was trained."""
+        return {name: trained[r] for name, captured, trained in settings if (r := rule.choose(captured)) in trained}
+
+    judged = outcomes(AutoRank())
+    assert len(judged) >= 10 and all(s.holds for s in judged.values()), judged
+    assert sorted(name for name, s in outcomes(AutoRank(0.995)).items() if not s.holds) == [
         "gpt-stdlib-w384-s64-lr0.0015-seed0", "gpt-wide-stdlib-s128-lr0.003-seed0",
         "gpt-wide-stdlib-s64-lr0.003-seed0"]
 
