@@ -175,7 +175,7 @@ def test_resume_just_before_a_switch_equals_not_stopping(tmp_path):
     # Decisions end the compressed iterations 2, 5, 8, ... (steps 4, 7, 10, ...): stop after step 9,
     # one step before the decision at step 10 that sees the jump of step 9.
     stop = 10
-    run_fresh(_first_part, WORLD, stop, str(tmp_path / "ckpt"))
+    run(_first_part, WORLD, stop, str(tmp_path / "ckpt"))  # saves; the resume starts afresh
     resumed = run_fresh(_second_part, WORLD, stop, total - stop, str(tmp_path / "ckpt"))
     for (_, _, want, ranks), (got, got_ranks) in zip(expected, resumed):
         assert got_ranks == ranks

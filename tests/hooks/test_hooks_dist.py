@@ -257,7 +257,7 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path, use_pickle, n
     total, k = 14, 8
     path = str(tmp_path / "ckpt")
     expected = run(ckpt_uninterrupted, WORLD, "powerSGD_hook", total, num_iters)
-    run_fresh(ckpt_first_half, WORLD, "powerSGD_hook", k, path, use_pickle, num_iters)
+    run(ckpt_first_half, WORLD, "powerSGD_hook", k, path, use_pickle, num_iters)  # saves; the resume starts afresh
     resumed = run_fresh(ckpt_second_half, WORLD, "powerSGD_hook", k, total, path, use_pickle, num_iters)
     for want, got in zip(expected, resumed):
         for a, b in zip(want, got):
@@ -535,7 +535,7 @@ def ckpt_second_half_loaded_before_registering(rank, world, hook_name, k, total,
 def test_load_state_dict_before_or_after_register_comm_hook_resumes_the_same(tmp_path):
     total, k = 12, 6
     path = str(tmp_path / "ckpt")
-    run_fresh(ckpt_first_half, WORLD, "powerSGD_hook", k, path, False)
+    run(ckpt_first_half, WORLD, "powerSGD_hook", k, path, False)
     after = run_fresh(ckpt_second_half, WORLD, "powerSGD_hook", k, total, path, False)
     before = run_fresh(ckpt_second_half_loaded_before_registering, WORLD, "powerSGD_hook", k, total, path)
     for a, b in zip(after, before):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -60,12 +61,10 @@ def test_fsdp_example_of_the_readme_compresses_across_replicas() -> None:
 
 
 def test_fsdp_islands_example_resumes_from_its_distributed_checkpoint_bit_for_bit(tmp_path: Path) -> None:
-    out = _torchrun("fsdp_islands_diloco.py", "--verify-resume", "--steps", "24",
-                    "--checkpoint-dir", str(tmp_path / "verify"))
-    assert "parameters equal to never stopping, bit for bit, on every rank: True" in out
-    # Saved at the end, then resumed from that checkpoint by a new torchrun.
     ckpt, summary = tmp_path / "ckpt", tmp_path / "summary.json"
-    _torchrun("fsdp_islands_diloco.py", "--steps", "12", "--checkpoint-dir", str(ckpt))
+    out = _torchrun("fsdp_islands_diloco.py", "--verify-resume", "--steps", "24", "--checkpoint-dir", str(ckpt))
+    assert "parameters equal to never stopping, bit for bit, on every rank: True" in out
+    # That run left its half-way checkpoint (step 12) in --checkpoint-dir: a new torchrun resumes from it.
     out = _torchrun("fsdp_islands_diloco.py", "--steps", "24", "--checkpoint-dir", str(ckpt), "--json", str(summary))
     assert f"resumed from {ckpt} at step 12" in out
     result = json.loads(summary.read_text())
@@ -118,10 +117,13 @@ def test_own_script_saves_on_rank_0_only_and_resumes_as_if_never_stopped(tmp_pat
     # What it costs, as docs/own-script.md says: per rank, n x m error memory + m x r factor per compressed matrix.
     expected = _state_bytes(_own_gpt(ckpt["model"]["wte.weight"].shape[0]), rank=4)
     assert [gradpress.state_nbytes(entry) for entry in entries] == [expected, expected]
-    stopped = _own_script(tmp_path / "split", "--max-iters", "25")
-    assert stopped["saved_at"] == [10, 20]  # the newest checkpoint is at 20: 5 iterations are redone
+    # As if the run had stopped during iteration 36: a new torchrun resumes from the newest checkpoint (30)
+    # and redoes the iterations after it.
+    shutil.copytree(tmp_path / "whole" / "out", tmp_path / "split" / "out")
     resumed = _own_script(tmp_path / "split", "--max-iters", "40", "--init-from", "resume")
     assert resumed["hook_iter"] == resumed["iter_num"] == 40
+    # Resumed at 30: its evaluation there is the uninterrupted run's (and no better, so nothing is saved).
+    assert resumed["val_losses"] == whole["val_losses"][2:] and resumed["saved_at"] == []
     assert resumed["digest"] == whole["digest"]  # bitwise the run that never stopped
 
 
@@ -161,10 +163,10 @@ def test_own_script_compiled_either_way_runs_the_hook_and_resumes(tmp_path: Path
     plan = gradpress.make_plan([p.shape for p in _own_gpt().parameters()], 4, 2)
     assert ddp_compiled["compression"] == pytest.approx(plan.compression_rate) and plan.compression_rate > 1
     assert ddp_compiled["saved_at"] == [10]
-    # DDP(torch.compile(model)), nanoGPT's order, stopped after its checkpoint and resumed: the checkpoint
-    # holds the uncompiled model's keys, and the run ends bitwise where the other order ends (the model
-    # fits one DDP bucket, so both orders compile the same graph).
-    _own_script(tmp_path / "model", "--max-iters", "15", "--compile")
+    # DDP(torch.compile(model)), nanoGPT's order, resumed from that run's checkpoint (iteration 10): the
+    # checkpoint holds the uncompiled model's keys, and the run ends bitwise where the other order ends (the
+    # model fits one DDP bucket, so both orders compile the same graph).
+    shutil.copytree(tmp_path / "ddp" / "out", tmp_path / "model" / "out")
     resumed = _own_script(tmp_path / "model", "--max-iters", "20", "--compile", "model", "--init-from", "resume")
     assert resumed["hook_iter"] == resumed["iter_num"] == 20
     assert resumed["digest"] == ddp_compiled["digest"]
