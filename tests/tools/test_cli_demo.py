@@ -24,6 +24,7 @@ from gradpress.tools.cli import demo
 from gradpress.tools.cli.demo import WorkerFailure, run_workers
 from gradpress.tools.cli.demo.plot import make_figure
 from gradpress.tools.cli.demo.failures import WorkerError, failure_report, is_peer_loss
+from gradpress.tools.cli.demo import supervisor
 from gradpress.tools.cli.demo.supervisor import Ledger, StepReporter, supervise
 from gradpress.comm import CollectiveError
 from gradpress.tools.cli.main import build_parser, main
@@ -486,13 +487,14 @@ def test_a_dead_or_stuck_worker_is_named_and_the_others_say_which_collective_and
     (the reset connection, or the 5 s collective timeout), its error names the collective and the hook,
     the report names rank 1, and no worker process is left."""
     started: list[int] = []
-    real_start = mp.get_context("spawn").Process.start
+    process = supervisor.context().Process
+    real_start = process.start
 
     def start(self: object) -> None:
         real_start(self)
         started.append(self.pid)  # type: ignore[attr-defined]
 
-    monkeypatch.setattr(mp.get_context("spawn").Process, "start", start)
+    monkeypatch.setattr(process, "start", start)
     begin = time.monotonic()
     with pytest.raises(WorkerFailure) as failure:
         run_workers(DemoConfig(steps=40, start_iter=4, fail_at_step=6, fail_rank=1, fail_kind=kind), 2, timeout=120,

@@ -1,7 +1,8 @@
 """``gradpress demo``: train one model on real data with several gradient-communication methods.
 
-The parent process spawns ``--workers`` local processes (gloo on CPU with one thread each; NCCL when
-there is one GPU per worker). Every worker runs :func:`gradpress.tools.workloads.training.train` once per
+The parent process starts ``--workers`` local processes (gloo on CPU with one thread each; NCCL when
+there is one GPU per worker), forked from a server that imported torch once where the platform has one
+(``supervisor.context``), spawned otherwise. Every worker runs :func:`gradpress.tools.workloads.training.train` once per
 method, with the same seed, weights and data order, and sends progress, results or its traceback back
 through a pipe of its own. The parent shows progress bars, then prints a table (test metric, loss, bytes per
 step, compression, time) and writes ``demo.json``, ``demo.md`` and ``demo.png`` to ``--out``. It checks

@@ -1,5 +1,6 @@
-"""The demo's supervisor: spawns the worker processes, relays their progress and results, and stops
-all of them when one fails, when none has made progress for ``timeout`` seconds (a stall), or on Ctrl-C.
+"""The demo's supervisor: starts the worker processes (:func:`context`), relays their progress and
+results, and stops all of them when one fails, when none has made progress for ``timeout`` seconds (a
+stall), or on Ctrl-C.
 The methods every worker had finished are kept in each case; a failure's report names the worker that
 caused it, its traceback and the collective the others were in, whatever order their messages arrive in.
 
@@ -100,8 +101,25 @@ class StepReporter:
             self.send(("step", self.rank, self.label))
 
 
+#: What the forkserver imports once, before it forks any worker (``context``).
+PRELOAD = ["torch", "torch.distributed", "gradpress", "gradpress.tools.workloads.training"]
+
+
+def context() -> Any:
+    """Where the workers come from: forked from a server that imported :data:`PRELOAD` once (started by
+    the first call in a process; each later call's workers start in a fraction of a second instead of an
+    interpreter start and an ``import torch`` each, 5-15 s on a busy 2-core machine), or spawned where
+    there is no forkserver. Either way each worker is a new process with none of the caller's state, and
+    it runs in the caller's environment at the call (see ``_worker``)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def _worker(rank: int, world_size: int, port: int, config: dict[str, Any], methods: Sequence[Method],
-            channel: Connection, timeout: float) -> None:
+            channel: Connection, timeout: float, environ: dict[str, str]) -> None:
     """Worker process: join the group, train every method, report through ``channel`` (this worker's own).
 
     Messages: ``("started", rank, label)`` as a method starts, ``("step", rank, label)`` at most every
@@ -111,6 +129,10 @@ def _worker(rank: int, world_size: int, port: int, config: dict[str, Any], metho
     are at least ``world_size`` GPUs, gloo on CPU otherwise.
     """
     label: str | None = None
+    # A forked worker inherits the server's environment, from when the server started: take the caller's,
+    # as a spawned interpreter would (NCCL_*, GLOO_SOCKET_IFNAME, ... set since then).
+    os.environ.clear()
+    os.environ.update(environ)
     try:
         import torch
         import torch.distributed as dist
@@ -332,7 +354,8 @@ def _raise_on_sigterm() -> Any:
 def run_workers(config: DemoConfig, workers: int, *, timeout: float = DEFAULT_TIMEOUT,
                 methods: Sequence[Method], on_progress: ProgressFn | None = None,
                 collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT) -> dict[str, list[dict[str, Any]]]:
-    """Run every method on ``workers`` spawned processes; ``{method.spec: [result of rank 0, 1, ...]}``.
+    """Run every method on ``workers`` new processes (:func:`context`); ``{method.spec: [result of rank 0,
+    1, ...]}``.
 
     ``timeout`` is a stall timeout: the run is stopped when no worker has reported anything (an
     optimizer step, an evaluation, a result) for that many seconds, however long the whole run takes;
@@ -343,19 +366,23 @@ def run_workers(config: DemoConfig, workers: int, *, timeout: float = DEFAULT_TI
     ``collective_timeout`` seconds (at most ``timeout``) for a dead or stuck peer; the report then names
     the worker that was stuck.
     """
-    ctx = mp.get_context("spawn")
+    ctx = context()
     joining = min(timeout, collective_timeout)
     pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]
     port = free_port()
+    environ = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [ctx.Process(target=_worker, name=f"gradpress-demo-rank{rank}",
-                         args=(rank, workers, port, config.to_dict(), tuple(methods), pipes[rank][1], joining),
+                         args=(rank, workers, port, config.to_dict(), tuple(methods), pipes[rank][1], joining,
+                               environ),
                          daemon=True) for rank in range(workers)]
     channels = {reader: rank for rank, (reader, _) in enumerate(pipes)}
     ledger = Ledger(methods, workers)
     saved_omp = os.environ.get("OMP_NUM_THREADS")
     saved_sigterm = _raise_on_sigterm()
     try:
-        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned interpreters (before torch loads)
+        # One thread per worker: inherited by a spawned interpreter, or by the forkserver this call may
+        # start, before either loads torch.
+        os.environ["OMP_NUM_THREADS"] = "1"
         try:
             for proc, (_, writer) in zip(procs, pipes):
                 proc.start()
