@@ -2,11 +2,12 @@
 
 The parent process starts ``--workers`` local processes (gloo on CPU with one thread each; NCCL when
 there is one GPU per worker), forked from a server that imported torch once where the platform has one
-(``supervisor.context``), spawned otherwise. Every worker runs :func:`gradpress.tools.workloads.training.train` once per
-method, with the same seed, weights and data order, and sends progress, results or its traceback back
-through a pipe of its own. The parent shows progress bars, then prints a table (test metric, loss, bytes per
-step, compression, time) and writes ``demo.json``, ``demo.md`` and ``demo.png`` to ``--out``. It checks
-that every worker ended with identical parameters and that PowerSGD's counted bytes match the plan.
+(``supervisor.context``), spawned otherwise. Every worker runs
+:func:`gradpress.tools.workloads.training.train` once per method, with the same seed, weights and data
+order, and sends progress, results or its traceback back through a pipe of its own. The parent shows
+progress bars, then prints a table (test metric, loss, bytes per step, compression, time) and writes
+``demo.json``, ``demo.md`` and ``demo.png`` to ``--out``. It checks that every worker ended with
+identical parameters and that PowerSGD's counted bytes match the plan.
 
 If a worker fails, the parent stops the others, prints the traceback of the worker that caused it and
 exits 1; if no worker reports progress (an optimizer step, an evaluation, a result) for ``--timeout``
