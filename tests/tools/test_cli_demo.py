@@ -469,6 +469,21 @@ def _no_process_left(pids: list[int]) -> bool:
     return True
 
 
+@pytest.mark.slow
+def test_workers_run_in_the_callers_environment_at_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set after the server the workers are forked from has started, a variable still reaches them, as it
+    would reach spawned interpreters: gloo fails on the interface it names."""
+    if supervisor.context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "gpnosuchif0")
+    with pytest.raises(WorkerFailure, match="Unable to find address for: gpnosuchif0"):
+        run_workers(DemoConfig(steps=3, start_iter=2), 2, methods=parse_methods("allreduce", []),
+                    collective_timeout=20)
+    assert _demo_children() == []
+
+
 KILLED = "worker rank 1 was killed by SIGKILL"
 
 
