@@ -10,22 +10,19 @@ are forked from a server that imported torch once.
 from __future__ import annotations
 
 import io
-import multiprocessing as mp
 import os
 import queue
 import traceback
 from typing import Any, Callable
 
+from gradpress.tools.cli.demo.supervisor import context
 from gradpress.tools.processes import free_port
 
-# Workers are forked from a server that has imported torch once (about 0.1 s a group instead of an
-# interpreter start and ``import torch`` each, 5-15 s on a busy 2-core machine); each is still a new
-# process with none of the test process's state. "spawn" where there is no forkserver.
-if "forkserver" in mp.get_all_start_methods():
-    _CTX = mp.get_context("forkserver")
-    _CTX.set_forkserver_preload(["torch", "torch.distributed", "gradpress"])
-else:
-    _CTX = mp.get_context("spawn")
+# The demo's start method: forked from a server that imported torch once (about 0.1 s a group instead of
+# an interpreter start and ``import torch`` each, 5-15 s on a busy 2-core machine), each still a new
+# process with none of the test process's state; spawned where there is no forkserver. One server, one
+# preload list, for these groups and the demo runs of the same session.
+_CTX = context()
 DEFAULT_TIMEOUT = 180.0
 
 
