@@ -1,4 +1,5 @@
-"""The one helper for multi-process tests: gloo on CPU, free port, timeout, rank tracebacks re-raised.
+"""The one helper for multi-process tests: gloo on CPU, a store held by the test process, timeout, rank
+tracebacks re-raised.
 
 ``run(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` on every rank of a persistent worker
 group (process start-up and ``import torch`` are paid once per world size per session) and returns the
@@ -16,7 +17,6 @@ import traceback
 from typing import Any, Callable
 
 from gradpress.tools.cli.demo.supervisor import context
-from gradpress.tools.processes import free_port
 
 # The demo's start method: forked from a server that imported torch once (about 0.1 s a group instead of
 # an interpreter start and ``import torch`` each, 5-15 s on a busy 2-core machine), each still a new
@@ -33,8 +33,8 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, onc
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     except Exception:
         results.put((rank, False, traceback.format_exc()))
         return
@@ -62,8 +62,14 @@ class WorkerGroup:
     """``world_size`` processes in one gloo group, running submitted functions on every rank."""
 
     def __init__(self, world_size: int, once: bool = False) -> None:
+        import torch.distributed as dist
+
         self.world_size = world_size
-        port = free_port()
+        # The group's rendezvous, served from this process on a port the OS picked and this process holds
+        # until the group is closed: no other process (a parallel test, a gloo connection) can take it
+        # between choosing it and binding it.
+        self.store: Any = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+        port = self.store.port
         self.results = _CTX.Queue()
         self.tasks = [_CTX.Queue() for _ in range(world_size)]
         self.procs = [_CTX.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results, once),
@@ -112,6 +118,7 @@ class WorkerGroup:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        self.store = None  # the rendezvous and its port go with the group
 
 
 _GROUPS: dict[int, WorkerGroup] = {}

@@ -23,7 +23,6 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol, cast
 
-from ...processes import free_port
 from ...workloads.config import DemoConfig
 from ...workloads.methods import Method
 from ...workloads.training import ProgressFn
@@ -120,7 +119,8 @@ def context() -> Any:
 
 def _worker(rank: int, world_size: int, port: int, config: dict[str, Any], methods: Sequence[Method],
             channel: Connection, timeout: float, environ: dict[str, str]) -> None:
-    """Worker process: join the group, train every method, report through ``channel`` (this worker's own).
+    """Worker process: join the group (its rendezvous is the supervisor's store at ``port``), train every
+    method, report through ``channel`` (this worker's own).
 
     Messages: ``("started", rank, label)`` as a method starts, ``("step", rank, label)`` at most every
     :data:`STEP_REPORT_INTERVAL` seconds while its optimizer steps, ``("progress", rank, label, step,
@@ -145,8 +145,9 @@ def _worker(rank: int, world_size: int, port: int, config: dict[str, Any], metho
         device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
         if use_cuda:
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
         cfg = DemoConfig(**config)
         steps = StepReporter(channel.send, rank)
         register_optimizer_step_post_hook(steps)
@@ -369,7 +370,13 @@ def run_workers(config: DemoConfig, workers: int, *, timeout: float = DEFAULT_TI
     ctx = context()
     joining = min(timeout, collective_timeout)
     pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]
-    port = free_port()
+    # The group's rendezvous is served from this process, on a port the OS picked and this process holds
+    # until the run ends: no other process can take it between choosing it and the workers joining.
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, workers, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=joining))
+    port = store.port
     environ = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [ctx.Process(target=_worker, name=f"gradpress-demo-rank{rank}",
                          args=(rank, workers, port, config.to_dict(), tuple(methods), pipes[rank][1], joining,
@@ -413,4 +420,5 @@ def run_workers(config: DemoConfig, workers: int, *, timeout: float = DEFAULT_TI
             writer.close()
         if saved_sigterm is not None:
             signal.signal(signal.SIGTERM, saved_sigterm)
+        del store
     return ledger.completed()
