@@ -16,6 +16,9 @@ import gradpress
 from distributed import run
 from gradpress.powersgd import make_plan
 
+# On one test worker, where the module's runs (the module-scoped fixtures) are made once.
+pytestmark = pytest.mark.xdist_group("fsdp")
+
 WORLD = 4
 STEPS = 10
 _TEACHER = torch.randn(32, 11, generator=torch.Generator().manual_seed(0)) / 32 ** 0.5

@@ -21,6 +21,9 @@ import models
 from distributed import run
 from gradpress.hooks.hierarchical import ShareBucket, _Layout, assign_shares
 
+# On one test worker, where the module's runs (the module-scoped fixtures) are made once.
+pytestmark = pytest.mark.xdist_group("hierarchical")
+
 WORLD, L = 4, 2
 # bucket_cap_mb for the oracle runs: after DDP's rebuild, 7 buckets of 1-2 parameters (several with fewer
 # parameters than L, the last one included, so local rank 1 skips buckets and its last share is not in

@@ -22,6 +22,9 @@ import gradpress
 from distributed import run
 from gradpress.powersgd import make_plan
 
+# On one test worker, where the module's runs (the module-scoped fixtures) are made once.
+pytestmark = pytest.mark.xdist_group("replicate")
+
 WORLD = 2
 STEPS = 5
 START = 2  # PowerSGD's exact warm-up iterations: STEPS - START compressed ones

@@ -27,7 +27,8 @@ from distributed import run  # noqa: E402
 from torchrun import torchrun  # noqa: E402
 from gradpress.integrations.accelerate import register_comm_hook, state_file  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# slow; and on one test worker, where the module's runs (fixtures below) are made once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("accelerate")]
 
 MICRO_BATCHES = 8  # per rank and epoch: 64 samples, 2 ranks, batch 4
 ACCUMULATION = 2

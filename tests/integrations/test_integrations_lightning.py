@@ -28,7 +28,8 @@ import gradpress  # noqa: E402
 from distributed import run  # noqa: E402
 from gradpress.integrations.lightning import GradpressDDPStrategy, rank_file  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# slow; and on one test worker, where the module's runs (fixtures below) are made once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lightning")]
 
 STEPS_PER_EPOCH = 8  # 64 samples, 2 ranks, batch 4
 START_ITER = 2  # PowerSGD compresses from the 3rd step
