@@ -25,6 +25,7 @@ _SCRIPT = ("import os, sys, time\n"
            "sys.stdout.write(f'rank {rank} done\\n'); sys.stdout.flush()\n")
 
 
+@pytest.mark.slow
 def test_a_worker_stuck_after_its_peer_finished_is_dumped_and_run_again(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="(?s)hung after its last line.*stuck_in_teardown"):
         proc = torchrun(["--no-python", sys.executable, "-c", _SCRIPT], timeout=300, env=_ENV, cwd=tmp_path,
@@ -33,6 +34,7 @@ def test_a_worker_stuck_after_its_peer_finished_is_dumped_and_run_again(tmp_path
     assert sorted(line for line in proc.stdout.splitlines() if "done" in line) == ["rank 0 done", "rank 1 done"]
 
 
+@pytest.mark.slow
 def test_a_run_past_its_time_fails_with_the_workers_stacks(tmp_path: Path) -> None:
     script = ("import sys, time\ndef waits_for_ever():\n    time.sleep(10_000)\n"
               "sys.stdout.write('waiting\\n'); sys.stdout.flush(); waits_for_ever()\n")

@@ -9,10 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "hook_op_times.py"
 
 
+@pytest.mark.slow
 def test_each_hooks_ops_are_timed_and_its_products_are_among_them(tmp_path: Path) -> None:
     (tmp_path / "tiny_model.py").write_text(
         "import torch\n\ndef build():\n"

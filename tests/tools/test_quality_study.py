@@ -86,6 +86,7 @@ def test_a_baseline_at_its_target_from_the_start_gives_no_steps_ratio() -> None:
     assert "| 5.50 | 5.00 | - | never | +0.00% |" in row  # smoothed, the run stays above 5.0
 
 
+@pytest.mark.slow
 def test_both_study_scripts_write_the_same_record(tmp_path: Path) -> None:
     """quality_study.py (gloo processes) and replica_study.py (threads) build their JSON with one function:
     the same fields, and on 2 workers of allreduce the same training; ``--table`` reads both."""

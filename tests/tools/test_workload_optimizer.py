@@ -60,6 +60,7 @@ def _runs(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_a_demo_run_trains_with_adamw_and_the_batch_size_given():
     first, second = run(_runs, 2)
     assert first == second  # the ranks stayed identical
