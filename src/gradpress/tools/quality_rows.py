@@ -100,7 +100,7 @@ def _row(task: str, width: int, optimizer: Literal["sgd", "adamw"], sequences: i
 #: 512 at 2 x 8 too, the same warm-up; gpt-stdlib (width 128, seen once) at 2 x 16, 32, 64, 128 and 256, ranks 24
 #: and 32 at 2 x 32 with seeds 0 and 1;
 #: gpt-wide-stdlib (256, seen once) at 2 x 16, rank 32 with seeds 0, 1 and 2, at 2 x 32, ranks 32 and 48
-#: with seeds 0 and 1, and at 2 x 64, ranks 32 and 48.
+#: with seeds 0 and 1, at 2 x 64, ranks 32 and 48, and at 2 x 128, rank 48.
 MEASURED: tuple[Measured, ...] = (
     _row("charlm", 256, "sgd", 32, 22, 0.97, 0.97, 10.58, 2.0, "quality/study-charlm-w2-powersgd22-half-lr2.0"),
     _row("charlm", 256, "sgd", 64, 22, 0.23, 1.06, 10.58, 2.0, "quality/study-charlm-w4-powersgd22-half-lr2.0"),
@@ -209,6 +209,9 @@ MEASURED: tuple[Measured, ...] = (
          "quality-stdlib/adamw-gpt-wide-stdlib-w2b64-powersgd32-fp16-hwu-lr3e-3"),
     _row("gpt-wide-stdlib", 256, "adamw", 128, 48, -0.25, -0.25, 7.61, 3e-3,
          "quality-stdlib/adamw-gpt-wide-stdlib-w2b64-powersgd48-fp16-hwu-lr3e-3"),
+    # 16 workers' worth (2 x 128), allreduce at 8 workers' worth's 3e-3 (6e-3 not run): rank 48 holds.
+    _row("gpt-wide-stdlib", 256, "adamw", 256, 48, 0.40, 0.40, 7.61, 3e-3,
+         "quality-stdlib/adamw-gpt-wide-stdlib-w2b128-powersgd48-fp16-hwu-lr3e-3"),
     # The width axis, on data seen about once; rank 48 at 2 x 16 is the rank AutoRank(0.995) chose in those
     # runs, and at 2 x 32 the width rule's, given from the start. Rank 32 at 2 x 32 is what AutoRank(0.995)
     # would have chosen there (E(32) 0.9959), given from the start.
