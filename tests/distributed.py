@@ -17,6 +17,7 @@ import traceback
 from typing import Any, Callable
 
 from gradpress.tools.cli.demo.supervisor import context
+from gradpress.tools.processes import join_group, serve_rendezvous
 
 # The demo's start method: forked from a server that imported torch once (about 0.1 s a group instead of
 # an interpreter start and ``import torch`` each, 5-15 s on a busy 2-core machine), each still a new
@@ -33,8 +34,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, onc
 
     torch.set_num_threads(1)
     try:
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        join_group("gloo", port, rank, world_size)
     except Exception:
         results.put((rank, False, traceback.format_exc()))
         return
@@ -62,13 +62,9 @@ class WorkerGroup:
     """``world_size`` processes in one gloo group, running submitted functions on every rank."""
 
     def __init__(self, world_size: int, once: bool = False) -> None:
-        import torch.distributed as dist
-
         self.world_size = world_size
-        # The group's rendezvous, served from this process on a port the OS picked and this process holds
-        # until the group is closed: no other process (a parallel test, a gloo connection) can take it
-        # between choosing it and binding it.
-        self.store: Any = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+        # The group's rendezvous, served from this process on a port it holds until the group is closed.
+        self.store: Any = serve_rendezvous(world_size)
         port = self.store.port
         self.results = _CTX.Queue()
         self.tasks = [_CTX.Queue() for _ in range(world_size)]

@@ -23,6 +23,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol, cast
 
+from ...processes import join_group, serve_rendezvous
 from ...workloads.config import DemoConfig
 from ...workloads.methods import Method
 from ...workloads.training import ProgressFn
@@ -145,9 +146,7 @@ def _worker(rank: int, world_size: int, port: int, config: dict[str, Any], metho
         device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
         if use_cuda:
             torch.cuda.set_device(device)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
-        dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout))
+        join_group("nccl" if use_cuda else "gloo", port, rank, world_size, timeout=timedelta(seconds=timeout))
         cfg = DemoConfig(**config)
         steps = StepReporter(channel.send, rank)
         register_optimizer_step_post_hook(steps)
@@ -370,12 +369,8 @@ def run_workers(config: DemoConfig, workers: int, *, timeout: float = DEFAULT_TI
     ctx = context()
     joining = min(timeout, collective_timeout)
     pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]
-    # The group's rendezvous is served from this process, on a port the OS picked and this process holds
-    # until the run ends: no other process can take it between choosing it and the workers joining.
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, workers, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=joining))
+    # The group's rendezvous, served from this process on a port it holds until the run ends.
+    store = serve_rendezvous(workers, timeout=timedelta(seconds=joining))
     port = store.port
     environ = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [ctx.Process(target=_worker, name=f"gradpress-demo-rank{rank}",
@@ -420,5 +415,5 @@ def run_workers(config: DemoConfig, workers: int, *, timeout: float = DEFAULT_TI
             writer.close()
         if saved_sigterm is not None:
             signal.signal(signal.SIGTERM, saved_sigterm)
-        del store
+        del store  # the port goes now, not with a traceback that may keep this frame alive
     return ledger.completed()
