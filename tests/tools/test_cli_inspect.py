@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -249,10 +248,10 @@ def test_bad_arguments(capsys, argv: list[str], message: str) -> None:
 
 @pytest.mark.slow
 def test_command_line_smoke(capsys) -> None:
-    proc = subprocess.run([sys.executable, "-m", "gradpress", "inspect", "--model", "lstm-wikitext2", "--rank", "4"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "31,819,578" in proc.stdout and "67 steps" in proc.stdout
+    # In this process: ``python -m gradpress`` itself is started once, by tests/tools/test_cli_demo.py.
+    code, out, err = run(capsys, "--model", "lstm-wikitext2", "--rank", "4")
+    assert code == 0, err
+    assert "31,819,578" in out and "67 steps" in out
     assert main(["--help"]) == 0
     usage = capsys.readouterr().out
     assert "inspect" in usage and "bench" in usage

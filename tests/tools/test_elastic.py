@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from gradpress import make_plan
 from gradpress.launch import restart_store_prefix
+from gradpress.tools.workloads import get_task
 from distributed import run
 
 pytestmark = pytest.mark.slow
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 METHODS = ["allreduce", "powersgd:2", "multi:2", "localsgd:4", "diloco:4"]
 KILLED = ["powersgd:2", "diloco:4"]  # the torchrun test's methods: the hook's state, the averager's
+STEPS = 24  # the torchrun test's steps per method
 
 
 def _train(rank: int, world: int, spec: str, directory: str, steps: int, every: int, seed: int = 0) -> dict:
@@ -134,34 +137,47 @@ def test_restart_store_prefix_names_the_attempt_only_where_every_worker_agrees_o
     assert restart_store_prefix({}) is None
 
 
+def _never_killed(rank: int, world: int, spec: str, steps: int) -> list[dict]:
+    """What ``examples/train.py --method SPEC --steps STEPS`` returns on ``rank``, run without a checkpoint."""
+    from gradpress.tools.workloads import DemoConfig, default_start_iter, parse_methods, train
+
+    config = DemoConfig(task="digits", steps=steps, start_iter=default_start_iter(steps), seed=0)
+    return [train(rank, world, method, config) for method in parse_methods(spec, [2])]
+
+
 def _torchrun(out: Path, launcher: list[str], train: list[str]) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     with open(out.with_suffix(".log"), "w") as log:
         return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                                  "2", *launcher, str(ROOT / "examples" / "train.py"), "--method", ",".join(KILLED),
-                                 "--steps", "24", "--json", str(out), *train],
+                                 "--steps", str(STEPS), "--json", str(out), *train],
                                 cwd=out.parent, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def test_torchrun_restarts_after_a_sigkill_and_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path: Path) -> None:
     """Rank 1 kills itself (SIGKILL) at step 14 of each method, after the checkpoint of step 12: one
     restart per method, each resuming from step 12, and every method's final parameters equal those of
-    the run that was never killed (both runs at once, to keep the test short). Two methods, the hook's
-    state and the averager's: every method's resume is checked in-process above, bit for bit; this test
-    is about the real kill, torchrun's restart and its fresh rendezvous."""
-    reference = _torchrun(tmp_path / "reference.json", [], [])
+    the run that was never killed. Two methods, the hook's state and the averager's: every method's
+    resume is checked in-process above, bit for bit; this test is about the real kill, torchrun's restart
+    and its fresh rendezvous. The run that was never killed is the example's code path on the test's own
+    worker group (``train`` with the config ``examples/train.py`` builds from the same arguments): no
+    second ``torchrun``, whose three interpreters and imports of torch cost more than its training."""
     killed = _torchrun(tmp_path / "killed.json", ["--max-restarts", str(len(KILLED))],
                        ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "6",
                         "--fail-at-step", "14", "--fail-kind", "sigkill"])
-    # The limits catch a hang, not slowness: the killed run starts three times over.
-    assert reference.wait(timeout=900) == 0, (tmp_path / "reference.log").read_text()[-3000:]
+    expected = run(_never_killed, 2, ",".join(KILLED), STEPS)[0]
+    # The limit catches a hang, not slowness: the killed run starts three times over.
     assert killed.wait(timeout=900) == 0, (tmp_path / "killed.log").read_text()[-3000:]
     log = (tmp_path / "killed.log").read_text()
     assert log.count("exitcode: -9") == len(KILLED), log[-3000:]  # one SIGKILL per method, each restarted
     assert "connectFullMesh" not in log
-    expected = json.loads((tmp_path / "reference.json").read_text())
     got = json.loads((tmp_path / "killed.json").read_text())
     assert [r["method"] for r in got] == KILLED
     for before, after in zip(expected, got):
         assert after["digest"] == before["digest"], before["method"]
         assert after["bytes_total"] == before["bytes_total"] and after["metric"] == before["metric"]
+    # Rank 0 printed one line per method, and the hook sent what the plan says over the wire it counted.
+    assert "powersgd r=2: test accuracy" in log and "diloco H=4: test accuracy" in log
+    shapes = [tuple(p.shape) for p in get_task("digits").model(0).parameters()]
+    assert got[0]["world_size"] == 2 and got[0]["bytes_per_step"] == 4 * make_plan(shapes, 2, 2).numel_sent
+    assert got[0]["counted"]["ok"]
