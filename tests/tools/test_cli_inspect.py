@@ -246,7 +246,6 @@ def test_bad_arguments(capsys, argv: list[str], message: str) -> None:
     assert code == 2 and out == "" and message in err and err.count("\n") == 1
 
 
-@pytest.mark.slow
 def test_command_line_smoke(capsys) -> None:
     # In this process: ``python -m gradpress`` itself is started once, by tests/tools/test_cli_demo.py.
     code, out, err = run(capsys, "--model", "lstm-wikitext2", "--rank", "4")
