@@ -23,7 +23,7 @@ value, so the rank it picks errs high. Matrices of one shape are measured togeth
 per shape). Nothing is read on the host until the decision.
 
 What threshold to use is a measured question, not a law: docs/tuning.md ("A rank chosen on your own
-gradients") gives the study behind the default (0.996) and where it held and where it did not.
+gradients") gives the study behind the default (0.997) and where it held and where it did not.
 
 >>> import torch
 >>> g = torch.randn(64, 8) @ torch.randn(8, 96)          # a rank-8 matrix
@@ -74,10 +74,11 @@ class AutoRank:
     (see :mod:`gradpress.autorank`).
 
     Args:
-        threshold: the captured energy E(k) in (0, 1] the chosen rank must reach. The default, 0.996,
-            separated the ranks that held from those that fell behind on the quality study's GPTs, above
-            the floor (docs/tuning.md, "A rank chosen on your own gradients"); 0.995, the default before,
-            chose rank 32 at width 256 from 4 workers' worth up (E(32) 0.9952 and 0.9954), where it fell behind.
+        threshold: the captured energy E(k) in (0, 1] the chosen rank must reach. The default, 0.997,
+            chooses, on every setting of the quality study's GPTs where the chosen rank was trained, one
+            that held, above the floor (docs/tuning.md, "A rank chosen on your own gradients"); 0.996, the
+            default before, chose rank 32 at width 256 and 16 workers' worth (E(32) 0.9967), where it fell
+            behind, and 0.995, before it, chose 32 there from 4 workers' worth up (E(32) 0.9952 and 0.9954).
         max_rank: the highest rank it may choose (>= 1), also the one taken when no lower rank reaches
             ``threshold``.
         measure_iters: how many of the last warm-up iterations are measured (>= 1; fewer if the warm-up
@@ -88,10 +89,10 @@ class AutoRank:
 
     >>> import gradpress
     >>> state = gradpress.PowerSGDState(None, matrix_approximation_rank=64, start_powerSGD_iter=80,
-    ...                                 auto_rank=gradpress.AutoRank(threshold=0.996, max_rank=64))
+    ...                                 auto_rank=gradpress.AutoRank(threshold=0.997, max_rank=64))
     """
 
-    threshold: float = 0.996
+    threshold: float = 0.997
     max_rank: int = 64
     measure_iters: int = 4
     min_rank: int | None = None
