@@ -190,8 +190,8 @@ def test_a_users_model_is_advised_from_data_seen_once_where_its_width_was_measur
         assert (advice.rank, advice.status) == (48, "measured") and "rank 32 was behind" in advice.reason
     evidence = [(m.rank, m.tokens_per_step) for m in advice.evidence]  # the loop's last: 16 workers' worth
     assert evidence[0] == (48, _tokens(256)) and (32, _tokens(256)) in evidence, evidence
-    assert (advise(256, "adamw", _tokens(128)).evidence[-1].rank, advise(256, "adamw", _tokens(128)).evidence[-1]
-            .tokens_per_step) == (32, _tokens(128))  # each batch names its own rank 32's miss
+    miss = advise(256, "adamw", _tokens(128)).evidence[-1]  # each batch names its own rank 32's miss
+    assert (miss.rank, miss.tokens_per_step) == (32, _tokens(128))
     above = advise(256, "adamw", _tokens(512))
     assert (above.rank, above.status) == (48, "beyond the map") and all(m.seen_once for m in above.evidence)
     assert advise(256, "adamw", _tokens(512), task="gpt-wide").status == "measured"
