@@ -21,19 +21,24 @@ pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 
 
+def _example_module(path: Path):
+    """An example script imported as a module (its ``main`` not run), to call its functions here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_example_refuses_to_run_outside_torchrun(monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """In this process (the example's run under torchrun is tests/tools/test_elastic.py's killed run,
     checked there against the library's own ``train``)."""
-    import importlib.util
-
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(sys, "argv", [str(EXAMPLE), "--method", "powersgd:1"])
-    spec = importlib.util.spec_from_file_location("train_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     with pytest.raises(SystemExit) as exited:
-        module.main()
+        _example_module(EXAMPLE).main()
     assert exited.value.code == 2 and "torchrun" in capsys.readouterr().err
 
 
@@ -135,11 +140,7 @@ def torch_equal(a: dict, b: dict) -> bool:
 
 def _own_gpt(vocab: int | None = None):
     """The example's model (its default sizes; ``vocab``: the example's text's unless given)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("own_script", OWN_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _example_module(OWN_SCRIPT)
     return module.GPT(module.text_codes()[2] if vocab is None else vocab, block_size=32)
 
 
