@@ -258,12 +258,11 @@ def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> Non
     from gradpress.tools.workloads import DemoConfig, parse_methods, train
 
     torch.set_num_threads(1)
-    if args.orthogonalization != "auto":
-        force_orthogonalization(args.orthogonalization)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.workers)
     config = DemoConfig(task=args.task, steps=args.steps, start_iter=args.start_iter, seed=args.seed,
                         lr=args.lr, momentum=args.momentum, evals=args.evals, warm_up_beta=args.warm_up_beta,
-                        powersgd_options=powersgd_options(args.powersgd_options),
+                        powersgd_options=with_orthogonalization(powersgd_options(args.powersgd_options),
+                                                                args.orthogonalization),
                         clip_grad_norm=args.clip_grad_norm, clip_before_averaging=args.clip_before_averaging,
                         optimizer=args.optimizer, batch_size=args.batch_size, **outer_options(args))
     method = parse_methods(args.methods, [1])
@@ -291,20 +290,19 @@ def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> Non
           f"than allreduce)", flush=True)
 
 
-def force_orthogonalization(method: str) -> None:
-    """Make this process's PowerSGD step orthogonalize with ``method`` ("householder" or "cholesky") on
-    every device. The step picks Householder QR on the CPU and Cholesky-QR on an accelerator; this lets
-    the CPU measure what the accelerator path's rounding does to quality, on the same data and weights."""
-    from gradpress.powersgd import linalg, step
+def with_orthogonalization(options: dict[str, Any] | None, method: str) -> dict[str, Any] | None:
+    """``options`` with ``PowerSGDState(orthogonalization=method)`` where ``method`` is not ``"auto"``: the
+    CPU then runs the accelerator path's Cholesky-QR (or the reverse), on the same data and weights, to
+    measure what that rounding does to quality.
 
-    def orthogonalize_groups(groups: Any, epsilon: float = 0.0, _method: str = "auto") -> None:
-        linalg.orthogonalize_groups_(groups, epsilon, method)
-
-    def orthogonalize(matrices: Any, epsilon: float = 0.0, _method: str = "auto") -> Any:
-        return linalg.orthogonalize_(matrices, epsilon, method)
-
-    step.orthogonalize_groups_ = orthogonalize_groups  # type: ignore[assignment]
-    step.orthogonalize_ = orthogonalize  # type: ignore[assignment]
+    >>> with_orthogonalization(None, "cholesky")
+    {'orthogonalization': 'cholesky'}
+    >>> with_orthogonalization({"bytes_per_weight": 2}, "auto")
+    {'bytes_per_weight': 2}
+    """
+    if method == "auto":
+        return options
+    return {**(options or {}), "orthogonalization": method}
 
 
 def run_record(result: dict[str, Any], config: Any, *, label: str, command: str, workers: int,

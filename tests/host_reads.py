@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import gradpress.powersgd.step as step_module
+from gradpress.powersgd import backend
 
 #: ATen ops that read device values on the host (a stream sync on an accelerator).
 SYNCING_OPS = frozenset({"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.equal",
@@ -84,9 +84,7 @@ def no_host_reads():
 
 @contextlib.contextmanager
 def as_on_an_accelerator():
-    """Run the engine's CPU tensors down the path it takes where reading a value waits for the device.
-
-    ``raising=False``: code without the guard has no such switch, and then fails on its reads."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(step_module, "_reading_waits", lambda device: True, raising=False)
+    """Run the engine's CPU tensors down the path it takes where reading a value waits for the device
+    (the engine's own switch: its device backend, whatever the tensors' device)."""
+    with backend.forced(backend.DEVICE):
         yield

@@ -156,12 +156,12 @@ def test_the_cpu_commit_straight_into_the_gradients_gives_the_bits_of_the_commit
     # memory and copies it out. Both must give the same outputs and the same memory, bit for bit, over
     # steps where error feedback carries every difference forward. (256, 600) is stored transposed (a
     # non-contiguous view: the memory path), (16, 12) takes a GEMM; the rest go straight.
-    from gradpress.powersgd import step as engine_step
+    from gradpress.powersgd import commit as engine_commit
 
     shapes = [(600, 256), (1024, 1024), (256, 600), (16, 12), (7,)]
     config = EngineConfig(rank=rank, min_compression_rate=0)
     taken = []
-    original = engine_step._direct_groups
+    original = engine_commit._direct_groups
 
     def spy(*args):
         direct = original(*args)
@@ -169,7 +169,8 @@ def test_the_cpu_commit_straight_into_the_gradients_gives_the_bits_of_the_commit
         return direct
 
     def run(direct):
-        monkeypatch.setattr(engine_step, "_direct_groups", spy if direct else lambda groups, *_: [False] * len(groups))
+        monkeypatch.setattr(engine_commit, "_direct_groups",
+                            spy if direct else lambda segment, groups, *_: [False] * len(groups))
         generator = torch.Generator().manual_seed(rank)
         segment = make_segment(shapes, config)
         outputs = []

@@ -101,30 +101,35 @@ def direct_plan(shapes, rank, rate):
     return rows
 
 
-def direct_sent(rows, first_iteration, iterations):
+def direct_sent(rows, first_iteration, iterations, orient=False):
     """Elements one step sends: classic (``iterations=None``) sends P and Q; the alternating scheme
-    sends P on even iterations and Q on odd ones; the uncompressed tensors travel once."""
-    p = sum(n * r for _, (n, _m), r, c in rows if c)
-    q = sum(m * r for _, (_n, m), r, c in rows if c)
+    sends P on even iterations and Q on odd ones; the uncompressed tensors travel once. ``orient``: P is
+    the longer side's factor (the engine compresses a wide matrix as its transpose)."""
+    sides = [((max(n, m), min(n, m)) if orient else (n, m), r) for _, (n, m), r, c in rows if c]
+    p = sum(n * r for (n, _m), r in sides)
+    q = sum(m * r for (_n, m), r in sides)
     rest = sum(numel for numel, _, _, c in rows if not c)
     if iterations is None:
         return p + q + rest
     return rest + sum(p if i % 2 == 0 else q for i in range(first_iteration, first_iteration + iterations))
 
 
+@pytest.mark.parametrize("orient", [False, True])
 @fuzz(500)
 @given(shape_lists(300, 10), st.integers(1, 20), RATES)
 @example([(0, 5), (5, 0), (), (7,), (2, 0, 3)], 1, 0)  # empty matrices: a (0, 5) is a 0x5 matrix
 @example([(4, 4), (6, 3), (2, 2), (8, 8)], 1, 2)  # ties n*m == (n+m)*r*rate are not compressed
-def test_plan_counts_match_a_direct_computation(shapes, rank, rate):
-    plan = make_plan(shapes, rank, rate)
-    assert make_plan([torch.Size(s) for s in shapes], rank, rate) == plan
+def test_plan_counts_match_a_direct_computation(orient, shapes, rank, rate):
+    plan = make_plan(shapes, rank, rate, orient=orient)
+    assert make_plan([torch.Size(s) for s in shapes], rank, rate, orient=orient) == plan
     rows = direct_plan(shapes, rank, rate)
     assert len(plan.tensors) == len(shapes)
     offset = 0
     for i, (tensor, (numel, matrix, r, compressed)) in enumerate(zip(plan.tensors, rows)):
         assert (tensor.index, tensor.shape, tensor.numel, tensor.offset) == (i, tuple(shapes[i]), numel, offset)
         assert tensor.matrix == matrix and tensor.compressed == compressed
+        assert tensor.transposed == (orient and compressed and matrix[0] < matrix[1])
+        assert tensor.oriented == (matrix[::-1] if tensor.transposed else matrix)
         if numel:
             assert tensor.rank == r
         assert tensor.numel_sent == ((matrix[0] + matrix[1]) * r if compressed else numel)
@@ -134,12 +139,16 @@ def test_plan_counts_match_a_direct_computation(shapes, rank, rate):
     assert [t.index for t in plan.compressed] == [i for i, row in enumerate(rows) if row[3]]
     assert plan.uncompressed_numel == sum(row[0] for row in rows if not row[3])
 
-    # Groups: one per (n, m, r) of the compressed tensors, in order of first appearance, laid out back to back.
-    keys = list(dict.fromkeys((*row[1], row[2]) for row in rows if row[3]))
+    # Groups: one per oriented (n, m, r) of the compressed tensors, in order of first appearance, laid out back
+    # to back.
+    def oriented(matrix):
+        return (max(matrix), min(matrix)) if orient else matrix
+
+    keys = list(dict.fromkeys((*oriented(row[1]), row[2]) for row in rows if row[3]))
     assert [(g.n, g.m, g.rank) for g in plan.groups] == keys
     p = q = 0
     for group, (n, m, r) in zip(plan.groups, keys):
-        members = tuple(i for i, row in enumerate(rows) if row[3] and (*row[1], row[2]) == (n, m, r))
+        members = tuple(i for i, row in enumerate(rows) if row[3] and (*oriented(row[1]), row[2]) == (n, m, r))
         assert group.members == members and group.batch == len(members)
         assert (group.p_offset, group.q_offset) == (p, q)
         p, q = p + len(members) * n * r, q + len(members) * m * r
@@ -150,9 +159,9 @@ def test_plan_counts_match_a_direct_computation(shapes, rank, rate):
     assert plan.compression_rate == (plan.numel / plan.numel_sent if plan.numel_sent else 0.0)
     for k in range(1, 6):
         for first in range(0, 5):
-            assert plan.numel_sent_per_step(k, first) == direct_sent(rows, first, k)
+            assert plan.numel_sent_per_step(k, first) == direct_sent(rows, first, k, orient)
         # Step s starts at iteration s*k: the mean over two consecutive steps is the mean over all.
-        two_steps = direct_sent(rows, 0, k) + direct_sent(rows, k, k)
+        two_steps = direct_sent(rows, 0, k, orient) + direct_sent(rows, k, k, orient)
         assert plan.mean_numel_sent(k) == pytest.approx(two_steps / 2, rel=1e-12, abs=0)
 
 
@@ -178,14 +187,16 @@ def test_aggregator_floats_and_bytes_match_the_plan(shapes, dtypes, rank, rate, 
 
     rows = direct_plan(shapes, rank, rate)
     mean_sent = direct_sent(rows, 0, None) if iterations is None else \
-        (direct_sent(rows, 0, iterations) + direct_sent(rows, iterations, iterations)) / 2
+        (direct_sent(rows, 0, iterations, config.orient_matrices)
+         + direct_sent(rows, iterations, iterations, config.orient_matrices)) / 2
     assert powersgd.numel == sum(row[0] for row in rows)
     assert powersgd.floats_per_step == pytest.approx(mean_sent, rel=1e-12, abs=0)
     expected_bytes = 0.0
     for dtype in set(dtypes):
         mine = [row for row, d in zip(rows, dtypes) if d == dtype]
         sent = direct_sent(mine, 0, None) if iterations is None else \
-            (direct_sent(mine, 0, iterations) + direct_sent(mine, iterations, iterations)) / 2
+            (direct_sent(mine, 0, iterations, config.orient_matrices)
+             + direct_sent(mine, iterations, iterations, config.orient_matrices)) / 2
         expected_bytes += sent * wire_itemsize(bytes_per_weight, dtype)
     assert powersgd.bytes_per_step == pytest.approx(expected_bytes, rel=1e-12, abs=0)
 
@@ -200,7 +211,8 @@ def test_aggregator_floats_and_bytes_match_the_plan(shapes, dtypes, rank, rate, 
                 sent, itemsize = sum(row[0] for row in mine), dtype.itemsize
             else:
                 first = (step - warm_up) * (iterations or 0)
-                sent, itemsize = direct_sent(mine, first, iterations), wire_itemsize(bytes_per_weight, dtype)
+                sent = direct_sent(mine, first, iterations, config.orient_matrices)
+                itemsize = wire_itemsize(bytes_per_weight, dtype)
             floats += sent
             bytes_ += sent * itemsize
         assert all(torch.isfinite(g).all() for g in grads)
@@ -271,7 +283,7 @@ class World:
 
     def __init__(self, shapes, dtype, config, world_size):
         self.shapes, self.dtype, self.config = shapes, dtype, config
-        plan = make_plan(shapes, config.rank, config.min_compression_rate)
+        plan = make_plan(shapes, config.rank, config.min_compression_rate, orient=config.orient)
         self.plan = plan
         self.segments = [Segment(plan, list(range(len(shapes))), torch.device("cpu"), work_dtype_for(dtype))
                          for _ in range(world_size)]
@@ -291,10 +303,8 @@ class World:
     def errors(self, worker):
         """Worker's error memory per tensor index, as float64 tensors of the gradient's shape (zero for
         uncompressed tensors)."""
-        segment = self.segments[worker]
-        memory = {index: segment.error_views[position]
-                  for position, index in enumerate(segment.compressed_order)}
-        return [memory[i].reshape(s).double() if i in memory else torch.zeros(s, dtype=torch.float64)
+        memory = self.segments[worker].export(self.config)
+        return [memory[i].error.reshape(s).double() if i in memory else torch.zeros(s, dtype=torch.float64)
                 for i, s in enumerate(self.shapes)]
 
 
@@ -311,15 +321,30 @@ def wire_dtype(bytes_per_weight, dtype):
     return {4: torch.float32, 8: torch.float64}[bytes_per_weight]
 
 
+def wire_padding(world, first_iteration):
+    """The zeros the step's collectives carry besides the plan's elements: each factor rounded up to a
+    64-byte line (:mod:`gradpress.powersgd.layout`), and the line before the Q region where the uncompressed
+    tensors travel with a Q phase."""
+    plan, layout = world.plan, world.segments[0].layout
+    p_pad, q_pad = layout.p_numel - plan.p_numel, layout.numel - layout.q_start - plan.q_numel
+    iterations = world.config.num_iters_per_step
+    if iterations is None:
+        return p_pad + q_pad
+    sides = [(first_iteration + i) % 2 == 0 for i in range(iterations)] if plan.groups else [True]
+    between = layout.q_start - layout.unsent_end if not sides[0] and plan.uncompressed_numel else 0
+    return sum(p_pad if right else q_pad for right in sides) + between
+
+
 def check_wire(world, sent, first_iteration):
-    """The sum-allreduces of the step just run carry the plan's element count, in the wire dtype."""
+    """The sum-allreduces of the step just run carry the plan's element count (and the factors' alignment
+    padding, zeros), in the wire dtype."""
     config = world.config
     expected = wire_dtype(config.bytes_per_weight, world.dtype)
     for comm in world.comms:
         sums = [(numel, dtype) for op, numel, dtype in comm.sent if op == "sum"]
-        assert sum(numel for numel, _ in sums) == sent
+        assert sum(numel for numel, _ in sums) == sent + wire_padding(world, first_iteration)
         assert sent == direct_sent(direct_plan(world.shapes, config.rank, config.min_compression_rate),
-                                   first_iteration, config.num_iters_per_step)
+                                   first_iteration, config.num_iters_per_step, config.orient)
         assert all(dtype == expected for numel, dtype in sums if numel)
         maxes = [(numel, dtype) for op, numel, dtype in comm.sent if op == "max"]
         # The fp16 wire agrees on its scales with one max before each sum, of one float per tensor span;

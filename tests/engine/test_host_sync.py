@@ -3,8 +3,8 @@
 On a GPU, reading a tensor's value to the host (``bool(t)``, ``t.item()``, ``t.nonzero()``, boolean-mask
 indexing, ``t.tolist()``) waits for the stream: a stall of the autograd thread, once per bucket per
 step if the engine did it. These tests need no GPU: they run the engine on CPU tensors as it runs on an
-accelerator (``_reading_waits`` patched to say reads wait) and fail on any such read, caught twice
-over: at the Python methods, and at the ATen ops a value read goes through (``aten._local_scalar_dense``
+accelerator (its device backend: ``gradpress.powersgd.backend.forced(DEVICE)``) and fail on any such read,
+caught twice over: at the Python methods, and at the ATen ops a value read goes through (``aten._local_scalar_dense``
 behind ``item``/``bool``/``int``/``float``, ``aten.nonzero``, indexing with a boolean mask), seen by a
 ``TorchDispatchMode`` whatever Python or C++ code issues them. A third test runs the engine on the
 ``meta`` device, which has no values to read at all.
@@ -62,7 +62,7 @@ def _segment(config, dtype=torch.float32, device="cpu"):
 def _memory_is_finite(segment, with_p, error_feedback=True):
     """Error memory (with error feedback; else ``error_memory`` is scratch) and warm-start factors (Q; P too in
     the alternating scheme, where it is memory)."""
-    factors = segment.q if not with_p else torch.cat([segment.phase1[:segment.plan.p_numel], segment.q])
+    factors = segment.q if not with_p else torch.cat([segment.p, segment.q])
     finite_memory = not error_feedback or bool(torch.isfinite(segment.error_memory).all())
     return bool(torch.isfinite(factors).all()) and finite_memory
 
@@ -191,17 +191,19 @@ def test_the_upload_guard_catches_blocking_copies():
         assert upload(host, torch.device("cpu")) is host
 
 
-def test_on_the_cpu_a_step_reads_one_flag_and_writes_the_memory_in_place():
-    config = EngineConfig(rank=2, min_compression_rate=0, num_iters_per_step=2)
+@pytest.mark.parametrize("num_iters", [None, 2])
+def test_on_the_cpu_a_step_reads_one_flag_and_keeps_the_memory_in_its_two_buffers(num_iters):
+    config = EngineConfig(rank=2, min_compression_rate=0, num_iters_per_step=num_iters)
     segment = _segment(config)
     _run(segment, _gradients(0, False), config, 0)
-    memory = segment.error_memory.data_ptr()
+    buffers = {segment.error_memory.data_ptr(), segment.m_memory.data_ptr()}
     before = [w.clone() for w in segment.error_views]
     counter = CountSyncingOps()
     with counter:
         _run(segment, _gradients(1, False), config, 1)
     assert counter.count == 1  # the step's all-finite flag: free on the CPU, and it saves a full pass
-    assert segment.error_memory.data_ptr() == memory  # the same buffer, updated in place: no second memory
+    # M was built in the second buffer, which became the memory: no buffer of the memory's size allocated.
+    assert {segment.error_memory.data_ptr(), segment.m_memory.data_ptr()} == buffers
     assert not all(torch.equal(a, b) for a, b in zip(before, segment.error_views))
 
 
@@ -213,8 +215,8 @@ def test_on_the_cpu_a_step_reads_one_flag_and_writes_the_memory_in_place():
 def test_a_non_finite_step_leaves_memory_and_factors_bitwise_as_before(name, path, dtype):
     config = EngineConfig(rank=2, min_compression_rate=0, random_seed=11, **CONFIGS[name])
     with_p = config.num_iters_per_step is not None
-    p_numel = _segment(config, dtype).plan.p_numel
     segment = _segment(config, dtype)
+    p_numel, q_start = segment.layout.p_numel, segment.layout.q_start
     with as_on_an_accelerator() if path == "accelerator" else contextlib.nullcontext():
         _run(segment, _gradients(0, False, dtype), config, 0)
         before = (segment.error_memory.clone(), segment.wire.clone())
@@ -224,9 +226,9 @@ def test_a_non_finite_step_leaves_memory_and_factors_bitwise_as_before(name, pat
     assert not torch.isfinite(grads[BAD]).all()
     # ... and leaves the error memory and the warm-start factors exactly as they were.
     assert torch.equal(segment.error_memory, before[0])
-    assert torch.equal(segment.q, before[1][-segment.plan.q_numel:])
+    assert torch.equal(segment.q, before[1][q_start:])
     if with_p:  # P is memory in the alternating scheme (in the classic one, scratch)
-        assert torch.equal(segment.phase1[:p_numel], before[1][:p_numel])
+        assert torch.equal(segment.p, before[1][:p_numel])
     # The next step is finite again.
     grads = _gradients(2, False, dtype)
     _run(segment, grads, config, 2)
@@ -245,8 +247,8 @@ def _non_finite_on_rank_0(rank, world, num_iters, accelerator_path):
             grads = _gradients(step + 10 * rank, bad=step == 1 and rank == 0)
             powersgd.aggregate_(grads)
             (segment,) = powersgd.session.store.segments.values()
-            out.append((segment.error_memory.clone(), segment.wire.clone(), [g.clone() for g in grads],
-                        bool(powersgd.finite)))
+            out.append((segment.error_memory.clone(), (segment.p.clone(), segment.q.clone()),
+                        [g.clone() for g in grads], bool(powersgd.finite)))
     return out
 
 
@@ -254,15 +256,13 @@ def _non_finite_on_rank_0(rank, world, num_iters, accelerator_path):
 @pytest.mark.parametrize("num_iters", [None, 2])
 def test_a_non_finite_gradient_on_one_rank_leaves_every_rank_as_before(num_iters, accelerator_path):
     results = run(_non_finite_on_rank_0, WORLD, num_iters, accelerator_path)
-    plan = _segment(EngineConfig(rank=2, min_compression_rate=0)).plan
-    q_numel, p_numel = plan.q_numel, plan.p_numel
     for steps in results:
-        work, wire, grads, finite = steps[1]
+        work, (p, q), grads, finite = steps[1]
         assert not finite and not torch.isfinite(grads[BAD]).all()  # every rank sees the overflow
         assert torch.equal(work, steps[0][0])  # the error memory is as before the step
-        assert torch.equal(wire[-q_numel:], steps[0][1][-q_numel:])  # and so is Q
+        assert torch.equal(q, steps[0][1][1])  # and so is Q
         if num_iters is not None:  # and P, where it is memory
-            assert torch.equal(wire[:p_numel], steps[0][1][:p_numel])
+            assert torch.equal(p, steps[0][1][0])
         assert steps[2][3] and all(torch.isfinite(g).all() for g in steps[2][2])  # the next step is finite
     # The factors are means: identical on every rank, skipped or not (in the classic scheme P is no
     # memory: it stays NaN until the next step overwrites it).

@@ -433,7 +433,8 @@ def test_engine_reads_one_flag_per_step_on_the_cpu_and_holds_one_m_buffer_beside
         held = [getattr(segment, name) for name in segment.__slots__]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in held if isinstance(t, torch.Tensor)}  # (views share their buffer's storage)
-        numel = 2 * segment.error_memory.numel() + segment.wire.numel() + segment.plan.q_numel
+        # (the wire's buffer holds one line more, to align its start; the saved Q is the wire's Q region)
+        numel = 2 * segment.error_memory.numel() + segment.wire.numel() + ALIGNMENT_BYTES // 4 + segment.q.numel()
         assert sum(storages.values()) == 4 * numel
 
 

@@ -45,7 +45,7 @@ def _model() -> nn.Module:
                          nn.Linear(96, 8))
 
 
-def _train(rank: int, world_size: int, bytes_per_weight: int, stop: int | None) -> dict:
+def _train(rank: int, world_size: int, bytes_per_weight: int, stop: int | None, each_bucket: bool = False) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradpress
@@ -54,6 +54,8 @@ def _train(rank: int, world_size: int, bytes_per_weight: int, stop: int | None) 
         ddp = DDP(_model(), bucket_cap_mb=0.02)
         state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2,
                                         bytes_per_weight=bytes_per_weight)
+        if each_bucket:  # what FSDP and the interleaved ZeRO step set: a segment and a commit per bucket
+            state.commit_each_bucket()
         buckets = []
 
         def hook(state, bucket):
@@ -83,10 +85,14 @@ def _train(rank: int, world_size: int, bytes_per_weight: int, stop: int | None) 
     return {"params": [p.detach().clone() for p in ddp.module.parameters()], "buckets": layouts}
 
 
-@pytest.mark.parametrize("bytes_per_weight", [4, 2])
-def test_resume_in_a_new_ddp_model_is_bitwise_over_several_buckets(bytes_per_weight):
-    whole = run(_train, WORLD, bytes_per_weight, None)
-    resumed = run(_train, WORLD, bytes_per_weight, STOP)
+@pytest.mark.parametrize("bytes_per_weight, each_bucket", [(4, False), (2, False), (4, True), (2, True)],
+                         ids=["fp32", "fp16", "fp32-each-bucket", "fp16-each-bucket"])
+def test_resume_in_a_new_ddp_model_is_bitwise_over_several_buckets(bytes_per_weight, each_bucket):
+    # With each bucket its own segment, the resumed run's first iteration groups the matrices otherwise
+    # (DDP's one bucket): every factor sits on its own aligned line of the wire, so no product rounds
+    # by where its operands sit (gradpress.powersgd.layout).
+    whole = run(_train, WORLD, bytes_per_weight, None, each_bucket)
+    resumed = run(_train, WORLD, bytes_per_weight, STOP, each_bucket)
     # The premise: several buckets, and one on the first iteration of each DDP model.
     assert whole[0]["buckets"][0] == 1 and min(whole[0]["buckets"][1:]) >= 2
     assert resumed[0]["buckets"][STOP] == 1

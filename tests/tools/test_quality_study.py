@@ -121,28 +121,25 @@ def test_both_study_scripts_write_the_same_record(tmp_path: Path, capsys: pytest
 
 
 def test_forced_orthogonalization_reaches_the_steps_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--orthogonalization cholesky`` makes the CPU step run the accelerator path's Cholesky-QR: the step's
-    two entry points then give Cholesky-QR's bits, which are not Householder's, and still an orthonormal
-    basis of the same span."""
+    """``--orthogonalization cholesky`` makes the CPU step run the accelerator path's Cholesky-QR, through the
+    engine's own option (no patching): the study's PowerSGD options carry it, and a step built from them
+    calls the registry's Cholesky-QR, not Householder."""
     import torch
 
-    from gradpress.powersgd import linalg, step
+    from gradpress.comm import LocalCommunicator
+    from gradpress.powersgd import EngineConfig, Segment, compress_step, linalg, make_plan
 
-    monkeypatch.setattr(step, "orthogonalize_groups_", step.orthogonalize_groups_)
-    monkeypatch.setattr(step, "orthogonalize_", step.orthogonalize_)
-    factors = torch.randn(3, 40, 4, generator=torch.Generator().manual_seed(0))
-    householder = factors.clone()
-    linalg.orthogonalize_groups_([householder], 0.0, "householder")
-    cholesky = factors.clone()
-    linalg.orthogonalize_groups_([cholesky], 0.0, "cholesky")
-    assert not torch.equal(householder, cholesky)
-
-    qs.force_orthogonalization("cholesky")
-    forced = factors.clone()
-    step.orthogonalize_groups_([forced], 0.0, "householder")  # what the CPU step asks for
-    assert torch.equal(forced, cholesky)
-    single = factors.clone()
-    step.orthogonalize_(single, 0.0, "householder")
-    assert torch.equal(single, cholesky)
-    projector = forced @ forced.transpose(1, 2)  # the same span as Householder's basis
-    assert torch.allclose(projector, householder @ householder.transpose(1, 2), atol=1e-5)
+    options = qs.with_orthogonalization({"bytes_per_weight": 2}, "cholesky")
+    assert options == {"bytes_per_weight": 2, "orthogonalization": "cholesky"}
+    calls: list[str] = []
+    for name in ("cholesky", "householder"):
+        method = linalg.ORTHOGONALIZATIONS[name]
+        monkeypatch.setitem(linalg.ORTHOGONALIZATIONS, name,
+                            lambda groups, name=name, method=method: calls.append(name) or method(groups))
+    for method in ("cholesky", "auto"):
+        config = EngineConfig(rank=4, min_compression_rate=0, orthogonalization=method)
+        segment = Segment(make_plan([(40, 12)], 4, 0), [0], torch.device("cpu"), torch.float32)
+        task, _ = compress_step(segment, [torch.randn(40, 12)], LocalCommunicator(), config, 0)
+        for _ in task:
+            pass
+    assert calls == ["cholesky", "householder"]  # "auto" on the CPU: Householder

@@ -41,6 +41,9 @@ class Config:
         global_residual_every_n_iters: the same for the global residual of the workers' mean
             (:meth:`PowerSGD.global_residual`), which costs one more all-reduce (of a sketch) on each
             measured step. ``None``: never.
+        orient_matrices, half_precision_wire, orthogonalization: as in :class:`gradpress.PowerSGDState`
+            (compress wide gradients as their transpose; the 2-byte wires' format, ``"auto"``, ``"fp16"``
+            or ``"bf16"``; ``"auto"``, ``"householder"`` or ``"cholesky"``).
 
     >>> Config(rank=2, bytes_per_weight=2).engine_config().bytes_per_weight
     2
@@ -57,6 +60,9 @@ class Config:
     warm_up_bytes_per_weight: int | None = None
     approximation_error_every_n_iters: int | None = None
     global_residual_every_n_iters: int | None = None
+    orient_matrices: bool = False
+    half_precision_wire: str = "auto"
+    orthogonalization: str = "auto"
 
     def __post_init__(self) -> None:
         check_measure_every(self.approximation_error_every_n_iters)
@@ -79,4 +85,5 @@ class Config:
                             feedback_every_n_iters=self.feedback_every_n_iters,
                             warm_up_beta_factor=self.warm_up_beta_factor,
                             warm_up_steps=self.start_compressing_after_num_steps,
-                            warm_up_bytes_per_weight=self.warm_up_bytes_per_weight)
+                            warm_up_bytes_per_weight=self.warm_up_bytes_per_weight, orient=self.orient_matrices,
+                            half_precision_wire=self.half_precision_wire, orthogonalization=self.orthogonalization)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict
+import logging
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -25,9 +26,14 @@ from .exact import Aggregator, Contiguous, by_device_dtype, dense_gradients
 
 __all__ = ["PowerSGD", "optimizer_step"]
 
+logger = logging.getLogger(__name__)
+
 _STATE_DICT_VERSION = 1
 # Config fields a checkpoint's memory depends on.
 _MEMORY_FIELDS = ("rank", "min_compression_rate", "num_iters_per_step", "random_seed")
+# Config fields added later, saved only when not at these defaults (checkpoints keep the keys they had).
+_LATER_FIELDS = {"warm_up_bytes_per_weight": None, "global_residual_every_n_iters": None,
+                 "half_precision_wire": "auto", "orthogonalization": "auto"}
 
 
 class PowerSGD(Aggregator):
@@ -56,10 +62,10 @@ class PowerSGD(Aggregator):
     ``aggregate_([p.grad ...])`` and then ``scaler.step(optimizer)``, which sees the inf and skips.
     ``step_counter`` still advances (no host sync decides it; as in ``PowerSGDState``): a run that
     leaves the step out and adds 1 to ``step_counter`` instead continues with the same numbers.
-    Memory: no second copy of the error memory is kept; nothing a later step reads is written until
-    every group of the call has finished, and then only if all are finite (M = g + e is rebuilt in a
-    shared workspace for each product, the warm-start factors the step overwrites are saved first: see
-    :class:`gradpress.powersgd.memory.Segment` and :class:`gradpress.powersgd.step.StepCommit`).
+    Memory: besides the error memory, one buffer of its size where each step builds M = g + e once (the two
+    trade roles at each commit); nothing a later step reads is written until every group of the call has
+    finished, and then only if all are finite (the warm-start factors the step overwrites are saved first:
+    see :class:`gradpress.powersgd.memory.Segment` and :class:`gradpress.powersgd.commit.StepCommit`).
 
     Args:
         params: the parameters whose gradients will be aggregated (order fixes the gradients' order), or
@@ -133,7 +139,7 @@ class PowerSGD(Aggregator):
 
     def _plan(self) -> Plan:
         return make_plan([p.shape for p in self.params], self.config.rank, self.config.min_compression_rate,
-                         self._ranks_of(range(len(self.params))))
+                         self._ranks_of(range(len(self.params))), orient=self.config.orient_matrices)
 
     # --- counters, memory ---------------------------------------------------------------------------
     @property
@@ -190,7 +196,8 @@ class PowerSGD(Aggregator):
         for dtype in {p.dtype for p in self.params}:
             indices = [i for i, p in enumerate(self.params) if p.dtype == dtype]
             plan = make_plan([self.params[i].shape for i in indices], self.config.rank,
-                             self.config.min_compression_rate, self._ranks_of(indices))
+                             self.config.min_compression_rate, self._ranks_of(indices),
+                             orient=self.config.orient_matrices)
             wire = self._session.wire_dtype(dtype)
             total += plan.mean_numel_sent(self.config.num_iters_per_step) * wire.itemsize
         return total
@@ -311,8 +318,7 @@ class PowerSGD(Aggregator):
             "placement": placement(self.process_group),
             # Options added later only when set: checkpoints keep the keys they had before they existed.
             "config": {name: value for name, value in asdict(self.config).items()
-                       if name not in ("warm_up_bytes_per_weight", "global_residual_every_n_iters")
-                       or value is not None},
+                       if name not in _LATER_FIELDS or value != _LATER_FIELDS[name]},
             "step_counter": self.step_counter,
             "total_numel": self.total_numel,
             "total_floats_sent": self.total_floats_sent,
@@ -351,6 +357,14 @@ class PowerSGD(Aggregator):
                              f"expected {_STATE_DICT_VERSION}")
         check_saved_options(state_dict["config"], {name: getattr(self.config, name) for name in _MEMORY_FIELDS},
                             "PowerSGD", "use the same Config to resume")
+        # The memory's warm-start factors belong to one side of each wide matrix: follow the checkpoint's
+        # orientation (checkpoints from before the option: PyTorch's view, not oriented).
+        oriented = bool(state_dict["config"].get("orient_matrices", False))
+        if oriented != self.config.orient_matrices:
+            logger.info("PowerSGD: the checkpoint was saved with orient_matrices=%s; this aggregator follows it "
+                        "(its memory's factors belong to that orientation)", oriented)
+            self.config = replace(self.config, orient_matrices=oriented)
+            self._session.configure(self.config.engine_config())
         shapes = [tuple(int(d) for d in s) for s in state_dict["param_shapes"]]
         current = [tuple(p.shape) for p in self.params]
         if len(shapes) != len(current):

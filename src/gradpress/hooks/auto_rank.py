@@ -12,6 +12,9 @@ from typing import Any
 from ..adaptive import AdaptiveRank
 from ..autorank import AutoRank, RankDecision
 from ..policy import RankRules
+from ..powersgd.session import EngineSession
+from ..powersgd.transport import Communicator
+from .parameters import ParameterKeys
 
 __all__ = ["apply_rank", "auto_rank_decision", "decide_rank", "measure_bucket"]
 
@@ -37,47 +40,50 @@ def auto_rank_decision(auto_rank: AutoRank | dict[str, Any] | None, adaptive_ran
     return RankDecision(auto_rank)
 
 
-def measure_bucket(state: Any, bucket: Any) -> Callable[[], None] | None:
-    """What a measured warm-up iteration runs once ``bucket``'s exact average is written: add its matrices'
-    energy profile (matrices a ``rank_policy`` sends exactly are left out) to the state's decision.
-    ``None`` where the iteration is not measured (or there is no automatic rank)."""
-    if state._auto is None or not state._auto.measures(state.iter, state.start_powerSGD_iter):
+def measure_bucket(decision: RankDecision | None, params: ParameterKeys, bucket: Any, iteration: int,
+                   start: int, random_seed: int, min_compression_rate: float) -> Callable[[], None] | None:
+    """What a measured warm-up iteration (``iteration`` of a state compressing from ``start``) runs once
+    ``bucket``'s exact average is written: add its matrices' energy profile (matrices a ``rank_policy``
+    sends exactly are left out) to ``decision``. ``None`` where the iteration is not measured (or there is
+    no automatic rank)."""
+    if decision is None or not decision.measures(iteration, start):
         return None
-    params, grads = bucket.parameters(), bucket.gradients()
-    ranks = state._params.ranks_for(state._params.keys_for(params), params, grads)
+    parameters, grads = bucket.parameters(), bucket.gradients()
+    ranks = params.ranks_for(params.keys_for(parameters), parameters, grads)
     chosen = [g for i, g in enumerate(grads) if g.dim() >= 2 and (ranks is None or ranks[i] is not None)]
-    seed = (state.random_seed * 1_000_003 + state.iter) * 1_009 + bucket.index()
-    auto, last = state._auto, bucket.is_last()
+    seed = (random_seed * 1_000_003 + iteration) * 1_009 + bucket.index()
+    last = bucket.is_last()
 
     def measure() -> None:
-        auto.add(chosen, state.min_compression_rate, seed)
+        decision.add(chosen, min_compression_rate, seed)
         if last:
-            auto.end_iteration()
+            decision.end_iteration()
     return measure
 
 
-def decide_rank(state: Any, bucket: Any) -> None:
-    """At the first compressed iteration's first bucket (every rank): decide and apply the rank, once."""
-    if state._auto is None or state._auto.rank is not None:
+def decide_rank(decision: RankDecision | None, bucket: Any, comm: Callable[[], Communicator], current_rank: int,
+                session: EngineSession, params: ParameterKeys) -> None:
+    """At the first compressed iteration's first bucket (every rank): decide and apply the rank, once
+    (``comm()``: the state's communicator; ``current_rank``: what to keep if nothing was measured)."""
+    if decision is None or decision.rank is not None:
         return
-    device = bucket.buffer().device
-    rank, captured = state._auto.decide(state._communicator(), state.matrix_approximation_rank, device)
-    apply_rank(state, rank)
+    rank, captured = decision.decide(comm(), current_rank, bucket.buffer().device)
+    apply_rank(rank, session, params)
     if captured is None:
         logger.warning("PowerSGDState auto_rank: no warm-up iteration was measured (resumed past the warm-up "
                        "from a checkpoint without a decision?); keeping matrix_approximation_rank=%s", rank)
         return
-    shown = ", ".join(f"E({k})={captured[k - 1]:.3f}" for k in state._auto.rule.candidates())
+    shown = ", ".join(f"E({k})={captured[k - 1]:.3f}" for k in decision.rule.candidates())
     logger.info("PowerSGDState auto_rank: rank %s, the smallest from %s whose captured energy of the averaged "
-                "gradients over %s warm-up iterations reaches %s (%s)", rank, state._auto.rule.floor,
-                state._auto.measured, state._auto.rule.threshold, shown)
+                "gradients over %s warm-up iterations reaches %s (%s)", rank, decision.rule.floor,
+                decision.measured, decision.rule.threshold, shown)
 
 
-def apply_rank(state: Any, rank: int) -> None:
-    """Compress at ``rank`` from now on; before the first compressed step (there is no memory yet)."""
-    state._session.config = dataclasses.replace(state._session.config, rank=rank)
-    state._session.forget_memory()
-    policy = state._params.policy
+def apply_rank(rank: int, session: EngineSession, params: ParameterKeys) -> None:
+    """Compress at ``rank`` from now on; before the first compressed step (there is no memory yet): the
+    session's configuration, and a mapping policy's default."""
+    session.configure(dataclasses.replace(session.config, rank=rank))
+    policy = params.policy
     if policy is not None:
         policy.default = rank
-        state._params.policy_ranks.clear()
+        params.policy_ranks.clear()

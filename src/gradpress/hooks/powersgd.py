@@ -30,7 +30,6 @@ from torch import Tensor
 
 from ..adaptive import AdaptiveRank
 from ..comm import check_process_group, make_communicator
-from ..diagnostics import check_measure_every
 from ..policy import RankRules
 from ..powersgd.config import EngineConfig
 from ..powersgd.memory import Segment
@@ -42,6 +41,8 @@ from .auto_rank import auto_rank_decision, decide_rank, measure_bucket
 from .iteration import WaitingBuckets, bucket_segment
 from .parameters import ParameterKeys
 from .state_checkpoint import StateCheckpoint
+from .state_options import (check_lr_scheduler, check_schedule, check_warm_up, checked_device,
+                            merged_error_feedback)
 from .state_report import BucketMemory, StateReport
 
 __all__ = ["PowerSGDState", "powerSGD_hook", "powersgd_hook"]
@@ -136,6 +137,13 @@ class PowerSGDState(StateReport, StateCheckpoint):
             of the averaged gradients' energy in the last warm-up iterations (the same on every rank;
             logged; checkpointed), then read as ``matrix_approximation_rank``. DDP hooks only; a mapping
             ``rank_policy`` keeps its own ranks. See :mod:`gradpress.autorank`.
+        orient_matrices: compress a wide gradient (``n < m``) as its transpose, so that a model's ``(a, b)``
+            and ``(b, a)`` shapes share one batched product (fewer kernels, the same bytes); ``False``:
+            PyTorch's ``(shape[0], -1)`` view always. A loaded checkpoint's setting wins.
+        half_precision_wire: the 2-byte wires' format: ``"auto"`` (bf16 for bf16 gradients, else scaled
+            fp16), ``"fp16"`` or ``"bf16"`` (fp32's range, no scale, 8 bits of mantissa against 11).
+        orthogonalization: ``"auto"`` (Householder on the CPU, Cholesky-QR elsewhere), ``"householder"``,
+            ``"cholesky"``.
 
     Non-finite iterations (AMP): when anything the hook averaged in an iteration is inf/NaN (on any
     rank: the sum carries it to all), the error memory and warm-start factors of every bucket, on every
@@ -186,52 +194,29 @@ class PowerSGDState(StateReport, StateCheckpoint):
         rank_policy: RankRules | None = None,
         adaptive_rank: AdaptiveRank | dict[str, Any] | None = None,
         auto_rank: AutoRank | dict[str, Any] | None = None,
+        orient_matrices: bool = False,
+        half_precision_wire: str = "auto",
+        orthogonalization: str = "auto",
     ) -> None:
         check_process_group(process_group, "PowerSGDState's first argument, process_group",
                             "the signature is PowerSGDState(process_group, matrix_approximation_rank, "
                             f"start_powerSGD_iter, ...): for rank {process_group!r} write "
                             f"PowerSGDState(None, matrix_approximation_rank={process_group!r}, ...)"
                             if isinstance(process_group, int) and not isinstance(process_group, bool) else "")
-        if error_feedback is not None:
-            if not isinstance(error_feedback, bool):
-                raise TypeError(f"error_feedback must be a bool, got {error_feedback!r}")
-            # use_error_feedback's default is PyTorch's plain True (tools read defaults from the
-            # signature), so only a non-default use_error_feedback=False can be seen to disagree.
-            if use_error_feedback is False and error_feedback:
-                raise ValueError(f"error_feedback={error_feedback!r} and use_error_feedback={use_error_feedback!r} "
-                                 "disagree; they are the same option, give one of them")
-            use_error_feedback = error_feedback
-        if lr_scheduler is not None and not callable(getattr(lr_scheduler, "get_last_lr", None)):
-            raise TypeError(f"lr_scheduler must be None or have a get_last_lr() method (a "
-                            f"torch.optim.lr_scheduler.LRScheduler), got {type(lr_scheduler).__name__}")
-        # Checked before the engine's config, whose messages name its own fields (warm_up_steps).
-        if isinstance(start_powerSGD_iter, bool) or not isinstance(start_powerSGD_iter, int) \
-                or start_powerSGD_iter < 0:
-            raise ValueError(f"start_powerSGD_iter must be an integer >= 0, got {start_powerSGD_iter!r}")
-        check_measure_every(approximation_error_every_n_iters)
-        check_measure_every(global_residual_every_n_iters, "global_residual_every_n_iters")
+        use_error_feedback = merged_error_feedback(use_error_feedback, error_feedback)
+        check_lr_scheduler(lr_scheduler)
+        check_schedule(start_powerSGD_iter, compression_stats_logging_frequency, approximation_error_every_n_iters,
+                       global_residual_every_n_iters)
         config = EngineConfig(
             rank=matrix_approximation_rank, min_compression_rate=min_compression_rate,
             use_error_feedback=use_error_feedback, warm_start=warm_start,
             orthogonalization_epsilon=orthogonalization_epsilon, random_seed=random_seed,
             num_iters_per_step=num_iters_per_step, bytes_per_weight=bytes_per_weight,
             feedback_every_n_iters=feedback_every_n_iters, warm_up_beta_factor=warm_up_beta_factor,
-            warm_up_steps=start_powerSGD_iter, warm_up_bytes_per_weight=warm_up_bytes_per_weight)
-        if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
-            raise ValueError(
-                "Expect `start_powerSGD_iter` > 1 if `use_error_feedback` or `warm_start` is enabled, "
-                "because PowerSGD can only be applied after the first two iterations in DDP "
-                f"(got start_powerSGD_iter={start_powerSGD_iter!r}).")
-        if isinstance(compression_stats_logging_frequency, bool) \
-                or not isinstance(compression_stats_logging_frequency, int):
-            raise ValueError("compression_stats_logging_frequency must be an integer, got "
-                             f"{compression_stats_logging_frequency!r}")
-        if comm_device is not None:
-            try:
-                comm_device = torch.device(comm_device)
-            except (RuntimeError, TypeError) as exc:
-                raise ValueError(f"comm_device must be None or a torch device such as 'cpu' or 'cuda:0', "
-                                 f"got {comm_device!r}") from exc
+            warm_up_steps=start_powerSGD_iter, warm_up_bytes_per_weight=warm_up_bytes_per_weight,
+            orient=orient_matrices, half_precision_wire=half_precision_wire, orthogonalization=orthogonalization)
+        check_warm_up(config)
+        comm_device = checked_device(comm_device)
         self.process_group = process_group
         self.start_powerSGD_iter = start_powerSGD_iter
         self.compression_stats_logging_frequency = max(1, compression_stats_logging_frequency)
@@ -274,6 +259,9 @@ class PowerSGDState(StateReport, StateCheckpoint):
     warm_up_bytes_per_weight = _from_config("warm_up_bytes_per_weight")
     feedback_every_n_iters = _from_config("feedback_every_n_iters")
     warm_up_beta_factor = _from_config("warm_up_beta_factor")
+    orient_matrices = _from_config("orient")
+    half_precision_wire = _from_config("half_precision_wire")
+    orthogonalization = _from_config("orthogonalization")
 
     @property
     def rank_policy(self) -> RankRules | None:
@@ -418,10 +406,13 @@ class PowerSGDState(StateReport, StateCheckpoint):
             self._move_to_another_model()
         self._params.note_bucket(bucket)
         if self.iter >= self.start_powerSGD_iter:
-            decide_rank(self, bucket)  # automatic rank: once, at the first compressed bucket
+            # automatic rank: once, at the first compressed bucket
+            decide_rank(self._auto, bucket, self._communicator, self.matrix_approximation_rank, self._session,
+                        self._params)
             return None
         self._params.keys_for(bucket.parameters())
-        measure = measure_bucket(self, bucket)  # automatic rank: the last warm-up iterations
+        measure = measure_bucket(self._auto, self._params, bucket, self.iter, self.start_powerSGD_iter,
+                                 self.random_seed, self.min_compression_rate)  # automatic rank: the last warm-up
         # The exact average goes through the engine's communicator and pipeline, in bucket order, like the
         # compressed steps (each gradient with its own fp16 scale); counted only on warm_up_bytes_per_weight.
         average = partial(self._session.average, bucket.gradients(), self._communicator(), flat=bucket.buffer(),

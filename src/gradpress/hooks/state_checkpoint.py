@@ -11,6 +11,7 @@ memory, :class:`~gradpress.hooks.batched.PaddedBuckets`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Protocol
 
@@ -87,6 +88,12 @@ class _State(Protocol):
     @property
     def warm_up_beta_factor(self) -> float | None: ...
     @property
+    def orient_matrices(self) -> bool: ...
+    @property
+    def half_precision_wire(self) -> str: ...
+    @property
+    def orthogonalization(self) -> str: ...
+    @property
     def rank_policy(self) -> RankRules | None: ...
     @property
     def adaptive_rank(self) -> AdaptiveRank | None: ...
@@ -142,9 +149,14 @@ class StateCheckpoint:
                 "rank_policy": self.rank_policy if isinstance(self.rank_policy, dict) else None,
                 "adaptive_rank": None if self.adaptive_rank is None else self.adaptive_rank.to_dict(),
                 **({} if self._auto is None else {"auto_rank": self._auto.rule.to_dict()}),
+                # The memory's factors belong to one side of each wide matrix (checkpoints from before the
+                # option: PyTorch's view).
+                "orient_matrices": self.orient_matrices,
                 # Only when set: checkpoints keep the keys they had before the option existed.
                 **({} if self.warm_up_bytes_per_weight is None
                    else {"warm_up_bytes_per_weight": self.warm_up_bytes_per_weight}),
+                **({} if self.half_precision_wire == "auto" else {"half_precision_wire": self.half_precision_wire}),
+                **({} if self.orthogonalization == "auto" else {"orthogonalization": self.orthogonalization}),
             },
             "adaptive": self._params.adaptive_state(),
             # The automatic rank's decision (matrix_approximation_rank above holds it), or its measurement so far.
@@ -211,13 +223,18 @@ class StateCheckpoint:
         if self._auto is not None and "auto_rank" in state_dict:  # a decision is kept, never taken again
             self._auto.load(state_dict["auto_rank"])
             if self._auto.rank is not None:
-                apply_rank(self, self._auto.rank)
+                apply_rank(self._auto.rank, self._session, self._params)
         check_saved_options(state_dict["options"], {name: getattr(self, name) for name in _MEMORY_OPTIONS} |
                             {"adaptive_rank": adaptive}, "PowerSGDState", remedy)
         check_placement(state_dict.get("placement"), placement(self.process_group), "PowerSGDState",
                         allow_other_rank)
         if self._session.in_flight():
             raise RuntimeError("PowerSGDState.load_state_dict() was called while a backward pass is in flight")
+        oriented = bool(state_dict["options"].get("orient_matrices", False))
+        if oriented != self.orient_matrices:
+            logger.info("PowerSGDState: the checkpoint was saved with orient_matrices=%s; this state follows it "
+                        "(its memory's factors belong to that orientation)", oriented)
+            self._session.configure(dataclasses.replace(self._session.config, orient=oriented))
         self.iter = int(state_dict["iter"])
         self.total_numel_before_compression = int(state_dict["total_numel_before_compression"])
         self.total_numel_after_compression = int(state_dict["total_numel_after_compression"])

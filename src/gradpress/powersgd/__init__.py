@@ -8,7 +8,8 @@ from .seeding import seeded_normal
 from .plan import GroupPlan, Plan, TensorPlan, make_plan, should_compress
 from .session import EngineSession, MemoryReport
 from .store import SegmentStore
-from .step import StepCommit, alternating_step, compress_step, power_step
+from .commit import StepCommit
+from .step import alternating_step, compress_step, power_step
 
 __all__ = ["EngineConfig", "EngineSession", "GroupPlan", "MemoryReport", "ParamMemory", "Plan", "Segment",
            "SegmentStore", "StepCommit", "TensorPlan", "Workspace", "alternating_step", "compress_step",

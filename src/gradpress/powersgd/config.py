@@ -6,7 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EngineConfig"]
+from .linalg import ORTHOGONALIZATIONS
+
+__all__ = ["HALF_PRECISION_WIRES", "EngineConfig"]
+
+#: The values of ``half_precision_wire``.
+HALF_PRECISION_WIRES = ("auto", "fp16", "bf16")
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,16 @@ class EngineConfig:
     ``warm_up_bytes_per_weight``: the wire of the exact averages before compression starts
     (:meth:`warm_up_wire_dtype`): ``None`` sends the gradients' own dtype; 2 = the half-precision wire of
     ``bytes_per_weight=2`` (bf16 for bf16 gradients, else fp16 scaled one power of two per tensor).
+    ``half_precision_wire``: which half precision the 2-byte wires send: ``"auto"`` (bf16 for bf16
+    gradients, else fp16 scaled per tensor), ``"fp16"`` or ``"bf16"`` (a plain cast: fp32's range, 8 bits
+    of mantissa, no max-allreduce) for every gradient dtype.
+    ``orthogonalization``: how P (and Q in the alternating scheme) is orthonormalized: a name of
+    :data:`~gradpress.powersgd.linalg.ORTHOGONALIZATIONS` (``"householder"``, ``"cholesky"``) or ``"auto"``,
+    the device's choice (:mod:`gradpress.powersgd.backend`: Householder QR on the CPU, Cholesky-QR elsewhere).
+    ``orient``: view each compressed gradient as a tall matrix, its longer side first (``(shape[0], -1)``
+    transposed where that is wide), so that a model's transposed pairs of shapes (a transformer's
+    ``(4d, d)`` and ``(d, 4d)``) share one batched product; ``False``: PyTorch's ``(shape[0], -1)`` always.
+    The bytes sent are the same; the approximation of a transposed matrix is taken from its other side.
     """
 
     rank: int = 1
@@ -46,6 +61,9 @@ class EngineConfig:
     warm_up_beta_factor: float | None = None
     warm_up_steps: int = 0
     warm_up_bytes_per_weight: int | None = None
+    half_precision_wire: str = "auto"
+    orthogonalization: str = "auto"
+    orient: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -58,7 +76,7 @@ class EngineConfig:
                 f"orthogonalization_epsilon must be a number >= 0, got {self.orthogonalization_epsilon!r}")
         if isinstance(self.random_seed, bool) or not isinstance(self.random_seed, int) or self.random_seed < 0:
             raise ValueError(f"random_seed must be an integer >= 0, got {self.random_seed!r}")
-        for name in ("use_error_feedback", "warm_start"):
+        for name in ("use_error_feedback", "warm_start", "orient"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         k = self.num_iters_per_step
@@ -85,13 +103,23 @@ class EngineConfig:
                                           or warm_up_bytes != 2):
             raise ValueError(f"warm_up_bytes_per_weight must be None (the gradients' own precision) or 2 (the "
                              f"half-precision wire of bytes_per_weight=2), got {warm_up_bytes!r}")
+        if self.half_precision_wire not in HALF_PRECISION_WIRES:
+            raise ValueError(f"half_precision_wire must be one of {', '.join(map(repr, HALF_PRECISION_WIRES))}, "
+                             f"got {self.half_precision_wire!r}")
+        if self.half_precision_wire != "auto" and self.bytes_per_weight != 2 and warm_up_bytes is None:
+            raise ValueError(f"half_precision_wire={self.half_precision_wire!r} chooses the format of a 2-byte wire: "
+                             f"give bytes_per_weight=2 or warm_up_bytes_per_weight=2 with it (bytes_per_weight is "
+                             f"{self.bytes_per_weight!r})")
+        if self.orthogonalization != "auto" and self.orthogonalization not in ORTHOGONALIZATIONS:
+            raise ValueError(f"orthogonalization must be 'auto' or one of "
+                             f"{', '.join(map(repr, sorted(ORTHOGONALIZATIONS)))}, got {self.orthogonalization!r}")
 
     def wire_dtype(self, grad_dtype: torch.dtype, work_dtype: torch.dtype) -> torch.dtype:
         """The dtype P, Q and the uncompressed tensors are allreduced in, for gradients of ``grad_dtype``."""
         if self.bytes_per_weight is None:
             return work_dtype
         if self.bytes_per_weight == 2:
-            return torch.bfloat16 if grad_dtype == torch.bfloat16 else torch.float16
+            return self._half(grad_dtype)
         return torch.float32 if self.bytes_per_weight == 4 else torch.float64
 
     def warm_up_wire_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
@@ -100,4 +128,10 @@ class EngineConfig:
         ``bytes_per_weight=2`` selects (bf16 for bf16 gradients, else fp16)."""
         if self.warm_up_bytes_per_weight is None:
             return grad_dtype
-        return torch.bfloat16 if grad_dtype == torch.bfloat16 else torch.float16
+        return self._half(grad_dtype)
+
+    def _half(self, grad_dtype: torch.dtype) -> torch.dtype:
+        """The 2-byte wire's dtype for gradients of ``grad_dtype`` (``half_precision_wire``)."""
+        if self.half_precision_wire == "bf16" or (self.half_precision_wire == "auto" and grad_dtype == torch.bfloat16):
+            return torch.bfloat16
+        return torch.float16

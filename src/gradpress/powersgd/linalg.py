@@ -5,12 +5,16 @@ Everything here is pure tensor math: no process groups, no buckets.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
+from .backend import backend_for
 from .seeding import seeded_normal, upload
 
-__all__ = ["as_matrix_shape", "completion", "orthogonalize_", "orthogonalize_groups_"]
+__all__ = ["ORTHOGONALIZATIONS", "as_matrix_shape", "completion", "orthogonalize_", "orthogonalize_groups_",
+           "scale_to_unit_"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -77,6 +81,16 @@ _DEPENDENT = 1e-10
 _TINY = 1e-290
 
 _completions: dict[tuple[int, int, torch.device, torch.dtype], Tensor] = {}
+_identities: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
+
+
+def _identity(r: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """The ``(r, r)`` identity on ``device``, built once per (r, device, dtype): a kernel saved per call."""
+    key = (r, torch.device(device), dtype)
+    found = _identities.get(key)
+    if found is None:
+        found = _identities[key] = torch.eye(r, device=device, dtype=dtype)
+    return found
 
 
 def completion(n: int, r: int, device: torch.device, dtype: torch.dtype) -> Tensor:
@@ -112,17 +126,21 @@ def orthogonalize_groups_(groups: list[Tensor], epsilon: float = 0.0, method: st
        it is replaced by the same column of a fixed well-conditioned matrix (:func:`completion`, scaled
        to the matrix's root-mean-square column norm), as Householder QR completes a basis. The other
        columns, hence the span of the matrix, are kept exactly. Decided on the device: no host read.
+       (Replacing the columns in the first pass's output instead would save this factorization, but it
+       loses the span: a later column's component along a replaced direction would be projected out.)
     2. *Shifted Cholesky-QR3* (Fukaya et al., 2020): a pass with the same shift (well defined for any
        condition number), then two passes with a shift of epsilon times the trace (so that no
        factorization fails on rounding): orthonormal to fp64 precision (measured against Householder
        QR on spectra down to 1e-20, duplicated columns, zero matrices and values of 1e-30 and 1e15:
        tests/engine/test_plan_linalg.py).
 
-    ``epsilon``: the rank-1 path divides by ``norm + epsilon`` (PyTorch's option). ``method="auto"``:
-    Householder on the CPU, Cholesky-QR elsewhere.
+    ``epsilon``: the rank-1 path divides by ``norm + epsilon`` (PyTorch's option). ``method``: a name of
+    :data:`ORTHOGONALIZATIONS`, or ``"auto"``: the device's choice (:mod:`gradpress.powersgd.backend`,
+    Householder on the CPU, Cholesky-QR elsewhere).
     """
-    if method not in ("auto", "householder", "cholesky"):
-        raise ValueError(f"method must be 'auto', 'householder' or 'cholesky', got {method!r}")
+    if method != "auto" and method not in ORTHOGONALIZATIONS:
+        raise ValueError(f"method must be 'auto' or one of {', '.join(map(repr, sorted(ORTHOGONALIZATIONS)))}, "
+                         f"got {method!r}")
     by_rank: dict[int, list[Tensor]] = {}
     for matrices in groups:
         if matrices.shape[0] and matrices.shape[2]:
@@ -131,19 +149,42 @@ def orthogonalize_groups_(groups: list[Tensor], epsilon: float = 0.0, method: st
         if r == 1:
             for matrices in members:
                 _normalize_(matrices, epsilon)
-        elif method == "cholesky" or (method == "auto" and members[0].device.type != "cpu"):
-            _cholesky_qr_(members)
         else:
-            for matrices in members:
-                matrices.copy_(torch.linalg.qr(matrices, mode="reduced")[0])
+            chosen = backend_for(members[0].device).orthogonalization if method == "auto" else method
+            ORTHOGONALIZATIONS[chosen](members)
 
 
 def _normalize_(work: Tensor, epsilon: float) -> None:
-    norms = torch.linalg.vector_norm(work, dim=1, keepdim=True)
+    """Rank 1: each column divided by ``its norm + epsilon``, the norm accumulated in float64 so that no
+    finite column over- or underflows on the way (an fp32 column of 1e20s has a squared norm past fp32's
+    range, one of 1e-25s one below it: both gave a zero or wrongly scaled update); float64 columns are
+    first scaled by a power of two (exact) to a largest |value| in [0.5, 1)."""
+    if work.dtype == torch.float64:
+        scale_to_unit_(work, dim=1)
+    norms = torch.linalg.vector_norm(work, dim=1, keepdim=True, dtype=torch.float64)
     degenerate = norms == 0
-    work.div_(norms.masked_fill(degenerate, 1.0).add_(epsilon))
+    work.div_(norms.masked_fill_(degenerate, 1.0).add_(epsilon))
     # A zero column becomes e_1: any unit vector works, this one is the same on every rank.
     work[:, :1, :] += degenerate
+
+
+def scale_to_unit_(matrices: Tensor, dim: int | tuple[int, ...] = (1, 2)) -> Tensor:
+    """Multiply ``matrices`` in place by a power of two per slice (``dim``: the dimensions each largest
+    |value| is taken over; default: per matrix of a batch), so that each slice's largest |value| lies in
+    [0.5, 1); an all-zero or non-finite slice is left as it is. Exact (a power of two only moves the
+    exponent, barring subnormals), so a product with the result rounds exactly as one with the input does,
+    scaled: what PowerSGD's warm-start factor needs to keep ``P = M Q`` of the size of ``M`` instead of its
+    square. Returns ``matrices``."""
+    peaks = torch.linalg.vector_norm(matrices, ord=float("inf"), dim=dim, keepdim=True)
+    exponent = torch.frexp(peaks).exponent
+    exponent.masked_fill_(~torch.isfinite(peaks) | (peaks == 0), 0)
+    return matrices.mul_(torch.exp2(exponent.neg_().to(matrices.dtype)))
+
+
+def _householder_(groups: list[Tensor]) -> None:
+    """:func:`orthogonalize_groups_` by Householder QR: one batched ``torch.linalg.qr`` per batch."""
+    for matrices in groups:
+        matrices.copy_(torch.linalg.qr(matrices, mode="reduced")[0])
 
 
 def _cholesky_qr_(groups: list[Tensor]) -> None:
@@ -179,13 +220,13 @@ def _cholesky_qr_(groups: list[Tensor]) -> None:
     trace = shift / (_SHIFT * unit)
     shift = shift.unsqueeze(1)
     new = lower.diagonal(dim1=1, dim2=2).square().sub_(shift)
-    dependent = ~(new > diagonal * _DEPENDENT) | (info > 0).unsqueeze(1)
-    scale = (trace / r).sqrt_().add_((trace == 0).to(dtype))
+    dependent = (new <= diagonal * _DEPENDENT) | (info > 0).unsqueeze(1)  # (a failed factor: NaN, and info > 0)
+    scale = torch.add(trace / r, trace == 0).sqrt_()  # the root-mean-square column norm; 1 for a zero matrix
     for x, mask, factor_scale in zip(xs, dependent.split(sizes), scale.split(sizes)):
         filler = completion(x.shape[1], r, device, dtype).expand_as(x) * factor_scale.view(-1, 1, 1)
         torch.where(mask.unsqueeze(1), filler, x, out=x)
     # 2. Shifted Cholesky-QR, then Cholesky-QR twice: x -> spare -> x -> spare, copied back below.
-    eye = torch.eye(r, device=device, dtype=dtype).expand(total, r, r)
+    eye = _identity(r, device, dtype).expand(total, r, r)
     sources, targets = xs, spare
     for relative_shift in (_SHIFT, _LATER_SHIFT, _LATER_SHIFT):
         inverse = torch.linalg.solve_triangular(factor(sources, relative_shift)[0], eye, upper=False)
@@ -193,3 +234,12 @@ def _cholesky_qr_(groups: list[Tensor]) -> None:
             torch.bmm(x, inv.transpose(1, 2), out=y)
         sources, targets = targets, sources
     torch._foreach_copy_(groups, sources)
+
+
+#: The orthogonalizations of rank >= 2 factors, by the name ``EngineConfig.orthogonalization`` and
+#: :func:`orthogonalize_groups_` take: each orthonormalizes the columns of batches ``(B_i, n_i, r)`` of one
+#: rank r, in place, with the contract of :func:`orthogonalize_groups_`.
+ORTHOGONALIZATIONS: dict[str, Callable[[list[Tensor]], None]] = {
+    "householder": _householder_,
+    "cholesky": _cholesky_qr_,
+}

@@ -24,8 +24,10 @@ def should_compress(n: int, m: int, rank: int, min_compression_rate: float) -> b
 class TensorPlan:
     """One tensor of a segment.
 
-    ``offset``: start of the tensor in the segment's flat (bucket) layout. ``matrix``: the ``(n, m)``
-    view. ``rank``: ``min(n, m, requested rank)``. ``numel_sent``: floats this tensor puts on the wire.
+    ``offset``: start of the tensor in the segment's flat (bucket) layout. ``matrix``: PyTorch's ``(n, m)``
+    view, ``(shape[0], prod(shape[1:]))``. ``rank``: ``min(n, m, requested rank)``. ``numel_sent``: floats
+    this tensor puts on the wire. ``transposed``: the engine compresses the matrix's transpose
+    (:attr:`oriented`, ``(m, n)``), its longer side first (``make_plan(..., orient=True)``).
     """
 
     index: int
@@ -35,6 +37,13 @@ class TensorPlan:
     matrix: tuple[int, int]
     rank: int
     compressed: bool
+    transposed: bool = False
+
+    @property
+    def oriented(self) -> tuple[int, int]:
+        """The ``(rows, columns)`` of the matrix the engine compresses: :attr:`matrix`, or its transpose."""
+        n, m = self.matrix
+        return (m, n) if self.transposed else (n, m)
 
     @property
     def numel_sent(self) -> int:
@@ -44,7 +53,8 @@ class TensorPlan:
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """Compressed matrices of one ``(n, m, rank)``, processed together with ``bmm``.
+    """Compressed matrices of one ``(n, m, rank)`` (their oriented shape: :attr:`TensorPlan.oriented`),
+    processed together with ``bmm``.
 
     ``members``: tensor indices, in segment order. The group's P and Q factors occupy ``B * n * r`` and
     ``B * m * r`` elements of the P and Q parts of the wire from ``p_offset`` and ``q_offset``. (Where its
@@ -126,12 +136,14 @@ class Plan:
 
 
 def make_plan(shapes: Sequence[Sequence[int]], rank: int, min_compression_rate: float,
-              ranks: Sequence[int | None] | None = None) -> Plan:
+              ranks: Sequence[int | None] | None = None, orient: bool = False) -> Plan:
     """Plan a segment of tensors with the given shapes (in segment order).
 
     Each tensor is viewed as ``(shape[0], -1)``; its rank is ``min(n, m, rank)``; it is compressed iff
     :func:`should_compress` says so. 0-d and 1-d tensors are never compressed (a vector has no low-rank
-    structure to exploit). Compressed matrices with the same ``(n, m, rank)`` form one group, in order of
+    structure to exploit). ``orient``: a compressed matrix with ``n < m`` is compressed as its transpose
+    (``TensorPlan.transposed``), so that every group is tall and a model's ``(a, b)`` and ``(b, a)`` shapes
+    share one. Compressed matrices with the same oriented ``(n, m, rank)`` form one group, in order of
     first appearance. ``ranks`` (a per-parameter policy): one entry per tensor in place of ``rank``, an
     integer, or ``None`` to send that tensor exactly.
 
@@ -141,6 +153,8 @@ def make_plan(shapes: Sequence[Sequence[int]], rank: int, min_compression_rate: 
     >>> plan = make_plan([(64, 32), (64,), (64, 32)], 2, 2, ranks=[None, 2, 4])
     >>> [(g.members, g.rank) for g in plan.groups], plan.uncompressed
     ([((2,), 4)], (0, 1))
+    >>> [(g.n, g.m, g.members) for g in make_plan([(96, 32), (32, 96)], 2, 2, orient=True).groups]
+    [(96, 32, (0, 1))]
     """
     given_shapes = list(_iterable(shapes, "shapes", "tensor shapes"))
     per_tensor: list[int | None] = [_checked_rank(rank, "rank")] * len(given_shapes)
@@ -153,6 +167,8 @@ def make_plan(shapes: Sequence[Sequence[int]], rank: int, min_compression_rate: 
     if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, numbers.Real) \
             or not min_compression_rate >= 0:
         raise ValueError(f"min_compression_rate must be a number >= 0, got {min_compression_rate!r}")
+    if not isinstance(orient, bool):
+        raise TypeError(f"orient must be a bool, got {orient!r}")
     tensors: list[TensorPlan] = []
     offset = 0
     for index, (given, wanted) in enumerate(zip(given_shapes, per_tensor)):
@@ -164,13 +180,14 @@ def make_plan(shapes: Sequence[Sequence[int]], rank: int, min_compression_rate: 
         r = max(1, min(n, m, wanted or 1))
         compressed = wanted is not None and len(shape) >= 2 and numel > 0 \
             and should_compress(n, m, r, min_compression_rate)
-        tensors.append(TensorPlan(index, shape, offset, numel, (n, m), r, compressed))
+        tensors.append(TensorPlan(index, shape, offset, numel, (n, m), r, compressed,
+                                  transposed=bool(orient and compressed and n < m)))
         offset += numel
 
     by_key: dict[tuple[int, int, int], list[int]] = {}
     for t in tensors:
         if t.compressed:
-            by_key.setdefault((t.matrix[0], t.matrix[1], t.rank), []).append(t.index)
+            by_key.setdefault((*t.oriented, t.rank), []).append(t.index)
     groups = []
     p = q = 0
     for (n, m, r), members in by_key.items():

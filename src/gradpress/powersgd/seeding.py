@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .backend import upload
+
 __all__ = ["P_DRAW", "RESIZE_DRAW", "SKETCH_COLUMNS", "seeded_normal", "seeded_sketch", "upload"]
 
 _MASK64 = (1 << 64) - 1
@@ -62,21 +64,3 @@ def seeded_sketch(m: int, seed: int, draw: int) -> Tensor:
     if m <= SKETCH_COLUMNS:
         return torch.eye(m, dtype=torch.float32)
     return seeded_normal((m, SKETCH_COLUMNS), seed, _SKETCH_KEY | m, draw)
-
-
-def upload(tensor: Tensor, device: torch.device) -> Tensor:
-    """``tensor`` (built on the host) on ``device``, without making the host wait for the device.
-
-    A plain copy from pageable host memory to a GPU synchronises the stream: the first compressed step
-    (the seeded factors) and every step with an fp16 wire (its span tables) would stall on it. On CUDA
-    the copy goes through pinned memory, asynchronously (the caching host allocator keeps the pinned
-    block until the copy has run); elsewhere it is a non-blocking ``to``. On the CPU: ``tensor`` itself.
-
-    >>> upload(torch.ones(2), torch.device("cpu"))
-    tensor([1., 1.])
-    """
-    if device.type == "cpu":
-        return tensor
-    if device.type == "cuda":
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)

@@ -8,7 +8,7 @@ pipeline, join it to the optimizer step's commit and count what it sends. The se
 compressed run changes from step to step:
 
 * the :class:`~gradpress.powersgd.store.SegmentStore` (error memory and warm-start factors per parameter);
-* the ordered pipeline the steps' collectives run in and the :class:`~gradpress.powersgd.step.StepCommit`
+* the ordered pipeline the steps' collectives run in and the :class:`~gradpress.powersgd.commit.StepCommit`
   that writes one optimizer step's outputs and memory together ("non-finite steps" in docs/design.md);
 * learning-rate rescaling of the error memory, byte and element counters;
 * the memory part of both front-ends' checkpoints, and a memory report.
@@ -30,13 +30,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .backend import backend_for
+from .commit import StepCommit
 from .config import EngineConfig
 from .memory import ParamMemory, Segment, work_dtype_for
 from .pipeline import OrderedPipeline, Task
 from .seeding import upload
-from .step import StepCommit, average_step, compress_step, step_wire_dtype
+from .step import average_step, compress_step, step_wire_dtype
 from .store import SegmentStore
 from .transport import Communicator
+from .wire import wire_codec
 
 __all__ = ["EngineSession", "MemoryReport"]
 
@@ -180,13 +183,14 @@ class EngineSession:
         if flat is not None and not _tiles(flat, tensors):
             flat = None
         lengths = out = None
-        if wire == torch.float16 and dtype != torch.float16:
+        backend = backend_for(tensors[0].device)
+        if wire_codec(wire, dtype).needs_spans and backend.span_tables:
             sizes = tuple(t.numel() for t in tensors if t.numel())
             key = (tensors[0].device, sizes)
             lengths = self._span_lengths.get(key)
             if lengths is None:
                 lengths = self._span_lengths[key] = upload(torch.tensor(sizes, dtype=torch.int64), key[0])
-        if wire != dtype and flat is not None and flat.device.type == "cpu" and bucket is not None:
+        if wire != dtype and flat is not None and backend.keeps_wire_buffers and bucket is not None:
             out = self._wires.get(bucket)
             if out is None or out.numel() != flat.numel() or out.dtype != wire:  # DDP's first layout differs
                 out = self._wires[bucket] = torch.empty(flat.numel(), dtype=wire)
@@ -251,6 +255,15 @@ class EngineSession:
         """Drop every error memory and warm-start factor (the state moved to another model); the
         counters and the learning rate stay. Nothing may be in flight."""
         self.store = SegmentStore(self.config)
+
+    def configure(self, config: EngineConfig) -> None:
+        """Compress with ``config`` from now on (an automatic rank's decision, a checkpoint's orientation):
+        the memory is dropped, as :meth:`forget_memory`, since its meaning depends on the configuration;
+        load or build it afterwards. Nothing may be in flight."""
+        if self.in_flight():
+            raise RuntimeError("EngineSession.configure() was called while a step is in flight")
+        self.config = config
+        self.forget_memory()
 
     # --- learning rate, counters ------------------------------------------------------------------
     def rescale_to_lr(self, lr: float) -> float | None:

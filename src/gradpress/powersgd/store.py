@@ -47,7 +47,7 @@ class SegmentStore:
         wanted = set(keys)
         for other in [s for s, seg in self.segments.items() if s == slot or wanted & set(seg.keys)]:
             self.pool.update(self.segments.pop(other).export(self.config))
-        plan = make_plan(shapes, self.config.rank, self.config.min_compression_rate, ranks)
+        plan = make_plan(shapes, self.config.rank, self.config.min_compression_rate, ranks, orient=self.config.orient)
         segment = Segment(plan, keys, device, dtype, self.workspace)
         segment.load(self.pool, self.config)
         for key in keys:

@@ -108,12 +108,13 @@ def allreduce_bytes(shapes: Shapes, dtypes: Sequence[torch.dtype], wire_dtype: t
 
 def powersgd_bytes(shapes: Shapes, dtypes: Sequence[torch.dtype], rank: int, min_compression_rate: float = 2.0,
                    bytes_per_weight: int | None = 4, num_iters_per_step: int | None = None,
-                   iteration: int = 0) -> StepBytes:
+                   iteration: int = 0, orient_matrices: bool = False) -> StepBytes:
     """One compressed step of PowerSGD (``PowerSGDState(matrix_approximation_rank=rank,
     min_compression_rate=..., bytes_per_weight=..., num_iters_per_step=...)``, or the aggregator's
     :class:`gradpress.Config`) for gradients of ``shapes`` and ``dtypes`` (one per shape), as the state
     counts it: ``num_iters_per_step=None`` is classic PowerSGD (P and Q), ``k`` the alternating scheme
-    whose step starts at one-sided iteration ``iteration`` (even: P, odd: Q).
+    whose step starts at one-sided iteration ``iteration`` (even: P, odd: Q; ``orient_matrices``: P is the
+    longer side's factor, as the engine compresses a wide matrix as its transpose).
 
     The tensors are planned per gradient dtype, as DDP buckets hold one dtype each; whether a tensor is
     compressed does not depend on its bucket, so these are the sums of the per-bucket counts. Invalid
@@ -124,7 +125,7 @@ def powersgd_bytes(shapes: Shapes, dtypes: Sequence[torch.dtype], rank: int, min
                                          bytes_per_weight=bytes_per_weight))
     wires = []
     for dtype, group in by_dtype.items():
-        plan = make_plan(group, rank, min_compression_rate)
+        plan = make_plan(group, rank, min_compression_rate, orient=orient_matrices)
         wire = session.wire_dtype(dtype)
         session.count(plan.numel, plan.numel_sent_per_step(num_iters_per_step, iteration), dtype, wire)
         wires.append(dtype_name(wire))

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..processes import free_port
 from .buckets import DEFAULT_BUCKET_CAPS, make_buckets, model_parameters
 
-__all__ = ["KernelCount", "count_hook_kernels", "is_kernel"]
+__all__ = ["KernelCount", "count_aggregator_kernels", "count_hook_kernels", "is_kernel"]
 
 #: Ops that launch nothing on a device: allocations, metadata, aliasing.
 _NO_KERNEL = frozenset({
@@ -94,8 +94,8 @@ class _Shapes(nn.Module):
         return sum((p * p).sum() for p in self.weights) / 2  # type: ignore[return-value]
 
 
-def _state(hook: str, rank: int, fp16_wire: bool, process_group: Any,
-           warm_up: bool = False) -> tuple[Any, Callable[..., Any]]:
+def _state(hook: str, rank: int, fp16_wire: bool, process_group: Any, warm_up: bool = False,
+           num_iters: int | None = None, orient: bool | None = None) -> tuple[Any, Callable[..., Any]]:
     if hook == "torch":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tp
         state = tp.PowerSGDState(process_group=process_group, matrix_approximation_rank=rank, start_powerSGD_iter=2,
@@ -105,8 +105,11 @@ def _state(hook: str, rank: int, fp16_wire: bool, process_group: Any,
     extra: dict[str, Any] = {"bytes_per_weight": 2} if fp16_wire else {}
     if fp16_wire and warm_up:
         extra["warm_up_bytes_per_weight"] = 2
+    if orient is not None:
+        extra["orient_matrices"] = orient
     ours = gradpress.PowerSGDState(process_group=process_group, matrix_approximation_rank=rank,
-                                   start_powerSGD_iter=2, min_compression_rate=2, **extra)
+                                   start_powerSGD_iter=2, min_compression_rate=2, num_iters_per_step=num_iters,
+                                   **extra)
     return ours, gradpress.powerSGD_hook
 
 
@@ -137,12 +140,12 @@ def _one_rank_group() -> Iterator[Any]:
 
 
 def _count_cpu(shapes: Sequence[Sequence[int]], hook: str, rank: int, fp16_wire: bool,
-               iterations: int, warm_up: bool) -> KernelCount:
+               iterations: int, warm_up: bool, num_iters: int | None, orient: bool | None) -> KernelCount:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     with _one_rank_group():
         model = DDP(_Shapes(shapes, torch.Generator().manual_seed(0)))
-        state, function = _state(hook, rank, fp16_wire, None, warm_up)
+        state, function = _state(hook, rank, fp16_wire, None, warm_up, num_iters, orient)
         counter: Counter[str] = Counter()
         calls, on = [0], [False]
         model.register_comm_hook(state, _counted(function, counter, calls, on))
@@ -155,7 +158,7 @@ def _count_cpu(shapes: Sequence[Sequence[int]], hook: str, rank: int, fp16_wire:
 
 
 def _count_meta(shapes: Sequence[Sequence[int]], hook: str, rank: int, fp16_wire: bool,
-                iterations: int, warm_up: bool) -> KernelCount:
+                iterations: int, warm_up: bool, num_iters: int | None, orient: bool | None) -> KernelCount:
     from ...comm import LocalCommunicator
 
     if hook == "torch":
@@ -164,7 +167,7 @@ def _count_meta(shapes: Sequence[Sequence[int]], hook: str, rank: int, fp16_wire
     buckets = make_buckets(params, DEFAULT_BUCKET_CAPS)
     for bucket in buckets:
         bucket.set_buffer(torch.empty(bucket.buffer().numel(), device="meta"))
-    state, function = _state(hook, rank, fp16_wire, None, warm_up)
+    state, function = _state(hook, rank, fp16_wire, None, warm_up, num_iters, orient)
     state._comm = LocalCommunicator()
     counter: Counter[str] = Counter()
     calls, on = [0], [False]
@@ -187,7 +190,8 @@ def _result(hook: str, path: str, fp16_wire: bool, rank: int, calls: int, counte
 
 def count_hook_kernels(model: str = "gpt2", *, hook: str = "gradpress", path: str = "cpu", rank: int = 32,
                        fp16_wire: bool = False, shapes: Sequence[Sequence[int]] | None = None,
-                       iterations: int = 4, warm_up: bool = False) -> KernelCount:
+                       iterations: int = 4, warm_up: bool = False, num_iters_per_step: int | None = None,
+                       orient_matrices: bool | None = None) -> KernelCount:
     """Kernel-launching ATen ops in one compressed iteration of ``hook`` (``"gradpress"`` or ``"torch"``,
     PyTorch's ``powerSGD_hook``) on the gradient shapes of ``model`` (a :func:`model_parameters` name) or
     ``shapes``, at ``rank``, with ``start_powerSGD_iter=2`` and ``min_compression_rate=2``; ``fp16_wire``:
@@ -195,16 +199,58 @@ def count_hook_kernels(model: str = "gpt2", *, hook: str = "gradpress", path: st
     counted (at least two compressed ones come first, so DDP's buckets are rebuilt and the factors drawn).
     ``warm_up``: count the last exact iteration before compression starts instead (its buckets rebuilt),
     on gradpress's half-precision warm-up wire (``warm_up_bytes_per_weight=2``) with ``fp16_wire``.
+    ``num_iters_per_step``, ``orient_matrices``: gradpress's options of those names (``None``: the
+    default orientation).
 
     ``path``: ``"cpu"`` (a one-rank gloo DDP model; initializes and destroys a process group unless one
     exists) or ``"meta"`` (the accelerator code path, no values)."""
     if hook not in ("gradpress", "torch"):
         raise ValueError(f"hook must be 'gradpress' or 'torch', got {hook!r}")
+    shapes = _checked(model, path, iterations, shapes)
+    count = _count_cpu if path == "cpu" else _count_meta
+    return count(shapes, hook, rank, fp16_wire, iterations, warm_up, num_iters_per_step, orient_matrices)
+
+
+def _checked(model: str, path: str, iterations: int, shapes: Sequence[Sequence[int]] | None) -> list[tuple[int, ...]]:
+    """The arguments both counts share, checked; the shapes to count (``model``'s unless given)."""
     if path not in ("cpu", "meta"):
         raise ValueError(f"path must be 'cpu' or 'meta', got {path!r}")
     if iterations < 4:
         raise ValueError(f"iterations must be >= 4 (two warm-up, two compressed), got {iterations}")
     if shapes is None:
-        shapes = [tuple(p.shape) for p in model_parameters(model)]
-    count = _count_cpu if path == "cpu" else _count_meta
-    return count(shapes, hook, rank, fp16_wire, iterations, warm_up)
+        return [tuple(p.shape) for p in model_parameters(model)]
+    return [tuple(shape) for shape in shapes]
+
+
+def count_aggregator_kernels(model: str = "gpt2", *, path: str = "cpu", rank: int = 32, fp16_wire: bool = False,
+                             num_iters_per_step: int | None = 1, orient_matrices: bool | None = None,
+                             shapes: Sequence[Sequence[int]] | None = None, iterations: int = 4) -> KernelCount:
+    """Kernel-launching ATen ops in one compressed ``aggregate_`` call of the :class:`~gradpress.PowerSGD`
+    aggregator (``Config(rank=rank, num_iters_per_step=..., start_compressing_after_num_steps=2)``: its
+    default scheme is ``num_iters_per_step=1``) on the gradients of ``model`` or ``shapes``, the last of
+    ``iterations`` calls. ``path``: ``"cpu"`` (CPU tensors over a one-rank gloo group, set up unless one
+    exists) or ``"meta"`` (the accelerator code path, no values, one worker)."""
+    import gradpress
+
+    shapes = _checked(model, path, iterations, shapes)
+    extra: dict[str, Any] = {"bytes_per_weight": 2} if fp16_wire else {}
+    if orient_matrices is not None:
+        extra["orient_matrices"] = orient_matrices
+    config = gradpress.Config(rank=rank, num_iters_per_step=num_iters_per_step, start_compressing_after_num_steps=2,
+                              **extra)
+    device = torch.device(path)
+    counter: Counter[str] = Counter()
+    group = _one_rank_group() if path == "cpu" else contextlib.nullcontext()
+    with group:
+        generator = torch.Generator().manual_seed(0)
+        params = [torch.empty(shape, device=device) for shape in shapes]
+        aggregator = gradpress.PowerSGD(params, config, init_sync=False)
+        for iteration in range(iterations):
+            grads = [torch.empty(shape, device=device) if path == "meta" else torch.randn(shape, generator=generator)
+                     for shape in shapes]
+            with _Counting(counter) if iteration == iterations - 1 else contextlib.nullcontext():
+                aggregator.aggregate_(grads)
+    wire = "fp16" if fp16_wire else "fp32"
+    count = _result("aggregator", path, fp16_wire, rank, 1, counter)
+    count.wire = wire if num_iters_per_step is None else f"{wire}, {num_iters_per_step} iteration(s)"
+    return count
