@@ -1,11 +1,12 @@
-"""Kernel-launching ops per compressed step: gradpress's ``powerSGD_hook`` beside PyTorch's.
+"""Kernel-launching ops per compressed step: gradpress's ``powerSGD_hook`` beside PyTorch's, and the
+``PowerSGD`` aggregator's default scheme (one alternating iteration per step) and two iterations.
 
-Counts the ATen ops each hook dispatches during one steady-state compressed iteration of a one-rank DDP
-model with a model's gradient shapes (GPT-2 small by default; DDP's own 25 MB buckets), with a
-``TorchDispatchMode`` (:mod:`gradpress.tools.bench.kernels`): on the CPU code path (a real gloo DDP model),
-and on the accelerator code path (``meta`` tensors, DDP's initial layout, gradpress only). On a GPU each
-counted op is about one kernel launch, 7-10 us of host time. Views, allocations and metadata ops are not
-counted; each ``_foreach_*`` op counts once (one launch per ~100 tensors on CUDA).
+Counts the ATen ops each dispatches during one steady-state compressed step with a model's gradient
+shapes (GPT-2 small by default), with a ``TorchDispatchMode`` (:mod:`gradpress.tools.bench.kernels`): the
+hooks on a one-rank DDP model (DDP's own 25 MB buckets), the aggregator in one ``aggregate_`` call; on the
+CPU code path (real tensors, a gloo group) and on the accelerator code path (``meta`` tensors, gradpress
+only). On a GPU each counted op is about one kernel launch, 7-10 us of host time. Views, allocations and
+metadata ops are not counted; each ``_foreach_*`` op counts once (one launch per ~100 tensors on CUDA).
 
     python benchmarks/kernel_count.py                       # GPT-2 small, rank 32: a markdown table
     python benchmarks/kernel_count.py --model resnet50 --rank 4 --json out.json
@@ -20,7 +21,7 @@ import os
 import sys
 
 from gradpress.tools.bench.buckets import model_names
-from gradpress.tools.bench.kernels import count_hook_kernels
+from gradpress.tools.bench.kernels import count_aggregator_kernels, count_hook_kernels
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,15 +32,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--by-op", action="store_true", help="print each op's count")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    cases = [("gradpress", "cpu", False), ("gradpress", "cpu", True), ("gradpress", "meta", False),
-             ("gradpress", "meta", True), ("torch", "cpu", False)]
-    counts = [count_hook_kernels(args.model, hook=hook, path=path, rank=args.rank, fp16_wire=fp16)
-              for hook, path, fp16 in cases]
-    print("| hook | code path | wire | hook calls | kernel ops per compressed step | of them collectives |")
+    counts = [count_hook_kernels(args.model, path=path, rank=args.rank, fp16_wire=fp16)
+              for path in ("meta", "cpu") for fp16 in (False, True)]
+    counts += [count_aggregator_kernels(args.model, path=path, rank=args.rank, fp16_wire=fp16, num_iters_per_step=k)
+               for k in (1, 2) for path in ("meta", "cpu") for fp16 in (False, True)]
+    counts.append(count_hook_kernels(args.model, hook="torch", path="cpu", rank=args.rank))
+    names = {"gradpress": "gradpress `powerSGD_hook`", "torch": "PyTorch `powerSGD_hook`",
+             "aggregator": "gradpress `PowerSGD` aggregator"}
+    print("| what | code path | wire | calls | kernel ops per compressed step | of them collectives |")
     print("|---|---|---|---|---|---|")
     for count in counts:
-        name = "gradpress `powerSGD_hook`" if count.hook == "gradpress" else "PyTorch `powerSGD_hook`"
-        print(f"| {name} | {count.path} | {count.wire} | {count.buckets} | {count.ops} | {count.collectives} |")
+        print(f"| {names[count.hook]} | {count.path} | {count.wire} | {count.buckets} | {count.ops} | "
+              f"{count.collectives} |")
         if args.by_op:
             print("|  |  |  |  | " + ", ".join(f"{op} {n}" for op, n in count.by_op.items()) + " |  |")
     if args.json:

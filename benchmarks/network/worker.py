@@ -7,7 +7,9 @@ wrapper, ``--warmup`` untimed steps (the compressed methods start compressing af
 ``--steps`` timed steps. ``powersgd-eager:R`` / ``multi-eager:R`` use the hook's pipeline as it was
 of the first releases (``advance_on_submit=True``: each bucket's hook first finishes the previous buckets' P
 phase, waiting for it inside the backward pass); ``powersgd-lazy:R`` / ``multi-lazy:R`` name today's
-default explicitly (every Q phase at the last bucket). ``--rounds N`` runs every method N times, interleaved,
+default explicitly (every Q phase at the last bucket). ``powersgd-held:R`` holds every bucket until the last
+and compresses them in one step (``PowerSGDState(overlap="none")``), ``powersgd-overlap:R`` issues each
+bucket's P product and all-reduce as it arrives (``overlap="p-phase"``). ``--rounds N`` runs every method N times, interleaved,
 and pools the timed steps (each round's median is kept too). With ``--ranks-per-node L`` (nodes of L ranks sharing a
 namespace), ``hier-powersgd:R`` / ``hier-allreduce`` / ``hier-noop`` (nothing across nodes: the intra-node
 collectives alone) wrap the hook in ``gradpress.hierarchical_wrapper``
@@ -119,9 +121,11 @@ def make_method(spec: str, model: nn.Module) -> tuple[DDP, Any, Any]:
         state, hook = None, gradpress.allreduce_hook
     elif kind == "fp16":
         state, hook = None, gradpress.fp16_compress_hook
-    elif kind in ("powersgd", "multi", "powersgd-lazy", "multi-lazy", "powersgd-eager", "multi-eager"):
+    elif kind in ("powersgd", "multi", "powersgd-lazy", "multi-lazy", "powersgd-eager", "multi-eager",
+                  "powersgd-held", "powersgd-overlap"):
+        overlap = {"powersgd-held": "none", "powersgd-overlap": "p-phase"}.get(kind, "auto")
         state = gradpress.PowerSGDState(None, matrix_approximation_rank=int(number), start_powerSGD_iter=START_ITER,
-                                        num_iters_per_step=1 if kind.startswith("multi") else None)
+                                        num_iters_per_step=1 if kind.startswith("multi") else None, overlap=overlap)
         if kind.endswith(("-lazy", "-eager")):  # the two orders of the pipeline (lazy: the default)
             state.session.pipeline.advance_on_submit = kind.endswith("-eager")
         hook = gradpress.powerSGD_hook

@@ -346,7 +346,9 @@ def test_aggregator_applies_the_ddp_hooks_gradients(num_iters):
 
 
 def test_aggregator_training_converges_with_identical_workers():
-    steps = 40
+    # 60 steps: over 40, this small run's loss is chaotic enough that the same setting ended at 0.59 and at
+    # 0.77 of its first loss with wide matrices compressed from one side or the other; at 60, at 0.50 and 0.53.
+    steps = 60
     (losses0, params0, sent), (losses1, params1, _) = run(aggregator_trains, WORLD, 2, steps)
     assert torch.equal(params0, params1), "workers hold different parameters"
     for losses in (losses0, losses1):

@@ -40,11 +40,11 @@ def _sgd_step(model, lr=0.05):
 # --- full rank == plain DDP -----------------------------------------------------------------------------
 
 def full_rank_matches_ddp(rank, world, hook_name, wrapper, bucket_cap_mb, jitter, num_iters=None,
-                          advance_on_submit=True):
+                          advance_on_submit=True, overlap="auto"):
     ref = _ddp(models.make_model())
     net = _ddp(models.make_model(), bucket_cap_mb=bucket_cap_mb)
     state = gradpress.PowerSGDState(None, matrix_approximation_rank=128, min_compression_rate=0,
-                                    start_powerSGD_iter=2, num_iters_per_step=num_iters)
+                                    start_powerSGD_iter=2, num_iters_per_step=num_iters, overlap=overlap)
     state.session.pipeline.advance_on_submit = advance_on_submit
     hook = getattr(gradpress, hook_name)
     if wrapper:
@@ -87,14 +87,50 @@ def test_full_rank_gives_the_mean_gradient_of_plain_ddp(hook_name, wrapper, tol,
         assert worst < tol
 
 
-@pytest.mark.parametrize("advance_on_submit, num_iters", [(True, None), (False, None), (False, 2)])
-def test_many_buckets_with_timing_jitter_keep_collective_order(advance_on_submit, num_iters):
+@pytest.mark.parametrize("advance_on_submit, num_iters, overlap", [(True, None, "none"), (False, None, "none"),
+                                                                  (False, 2, "none"), (False, None, "p-phase")])
+def test_many_buckets_with_timing_jitter_keep_collective_order(advance_on_submit, num_iters, overlap):
     # One parameter per bucket (tiny cap) and random per-rank delays: a mismatched collective order would
     # hang or mix up buckets' factors, so the full-rank result would not equal plain DDP. Also with the
-    # pipeline that defers every later phase to the last bucket (no wait inside the backward pass).
-    results = run(full_rank_matches_ddp, WORLD, "powerSGD_hook", None, 0.0001, True, num_iters, advance_on_submit)
+    # pipeline that defers every later phase to the last bucket (no wait inside the backward pass), and
+    # with each bucket's P all-reduce issued as the bucket arrives.
+    results = run(full_rank_matches_ddp, WORLD, "powerSGD_hook", None, 0.0001, True, num_iters, advance_on_submit,
+                  overlap)
     for worst, (rate, before, after), _ in results:
         assert after > 0 and worst < 1e-5
+
+
+def _overlap_run(rank, world, overlap, bytes_per_weight):
+    net = _ddp(models.make_model(), bucket_cap_mb=0.002)
+    state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, overlap=overlap,
+                                    bytes_per_weight=bytes_per_weight, min_compression_rate=1)
+    net.register_comm_hook(state, gradpress.powerSGD_hook)
+    for step in range(6):
+        x, y = models.batch(rank, step)
+        net.zero_grad()
+        models.loss_fn(net, x, y).backward()
+        _sgd_step(net)
+    return [p.detach().clone() for p in net.parameters()], state.compression_stats(), state.bytes_stats()
+
+
+@pytest.mark.parametrize("bytes_per_weight", [4, 2])
+def test_issuing_each_buckets_p_phase_on_arrival_gives_the_batched_steps_numbers(bytes_per_weight):
+    """``overlap="p-phase"`` (each bucket its own segment, its P product and all-reduce issued as it
+    arrives; the rest batched at the last bucket) computes what the model-wide step does, on several
+    buckets, and sends the same bytes: on the CPU bit for bit (a matrix's products, QR and fp16 scale do
+    not depend on what shares its segment)."""
+    batched = run(_overlap_run, WORLD, "none", bytes_per_weight)
+    overlapped = run(_overlap_run, WORLD, "p-phase", bytes_per_weight)
+    for (a, stats_a, bytes_a), (b, stats_b, bytes_b) in zip(batched, overlapped):
+        assert stats_a == stats_b and bytes_a == bytes_b and stats_a[2] > 0
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_overlap_is_checked():
+    with pytest.raises(ValueError, match="overlap must be one of 'auto', 'none', 'p-phase'"):
+        gradpress.PowerSGDState(None, overlap="each")
+    with pytest.raises(ValueError, match="overlap='p-phase' issues classic PowerSGD's P phase per bucket"):
+        gradpress.PowerSGDState(None, overlap="p-phase", num_iters_per_step=2)
 
 
 # --- SVD oracle through DDP -------------------------------------------------------------------------------

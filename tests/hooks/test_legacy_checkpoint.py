@@ -81,22 +81,25 @@ def build() -> dict[str, object]:
 
 def _build() -> dict[str, object]:
     params = _params()
+    # The file's states compressed every matrix in PyTorch's (shape[0], -1) view: orient_matrices=False.
     hook_state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2,
-                                         min_compression_rate=0)
+                                         min_compression_rate=0, orient_matrices=False)
     hook_out = _run_hook(hook_state, gradpress.powerSGD_hook, params, 5)
     hook_saved = hook_state.local_state_dict()
     hook_next = _run_hook(hook_state, gradpress.powerSGD_hook, params, 1)
-    batched_state = gradpress.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    batched_state = gradpress.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                            orient_matrices=False)
     batched_out = _run_hook(batched_state, gradpress.batched_powerSGD_hook, params, 4)
     batched_saved = batched_state.local_state_dict()
     batched_next = _run_hook(batched_state, gradpress.batched_powerSGD_hook, params, 1)
     schedule = _Schedule()
     multi_state = gradpress.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2,
                                           min_compression_rate=0, num_iters_per_step=2,
-                                          lr_scheduler=schedule, warm_up_beta_factor=0.5)
+                                          lr_scheduler=schedule, warm_up_beta_factor=0.5, orient_matrices=False)
     multi_out = _run_hook(multi_state, gradpress.powerSGD_hook, params, 5, schedule)
     aggregator = gradpress.PowerSGD(params, gradpress.Config(rank=2, min_compression_rate=0,
-                                                             start_compressing_after_num_steps=1),
+                                                             start_compressing_after_num_steps=1,
+                                                             orient_matrices=False),
                                     init_sync=False)
     aggregated = []
     for step in range(4):

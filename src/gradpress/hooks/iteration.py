@@ -18,10 +18,22 @@ from torch import Tensor
 
 from ..powersgd.memory import Segment, work_dtype_for
 from ..powersgd.session import EngineSession
+from ..powersgd.step import StartedStep
 from ..powersgd.transport import Communicator
 from .parameters import ParameterKeys
 
-__all__ = ["StepGroup", "WaitingBuckets", "bucket_segment"]
+__all__ = ["OVERLAPS", "StartedBuckets", "StepGroup", "WaitingBuckets", "bucket_segment", "overlap_pays"]
+
+#: ``PowerSGDState(overlap=...)``: ``"none"``, every bucket held until the last and one step for all of them
+#: (:class:`WaitingBuckets`); ``"p-phase"``, each bucket's P product and all-reduce issued as it arrives and the
+#: rest of every bucket's step at the last (:class:`StartedBuckets`); ``"auto"``, the one measured faster on
+#: the buckets' device (docs/design.md, "Overlap with the backward pass").
+OVERLAPS = ("auto", "none", "p-phase")
+
+
+def overlap_pays(device: torch.device) -> bool:
+    """What ``overlap="auto"`` chooses for buckets on ``device``: ``True`` for ``"p-phase"``."""
+    return False
 
 
 def bucket_segment(params: ParameterKeys, session: EngineSession, index: int, parameters: Sequence[Tensor],
@@ -116,3 +128,44 @@ class WaitingBuckets:
             group.tensors = [group.tensors[i] for i in order]
             group.ranks = [group.ranks[i] for i in order]
         return list(groups.values())
+
+
+class StartedBuckets:
+    """The buckets of the iteration in flight whose P phase was issued as each arrived (:meth:`start`),
+    finished together at the last one (:meth:`finish`): each bucket is its own segment, in its slot, so its
+    P product and all-reduce overlap with the rest of the backward pass; the orthogonalization, the Q
+    products, one Q all-reduce per (device, dtype) and the commit run for all of them at the last bucket."""
+
+    __slots__ = ("_started",)
+
+    def __init__(self) -> None:
+        self._started: list[StartedStep] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._started)
+
+    def clear(self) -> None:
+        self._started = []
+
+    def start(self, params: ParameterKeys, session: EngineSession, comm: Communicator, compressed_step: int,
+              index: int, parameters: Sequence[Tensor], tensors: list[Tensor], *, measure: bool, track: bool,
+              global_residual: bool, on_done: Callable[[], None], on_fail: Callable[[BaseException], None]) -> None:
+        """Issue bucket ``index``'s P phase now (``on_done`` runs once its outputs are written, at the
+        optimizer step's commit)."""
+        if not tensors:
+            on_done()
+            return
+        segment = bucket_segment(params, session, index, parameters, tensors)
+        self._started.append(session.start(segment, tensors, comm, compressed_step, measure=measure, track=track,
+                                           global_residual=global_residual, on_done=on_done, on_fail=on_fail))
+
+    def finish(self, session: EngineSession, comm: Communicator, on_fail: Callable[[BaseException], None]) -> None:
+        """At the last bucket: the rest of every started step, one batch per (device, dtype, wire), in the
+        order their first buckets arrived (the same on every rank)."""
+        started, self._started = self._started, []
+        by_kind: dict[tuple[object, ...], list[StartedStep]] = {}
+        for part in started:
+            kind = (part.segment.device, part.segment.dtype, part.codec.dtype)
+            by_kind.setdefault(kind, []).append(part)
+        for parts in by_kind.values():
+            session.finish_started(parts, comm, on_fail)

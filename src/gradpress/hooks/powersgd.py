@@ -19,9 +19,7 @@ Differences from PyTorch that users can rely on (each has a test):
 """
 
 import logging
-import warnings
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -32,16 +30,15 @@ from ..adaptive import AdaptiveRank
 from ..comm import check_process_group, make_communicator
 from ..policy import RankRules
 from ..powersgd.config import EngineConfig
-from ..powersgd.memory import Segment
-from ..powersgd.seeding import RESIZE_DRAW
 from ..powersgd.session import EngineSession, MemoryReport
 from ..powersgd.transport import Communicator
 from ..autorank import AutoRank
-from .auto_rank import auto_rank_decision, decide_rank, measure_bucket
-from .iteration import WaitingBuckets, bucket_segment
+from .auto_rank import auto_rank_decision
+from .iteration import StartedBuckets, WaitingBuckets
 from .parameters import ParameterKeys
+from .state_buckets import StateBuckets
 from .state_checkpoint import StateCheckpoint
-from .state_options import (check_lr_scheduler, check_schedule, check_warm_up, checked_device,
+from .state_options import (check_lr_scheduler, check_schedule, check_warm_up, checked_device, checked_overlap,
                             merged_error_feedback)
 from .state_report import BucketMemory, StateReport
 
@@ -62,7 +59,7 @@ def _counter(field: str) -> property:
                     doc=f"The engine session's ``{field}`` counter.")
 
 
-class PowerSGDState(StateReport, StateCheckpoint):
+class PowerSGDState(StateBuckets, StateReport, StateCheckpoint):
     r"""State of :func:`powerSGD_hook` / :func:`batched_powerSGD_hook`: configuration, memory, counters.
 
     Same arguments, names and defaults as PyTorch's ``PowerSGDState``, plus ``comm_device`` and
@@ -166,7 +163,8 @@ class PowerSGDState(StateReport, StateCheckpoint):
     __slots__ = ("process_group", "start_powerSGD_iter", "compression_stats_logging_frequency",
                  "batch_tensors_with_same_shape", "comm_device", "iter", "next_stats_report", "_session",
                  "_params", "_comm", "lr_scheduler", "_lr_iter", "approximation_error_every_n_iters", "_auto",
-                 "last_measured_iter", "_bucket_memory", "_waiting", "global_residual_every_n_iters", "__weakref__")
+                 "last_measured_iter", "_bucket_memory", "_waiting", "global_residual_every_n_iters", "overlap",
+                 "_started", "__weakref__")
 
     def __init__(
         self,
@@ -194,9 +192,10 @@ class PowerSGDState(StateReport, StateCheckpoint):
         rank_policy: RankRules | None = None,
         adaptive_rank: AdaptiveRank | dict[str, Any] | None = None,
         auto_rank: AutoRank | dict[str, Any] | None = None,
-        orient_matrices: bool = False,
+        orient_matrices: bool = True,
         half_precision_wire: str = "auto",
         orthogonalization: str = "auto",
+        overlap: str = "auto",
     ) -> None:
         check_process_group(process_group, "PowerSGDState's first argument, process_group",
                             "the signature is PowerSGDState(process_group, matrix_approximation_rank, "
@@ -217,6 +216,7 @@ class PowerSGDState(StateReport, StateCheckpoint):
             orient=orient_matrices, half_precision_wire=half_precision_wire, orthogonalization=orthogonalization)
         check_warm_up(config)
         comm_device = checked_device(comm_device)
+        self.overlap = checked_overlap(overlap, num_iters_per_step)
         self.process_group = process_group
         self.start_powerSGD_iter = start_powerSGD_iter
         self.compression_stats_logging_frequency = max(1, compression_stats_logging_frequency)
@@ -245,6 +245,7 @@ class PowerSGDState(StateReport, StateCheckpoint):
         # A hook's per-bucket memory (BucketMemory), or its checkpoint form until that hook first runs.
         self._bucket_memory: BucketMemory | dict[Any, Any] = {}
         self._waiting = WaitingBuckets()  # the iteration's buckets, until its last (compress_with_step)
+        self._started = StartedBuckets()  # the iteration's buckets whose P phase is issued (overlap="p-phase")
 
     # --- configuration, read-only (the memory's meaning depends on it) -----------------------------
     matrix_approximation_rank = _from_config("rank")
@@ -342,7 +343,7 @@ class PowerSGDState(StateReport, StateCheckpoint):
         Call it on **every** rank (the iteration counter decides when compression starts, and all ranks
         must agree), between iterations, never while a backward pass is in flight.
         """
-        if self._session.in_flight() or self._waiting:
+        if self._session.in_flight() or self._waiting or self._started:
             raise RuntimeError("PowerSGDState.update_state() was called while a backward pass is in flight")
         self._advance()
         self._sync_lr(force=True)
@@ -362,32 +363,6 @@ class PowerSGDState(StateReport, StateCheckpoint):
             self._comm = make_communicator(self.process_group, self.comm_device, issuer="powerSGD_hook")
         return self._comm
 
-    def _hand_over(self, bucket: Any, result: Tensor, start: Callable[..., object], compressed: bool,
-                   finish: Callable[[], Any] | None = None) -> torch.futures.Future:
-        """Give ``bucket``'s work to the engine with ``start(on_done=, on_fail=)`` (one session call) and
-        return a future completed with ``result`` once the outputs are written (``finish`` runs just
-        before): at the iteration's last bucket, which ends the optimizer step, or as soon as the bucket's
-        step ends after :meth:`commit_each_bucket`."""
-        fut: torch.futures.Future = torch.futures.Future()
-
-        def done() -> None:
-            if finish is not None:
-                finish()
-            fut.set_result(result)
-
-        start(on_done=done, on_fail=fut.set_exception)
-        if bucket.is_last():
-            self._session.finish()
-            adaptive = self._params.adaptive
-            if compressed and adaptive is not None \
-                    and (self.iter - self.start_powerSGD_iter + 1) % adaptive.every == 0:
-                self._params.adapt(self._session.store, self._communicator(), self.random_seed,
-                                   RESIZE_DRAW | self.iter)
-            if compressed:
-                self._report_stats()
-            self.maybe_increase_iter(bucket)
-        return fut
-
     # --- for hooks built on this state ---------------------------------------------------------------
     @staticmethod
     def of(state: Any, hook: str) -> "PowerSGDState":
@@ -397,72 +372,6 @@ class PowerSGDState(StateReport, StateCheckpoint):
                             f"{type(state).__name__}; construct one with gradpress.PowerSGDState(process_group, ...)")
         return state
 
-    def start_bucket(self, bucket: Any) -> torch.futures.Future | None:
-        """Begin a hook's work on ``bucket``: before ``start_powerSGD_iter`` average it exactly and return
-        the future (parameters are still given their keys, in DDP's first layout); after, ``None``, and
-        the hook compresses it with :meth:`compress_bucket`. Moves the state to a new DDP model once its model
-        is done (fresh memory, with a warning); refuses two models trained with it."""
-        if self._params.starts_another_model(bucket):
-            self._move_to_another_model()
-        self._params.note_bucket(bucket)
-        if self.iter >= self.start_powerSGD_iter:
-            # automatic rank: once, at the first compressed bucket
-            decide_rank(self._auto, bucket, self._communicator, self.matrix_approximation_rank, self._session,
-                        self._params)
-            return None
-        self._params.keys_for(bucket.parameters())
-        measure = measure_bucket(self._auto, self._params, bucket, self.iter, self.start_powerSGD_iter,
-                                 self.random_seed, self.min_compression_rate)  # automatic rank: the last warm-up
-        # The exact average goes through the engine's communicator and pipeline, in bucket order, like the
-        # compressed steps (each gradient with its own fp16 scale); counted only on warm_up_bytes_per_weight.
-        average = partial(self._session.average, bucket.gradients(), self._communicator(), flat=bucket.buffer(),
-                          counted=self.warm_up_bytes_per_weight is not None,
-                          bucket=bucket.index() if isinstance(bucket, dist.GradBucket) else None)
-        return self._hand_over(bucket, bucket.buffer(), average, compressed=False, finish=measure)
-
-    def _move_to_another_model(self) -> None:
-        """PyTorch's pattern of registering a finished model's state on a new DDP model: the new model
-        starts with fresh error memory and factors (its buckets are not the old one's); the iteration
-        count and the statistics go on, as in PyTorch."""
-        warnings.warn("PowerSGDState: this state now serves another DDP model than the one it was used with; its "
-                      "error memory and warm-start factors start afresh for the new model (the iteration count "
-                      "goes on). The old model's parameters are refused from now on: give each model that trains "
-                      "its own PowerSGDState", stacklevel=4)
-        self._session.drain()
-        self._session.forget_memory()
-        self._waiting.clear()
-        self._bucket_memory = {}
-        self._params = self._params.moved_to_another_model()
-        self._lr_iter = -1
-
-    def compress_bucket(self, bucket: Any, segment: Segment, tensors: list[Tensor], result: Tensor, *,
-                        numel: int | None = None, finish: Callable[[], Any] | None = None,
-                        track: bool = False) -> torch.futures.Future:
-        """Compress ``tensors`` (``segment``'s, in plan order) in this iteration's step and return a future
-        completed with ``result`` once the outputs are written (at the iteration's last bucket, or at once
-        after :meth:`commit_each_bucket`); ``finish`` runs just before. ``numel``: gradient elements the
-        bucket stands for (default: the plan's); ``track``: feed the adaptive rank."""
-        self._sync_lr()
-        run = partial(self._session.run, segment, tensors, self._communicator(), self.iter - self.start_powerSGD_iter,
-                      numel=numel, dtype=result.dtype, measure=self._measure(), track=track,
-                      global_residual=self._measure_global())
-        return self._hand_over(bucket, result, run, compressed=True, finish=finish)
-
-    def compress_with_step(self, bucket: Any, tensors: list[Tensor], result: Tensor, *,
-                           track: bool = False) -> torch.futures.Future:
-        """:meth:`compress_bucket` for all buckets of the iteration at once, in one engine step per (device,
-        dtype) at the last bucket (:mod:`gradpress.hooks.iteration`); :meth:`commit_each_bucket` turns it off."""
-        if self._session.commit_each_bucket:
-            segment = bucket_segment(self._params, self._session, bucket.index(), bucket.parameters(), tensors)
-            return self.compress_bucket(bucket, segment, tensors, result, track=track)
-        def start(on_done: Callable[[], None], on_fail: Callable[[BaseException], None]) -> None:
-            self._waiting.add(bucket.parameters(), tensors, on_done, on_fail)
-            if bucket.is_last():
-                self._sync_lr()
-                self._waiting.run(self._params, self._session, self._communicator(),
-                                  self.iter - self.start_powerSGD_iter, measure=self._measure(), track=track,
-                                  global_residual=self._measure_global())
-        return self._hand_over(bucket, result, start, compressed=True)
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:

@@ -14,8 +14,10 @@ import torch
 
 from ..diagnostics import check_measure_every
 from ..powersgd.config import EngineConfig
+from .iteration import OVERLAPS
 
-__all__ = ["check_lr_scheduler", "check_schedule", "check_warm_up", "checked_device", "merged_error_feedback"]
+__all__ = ["check_lr_scheduler", "check_schedule", "check_warm_up", "checked_device", "checked_overlap",
+           "merged_error_feedback"]
 
 
 def merged_error_feedback(use_error_feedback: bool, error_feedback: bool | None) -> bool:
@@ -71,3 +73,14 @@ def checked_device(comm_device: Any) -> torch.device | None:
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"comm_device must be None or a torch device such as 'cpu' or 'cuda:0', "
                          f"got {comm_device!r}") from exc
+
+
+def checked_overlap(overlap: Any, num_iters_per_step: int | None) -> str:
+    """``overlap``, one of :data:`~gradpress.hooks.iteration.OVERLAPS`; ``"p-phase"`` splits classic PowerSGD's
+    step, so it needs ``num_iters_per_step=None``."""
+    if overlap not in OVERLAPS:
+        raise ValueError(f"overlap must be one of {', '.join(map(repr, OVERLAPS))}, got {overlap!r}")
+    if overlap == "p-phase" and num_iters_per_step is not None:
+        raise ValueError(f"overlap='p-phase' issues classic PowerSGD's P phase per bucket; with "
+                         f"num_iters_per_step={num_iters_per_step!r} use overlap='none' or 'auto'")
+    return str(overlap)

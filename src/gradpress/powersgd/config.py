@@ -63,7 +63,7 @@ class EngineConfig:
     warm_up_bytes_per_weight: int | None = None
     half_precision_wire: str = "auto"
     orthogonalization: str = "auto"
-    orient: bool = False
+    orient: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:

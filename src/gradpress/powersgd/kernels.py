@@ -17,7 +17,7 @@ from torch import Tensor
 from .backend import Backend
 from .memory import Segment
 
-__all__ = ["GroupPieces", "build_m", "left_products", "outer", "outer_sum", "rescale_warm_start_",
+__all__ = ["GroupPieces", "build_m", "first_products", "left_products", "outer", "outer_sum", "rescale_warm_start_",
            "right_products"]
 
 #: The pieces of one shape group: ``[(P, Q^T), ...]``, each ``(B, n, r)`` and ``(B, r, m)``.
@@ -45,6 +45,18 @@ def right_products(segment: Segment, inputs: list[Tensor], outputs: list[Tensor]
         for pieces in earlier:
             earlier_p, earlier_qt = pieces[index]
             backend.product_add(earlier_p, torch.bmm(earlier_qt, q), p, -1.0)
+
+
+def first_products(segment: Segment) -> None:
+    """Classic PowerSGD's ``P = M Q`` for every shape group, with the warm-start Q; at full rank (``r`` = the
+    matrix's columns, so Q is square) ``P = M`` itself: ``M Q`` spans M's columns exactly only as well as
+    Q is conditioned, and no warm start helps a full-rank approximation, which is then exact whatever Q."""
+    backend = segment.backend
+    for (group, _, p, qt), m in zip(segment.group_views, segment.m_group_views):
+        if group.rank == group.m:
+            p.copy_(m)
+        else:
+            backend.product(m, qt.transpose(1, 2), p)
 
 
 def left_products(segment: Segment, inputs: list[Tensor], outputs: list[Tensor],

@@ -36,7 +36,7 @@ from .config import EngineConfig
 from .memory import ParamMemory, Segment, work_dtype_for
 from .pipeline import OrderedPipeline, Task
 from .seeding import upload
-from .step import average_step, compress_step, step_wire_dtype
+from .step import StartedStep, average_step, compress_step, finish_power_steps, step_options, step_wire_dtype
 from .store import SegmentStore
 from .transport import Communicator
 from .wire import wire_codec
@@ -157,12 +157,42 @@ class EngineSession:
         task, sent = compress_step(segment, tensors, comm, self.config, compressed_step, commit,
                                    measure=measure, track=track, global_residual=global_residual)
         self._submit(task, on_done, on_fail)
+        return self._count_step(segment, tensors, sent, numel, dtype)
+
+    def _count_step(self, segment: Segment, tensors: Sequence[Tensor], sent: int, numel: int | None,
+                    dtype: torch.dtype | None) -> int:
+        """Count a compressed step of ``segment`` that sends ``sent`` elements; returns its bytes."""
         wire = step_wire_dtype(segment, tensors, self.config)
         grad_dtype = tensors[0].dtype if dtype is None else dtype
         numel_in = segment.plan.numel if numel is None else numel
         bytes_in, bytes_sent = self._step_bytes or (0, 0)
         self._step_bytes = (bytes_in + numel_in * grad_dtype.itemsize, bytes_sent + sent * wire.itemsize)
         return self.count(numel_in, sent, grad_dtype, wire)
+
+    def start(self, segment: Segment, tensors: Sequence[Tensor], comm: Communicator, compressed_step: int, *,
+              dtype: torch.dtype | None = None, measure: bool = False, track: bool = False,
+              global_residual: bool = False, on_done: Callable[[], None] = lambda: None,
+              on_fail: Callable[[BaseException], None] = lambda error: None) -> StartedStep:
+        """:meth:`run`'s classic step split in two: start its P phase now (M, P = M Q and P's all-reduce,
+        issued at once) and return it; :meth:`finish_started` runs the rest of several such steps together.
+        ``on_done``/``on_fail`` and the counting are :meth:`run`'s (the bytes are the whole step's)."""
+        if self.config.num_iters_per_step is not None:
+            raise ValueError("EngineSession.start splits classic PowerSGD's step (num_iters_per_step=None), got "
+                             f"num_iters_per_step={self.config.num_iters_per_step!r}")
+        add_memory, damping, probe = step_options(self.config, compressed_step, measure, track, global_residual)
+        started = StartedStep(segment, tensors, self.config, compressed_step, add_memory=add_memory,
+                              damping=damping, probe=probe)
+        self._submit(started.send_p(comm), on_done, on_fail)
+        self._count_step(segment, tensors, segment.plan.numel_sent, None, dtype)
+        return started
+
+    def finish_started(self, started: Sequence[StartedStep], comm: Communicator,
+                       on_fail: Callable[[BaseException], None] = lambda error: None) -> None:
+        """The rest of ``started`` steps (:meth:`start`), together, once every P phase has completed: one call
+        orthogonalizes every P, one all-reduce carries every Q, and each commits with the optimizer step
+        (:meth:`finish`)."""
+        self.pipeline.drain()
+        self._submit(finish_power_steps(started, comm, self.config, self.commit), lambda: None, on_fail)
 
     def average(self, tensors: Sequence[Tensor], comm: Communicator, *, flat: Tensor | None = None,
                 counted: bool = True, bucket: int | None = None, on_done: Callable[[], None] = lambda: None,

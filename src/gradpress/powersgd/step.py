@@ -19,7 +19,7 @@ from torch import Tensor
 from .backend import backend_for
 from .commit import Feedback, StepCommit, commit_pieces
 from .config import EngineConfig
-from .kernels import GroupPieces, build_m, left_products, rescale_warm_start_, right_products
+from .kernels import GroupPieces, build_m, first_products, left_products, rescale_warm_start_, right_products
 from .linalg import orthogonalize_groups_
 from .memory import Finiteness, Segment, StagedFactors
 from .pipeline import Task
@@ -28,7 +28,8 @@ from .seeding import upload
 from .transport import Communicator
 from .wire import WireCodec, span_views, wire_codec
 
-__all__ = ["StepCommit", "alternating_step", "average_step", "compress_step", "power_step", "step_wire_dtype"]
+__all__ = ["StartedStep", "StepCommit", "alternating_step", "average_step", "compress_step", "finish_power_steps",
+           "power_step", "step_options", "step_wire_dtype"]
 
 
 def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig, step: int, *,
@@ -53,28 +54,93 @@ def power_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, co
     non-finite outputs (so an AMP GradScaler skips the step) and leave the memory and the factors as they
     were.
     """
-    feedback = Feedback(config.use_error_feedback, add_memory, damping)
-    codec = wire_codec(step_wire_dtype(segment, grads, config), segment.dtype)
-    matrices, unsent = segment.gradient_views(grads)
-    layout = segment.layout
-    _draw_missing(segment, config, 0 if config.warm_start else step + 1)
-    segment.stage(StagedFactors.Q if config.warm_start else StagedFactors.NOTHING)
-    build_m(segment, matrices, feedback.error_feedback and feedback.add_memory)
-    ps = [p for _, _, p, _ in segment.group_views]
-    qts = [qt for _, _, _, qt in segment.group_views]
-    if config.warm_start:
-        rescale_warm_start_(segment)
-    right_products(segment, qts, ps)
-    _copy_unsent_in(segment, unsent)
-    yield from _send(segment, codec, 0, layout.unsent_end, comm)
-    _copy_unsent_out(segment, unsent)
+    started = StartedStep(segment, grads, config, step, add_memory=add_memory, damping=damping, probe=probe)
+    yield from started.send_p(comm)
+    yield from finish_power_steps([started], comm, config, commit)
+
+
+class StartedStep:
+    """A classic step on one segment, split where its P all-reduce is in flight: :meth:`send_p` runs
+    phases 1-3 of :func:`power_step` (M, P = M Q, the all-reduce of ``[P | uncompressed]``), and
+    :func:`finish_power_steps` the rest, for one started step or for several at once (a DDP hook that issues
+    each bucket's P as the bucket arrives, and the rest of every bucket's step at the last one)."""
+
+    __slots__ = ("segment", "matrices", "unsent", "feedback", "probe", "codec", "_warm_start")
+
+    def __init__(self, segment: Segment, grads: Sequence[Tensor], config: EngineConfig, step: int, *,
+                 add_memory: bool = True, damping: float | None = None, probe: Probe = NO_PROBE) -> None:
+        self.segment = segment
+        self.feedback = Feedback(config.use_error_feedback, add_memory, damping)
+        self.probe = probe
+        self.codec = wire_codec(step_wire_dtype(segment, grads, config), segment.dtype)
+        self.matrices, self.unsent = segment.gradient_views(grads)
+        _draw_missing(segment, config, 0 if config.warm_start else step + 1)
+        segment.stage(StagedFactors.Q if config.warm_start else StagedFactors.NOTHING)
+        self._warm_start = config.warm_start
+
+    def send_p(self, comm: Communicator) -> Task:
+        """Phases 1-3: M = g + e, P = M Q, and the mean of ``[P | uncompressed]`` (one collective)."""
+        segment = self.segment
+        build_m(segment, self.matrices, self.feedback.error_feedback and self.feedback.add_memory)
+        if self._warm_start:
+            rescale_warm_start_(segment)
+        first_products(segment)
+        _copy_unsent_in(segment, self.unsent)
+        yield from _send(segment, self.codec, 0, segment.layout.unsent_end, comm)
+        _copy_unsent_out(segment, self.unsent)
+
+
+def finish_power_steps(started: Sequence[StartedStep], comm: Communicator, config: EngineConfig,
+                       commit: StepCommit | None = None) -> Task:
+    """Phases 4-6 of :func:`power_step` for ``started`` steps whose P all-reduce has completed: every P of
+    every segment orthogonalized together (one call; batched by rank across segments), each segment's
+    Q^T = P^T M, one all-reduce of every segment's Q (from one buffer when there are several: a copy in and
+    out, two ops), each probe's sketch, and their commits (``commit``, or at the end of this task)."""
+    ps = [p for part in started for _, _, p, _ in part.segment.group_views]
     if ps:
         orthogonalize_groups_(ps, config.orthogonalization_epsilon, config.orthogonalization)
-        left_products(segment, ps, qts)
-        yield from _send(segment, codec, layout.q_start, layout.numel, comm)
-    yield from probe.sketch(segment, [segment.wire], comm)
-    pieces = [segment.factor_group_views(segment.wire)]
-    _join(segment, commit, matrices, pieces, [], config, feedback, probe)
+        for part in started:
+            segment = part.segment
+            left_products(segment, [p for _, _, p, _ in segment.group_views],
+                          [qt for _, _, _, qt in segment.group_views])
+        yield from _send_q(started, comm)
+    for part in started:
+        yield from part.probe.sketch(part.segment, [part.segment.wire], comm)
+    joint = StepCommit() if commit is None and len(started) > 1 else commit
+    for part in started:
+        segment = part.segment
+        _join(segment, joint, part.matrices, [segment.factor_group_views(segment.wire)], [], config, part.feedback,
+              part.probe)
+    if joint is not None and commit is None:
+        joint.apply()
+
+
+def _send_q(started: Sequence[StartedStep], comm: Communicator) -> Task:
+    """The mean of every started step's Q region: the segment's own wire for one, else one buffer of all
+    (the same wire dtype for all: one DDP dtype group)."""
+    with_q = [part for part in started if part.segment.q.numel()]
+    if len(with_q) == 1:
+        segment = with_q[0].segment
+        yield from _send(segment, with_q[0].codec, segment.layout.q_start, segment.layout.numel, comm)
+        return
+    if not with_q:
+        return
+    codecs = {(type(part.codec), part.codec.dtype) for part in with_q}
+    if len(codecs) != 1:
+        raise ValueError(f"started steps of one Q all-reduce send different wires: {sorted(map(str, codecs))}")
+    regions = [part.segment.q for part in with_q]
+    buffer = torch.cat(regions)
+    spans = None
+    if with_q[0].codec.needs_spans:
+        sizes, lengths = [], []
+        for part in with_q:
+            wire_spans = part.segment.wire_spans()
+            first = wire_spans.first[part.segment.layout.q_start]
+            sizes += wire_spans.sizes[first:]
+            lengths.append(wire_spans.q_lengths)
+        spans = span_views(buffer, sizes, torch.cat(lengths))
+    yield from with_q[0].codec.mean(buffer, comm, spans)
+    torch._foreach_copy_(regions, list(buffer.split([region.numel() for region in regions])))
 
 
 def alternating_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator, config: EngineConfig,
@@ -161,12 +227,7 @@ def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator,
     place (``PowerSGDState.update_state()``).
     """
     k = config.num_iters_per_step
-    add_memory = (compressed_step + 1) % config.feedback_every_n_iters == 0
-    damping = config.warm_up_beta_factor \
-        if config.warm_up_beta_factor is not None and compressed_step < config.warm_up_steps else None
-    probe = NO_PROBE
-    if measure or track or global_residual:
-        probe = Probe(measure, track, global_residual, seed=config.random_seed, draw=compressed_step)
+    add_memory, damping, probe = step_options(config, compressed_step, measure, track, global_residual)
     if k is None:
         task = power_step(segment, grads, comm, config, compressed_step, commit=commit, add_memory=add_memory,
                           damping=damping, probe=probe)
@@ -175,6 +236,19 @@ def compress_step(segment: Segment, grads: Sequence[Tensor], comm: Communicator,
     task = alternating_step(segment, grads, comm, config, first, commit=commit, add_memory=add_memory,
                             damping=damping, probe=probe)
     return task, segment.plan.numel_sent_per_step(k, first)
+
+
+def step_options(config: EngineConfig, compressed_step: int, measure: bool = False, track: bool = False,
+                 global_residual: bool = False) -> tuple[bool, float | None, Probe]:
+    """What compressed step number ``compressed_step`` does besides the scheme: whether M includes the
+    memory (``feedback_every_n_iters``), the warm-up's damping (``None``: none), and its probe."""
+    add_memory = (compressed_step + 1) % config.feedback_every_n_iters == 0
+    damping = config.warm_up_beta_factor \
+        if config.warm_up_beta_factor is not None and compressed_step < config.warm_up_steps else None
+    probe = NO_PROBE
+    if measure or track or global_residual:
+        probe = Probe(measure, track, global_residual, seed=config.random_seed, draw=compressed_step)
+    return add_memory, damping, probe
 
 
 def step_wire_dtype(segment: Segment, grads: Sequence[Tensor], config: EngineConfig) -> torch.dtype:

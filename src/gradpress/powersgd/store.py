@@ -82,8 +82,9 @@ class SegmentStore:
             for index in segment.compressed_order:
                 result[segment.keys[index]] = segment.plan.tensors[index].rank
         for key, entry in self.pool.items():
-            if entry.q is not None:
-                result.setdefault(key, int(entry.q.shape[1]))
+            factor = entry.q if entry.q is not None else entry.p  # (a transposed matrix's warm start is its p)
+            if factor is not None:
+                result.setdefault(key, int(factor.shape[1]))
         return result
 
     def signals(self) -> dict[int, Tensor]:

@@ -108,7 +108,7 @@ def allreduce_bytes(shapes: Shapes, dtypes: Sequence[torch.dtype], wire_dtype: t
 
 def powersgd_bytes(shapes: Shapes, dtypes: Sequence[torch.dtype], rank: int, min_compression_rate: float = 2.0,
                    bytes_per_weight: int | None = 4, num_iters_per_step: int | None = None,
-                   iteration: int = 0, orient_matrices: bool = False) -> StepBytes:
+                   iteration: int = 0, orient_matrices: bool = True) -> StepBytes:
     """One compressed step of PowerSGD (``PowerSGDState(matrix_approximation_rank=rank,
     min_compression_rate=..., bytes_per_weight=..., num_iters_per_step=...)``, or the aggregator's
     :class:`gradpress.Config`) for gradients of ``shapes`` and ``dtypes`` (one per shape), as the state

@@ -245,9 +245,10 @@ def count_aggregator_kernels(model: str = "gpt2", *, path: str = "cpu", rank: in
         generator = torch.Generator().manual_seed(0)
         params = [torch.empty(shape, device=device) for shape in shapes]
         aggregator = gradpress.PowerSGD(params, config, init_sync=False)
+        drawn = [torch.empty(shape, device=device) if path == "meta" else torch.randn(shape, generator=generator)
+                 for shape in shapes]  # (drawn once: the counts do not depend on the values, only on finiteness)
         for iteration in range(iterations):
-            grads = [torch.empty(shape, device=device) if path == "meta" else torch.randn(shape, generator=generator)
-                     for shape in shapes]
+            grads = [g.clone() for g in drawn]
             with _Counting(counter) if iteration == iterations - 1 else contextlib.nullcontext():
                 aggregator.aggregate_(grads)
     wire = "fp16" if fp16_wire else "fp32"
