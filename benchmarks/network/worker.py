@@ -193,7 +193,7 @@ def _timed(hook: Callable) -> Callable:
     return timed
 
 
-_original_wait = gp_comm._Pending.wait
+_original_wait = gp_comm.Work.wait
 
 
 def _timed_wait(self: Any) -> torch.Tensor:
@@ -204,7 +204,7 @@ def _timed_wait(self: Any) -> torch.Tensor:
         _CLOCK["blocked"] += time.perf_counter() - start
 
 
-gp_comm._Pending.wait = _timed_wait  # type: ignore[method-assign]
+gp_comm.Work.wait = _timed_wait  # type: ignore[method-assign]
 
 PHASES = ("step", "forward", "backward", "optimizer", "hook", "blocked")
 
