@@ -16,7 +16,7 @@ from ..checkpoint import per_rank_state, placement, read_per_rank, reject_gather
 from ..validation import check_int
 from ..comm import all_gather_objects, average_tensors_, is_member
 from .shards import Spec, as_sharded, check_same_layout, from_saved, layout_key, local_views
-from .tensors import Params, tensors_to_average
+from .tensors import Params, named_tensors_to_average
 
 __all__ = ["HierarchicalModelAverager", "ModelAverager", "PeriodicModelAverager"]
 
@@ -43,27 +43,43 @@ class ModelAverager(ABC):
         self.bytes_sent = 0
         self.num_averages = 0
         self._params: list[Tensor] = []       # what was averaged last (parameters, DTensors or not)
+        self._names: list[str | None] = []    # their names, where what was given names them
         self._pending: list[Tensor] | None = None  # a checkpoint's parameters of this rank, not yet written
         self._checked_layout: tuple[Any, ...] | None = None
 
     def anchor_parameters(self, params: Params) -> None:
         """Where local training starts (called by :class:`PostLocalSGDOptimizer` when it is built):
         averagers with an anchor (DiLoCo's) take ``params`` as it; the others remember which tensors
-        they average (a checkpoint restores a rank's own parameters into them)."""
-        self._remember(params)
+        they average (a checkpoint restores a rank's own parameters into them). ``params`` is read once
+        (a generator such as ``model.parameters()`` works), in any form :meth:`average_parameters` takes."""
+        self._anchor(self._remember(params))
+
+    def _anchor(self, tensors: list[Tensor]) -> None:
+        """:meth:`anchor_parameters` on the tensors it read: writes a loaded checkpoint's parameters of
+        this rank into them; DiLoCo's averagers also take their anchor here."""
         self._write_pending()
 
     @abstractmethod
     def average_parameters(self, params: Params) -> None:
-        """Average ``params`` if this step is an averaging step; advance the step counter."""
+        """Average ``params`` if this step is an averaging step; advance the step counter. ``params``: a
+        module, tensors, ``named_parameters()`` pairs or parameter groups, read once (a generator works)."""
 
     def _issuer(self) -> str:
         """Names this averager's collectives in a :class:`gradpress.comm.CollectiveError`."""
         return f"{type(self).__name__}.average_parameters, step {self.step}"
 
     def _remember(self, params: Params) -> list[Tensor]:
-        self._params = tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module))
+        """The tensors ``params`` holds (read once: call it once per entry point and pass its result on),
+        remembered with their names."""
+        self._params, self._names = named_tensors_to_average(params, self.average_buffers or
+                                                             isinstance(params, nn.Module))
         return self._params
+
+    def _describe(self, index: int) -> str:
+        """Averaged tensor ``index`` in words: its name where known, and its shape."""
+        tensor = self._params[index]
+        name = self._names[index] if index < len(self._names) else None
+        return f"averaged tensor {index}{f' {name!r}' if name else ''} (shape {tuple(tensor.shape)})"
 
     def _local(self, tensors: list[Tensor], group: dist.ProcessGroup | None = None
                ) -> tuple[list[Tensor], list[Spec | None]]:
@@ -178,7 +194,10 @@ class PeriodicModelAverager(ModelAverager):
         return step >= self.warmup_steps and (step - self.warmup_steps) % self.period == 0
 
     def average_parameters(self, params: Params) -> None:
-        tensors = self._remember(params)  # known between averages too: a checkpoint saves this rank's
+        self._average_step(self._remember(params))  # known between averages too: a checkpoint saves them
+
+    def _average_step(self, tensors: list[Tensor]) -> None:
+        """Average ``tensors`` (what :meth:`average_parameters` read) if this step is an averaging step."""
         if self.is_averaging_step(self.step) and is_member(self.process_group):
             self._average(self._local(tensors)[0])
         self.step += 1

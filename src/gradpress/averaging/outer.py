@@ -178,20 +178,23 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         nothing where :func:`takes_anchor` says so: with a warm-up (the anchor is taken at its last step),
         once a synchronization happened (the anchor and its momentum are the run's), with
         ``first_sync="average"``, or on a rank outside ``process_group``."""
-        super().anchor_parameters(params)  # remembers them (and writes a loaded checkpoint's into them)
-        if takes_anchor(self, from_average=False):
-            self._take_anchor(params)
+        super().anchor_parameters(params)  # reads them once, then _anchor
 
-    def _take_anchor(self, params: Params) -> None:
-        tensors = self._local(self._remember(params))[0]
-        anchor, sent = take_anchor(tensors, self.process_group)
+    def _anchor(self, tensors: list[Tensor]) -> None:
+        super()._anchor(tensors)  # writes a loaded checkpoint's parameters into them
+        if takes_anchor(self, from_average=False):
+            self._take_anchor(tensors)
+
+    def _take_anchor(self, tensors: list[Tensor]) -> None:
+        anchor, sent = take_anchor(self._local(tensors)[0], self.process_group)
         self.bytes_sent += sent
         self._start(OuterStep(anchor, self.outer_lr, self.outer_momentum, self.nesterov))
 
     def average_parameters(self, params: Params) -> None:
+        tensors = self._remember(params)  # read once: a generator works
         if takes_anchor(self, from_average=True):
-            self._take_anchor(params)
-        super().average_parameters(params)
+            self._take_anchor(tensors)
+        self._average_step(tensors)
 
     @property
     def powersgd(self) -> Any:

@@ -268,9 +268,12 @@ class StreamingDiLoCoAverager(ModelAverager):
         where :func:`~gradpress.averaging.outer.takes_anchor` says so: with a warm-up (the anchor is taken
         at its last step), once a fragment synchronized, with ``first_sync="average"``, or on a rank
         outside ``process_group``."""
-        super().anchor_parameters(params)  # remembers them (and writes a loaded checkpoint's into them)
+        super().anchor_parameters(params)  # reads them once, then _anchor
+
+    def _anchor(self, tensors: list[Tensor]) -> None:
+        super()._anchor(tensors)  # writes a loaded checkpoint's parameters into them
         if takes_anchor(self, from_average=False):
-            self._take_anchor(params)
+            self._take_anchor(tensors)
 
     @property
     def anchored(self) -> bool:
@@ -282,8 +285,7 @@ class StreamingDiLoCoAverager(ModelAverager):
         """Whether a fragment synchronized (sent or applied)."""
         return self.num_averages > 0 or any(fr.syncs for fr in self._fragments)
 
-    def _take_anchor(self, params: Params) -> None:
-        tensors = self._remember(params)
+    def _take_anchor(self, tensors: list[Tensor]) -> None:
         self._bind(tensors)
         views = self._local(tensors)[0]
         anchor, sent = take_anchor(views, self.process_group)
@@ -299,9 +301,9 @@ class StreamingDiLoCoAverager(ModelAverager):
         if not is_member(self.process_group):
             self.step += 1
             return
+        tensors = self._remember(params)  # read once: a generator works
         if takes_anchor(self, from_average=True):
-            self._take_anchor(params)
-        tensors = self._remember(params)
+            self._take_anchor(tensors)
         sent = self.fragment_sent_at(self.step)
         due = [p for p in self._in_flight if p.due == self.step] if self._in_flight else []
         if sent is not None or due:
