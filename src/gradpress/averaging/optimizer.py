@@ -40,9 +40,29 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
             raise TypeError(f"averager must be a gradpress ModelAverager, got {type(averager).__name__}")
         self.optim = optim
         self.averager = averager
-        self.param_groups = optim.param_groups
-        self.defaults = optim.defaults
         averager.anchor_parameters(self.param_groups)  # DiLoCo's anchor: where local training starts
+
+    # The inner optimizer's own objects, read through: its load_state_dict replaces its param_groups list,
+    # and an LR scheduler built on this wrapper (torchtitan attaches them to the optimizer it is handed)
+    # must keep writing the learning rate the inner optimizer steps with. PyTorch's wrapper copies the
+    # list once, so after a resume its schedulers write into groups nothing reads.
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's ``param_groups`` (the same list, also after :meth:`load_state_dict`)."""
+        return self.optim.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optim.param_groups = groups
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        """The inner optimizer's ``defaults``."""
+        return self.optim.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optim.defaults = defaults
 
     @property
     def state(self) -> Any:  # type: ignore[override]
