@@ -20,7 +20,7 @@ import os
 import pickle
 import tempfile
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -391,7 +391,8 @@ def per_rank_state(local: Any, shared: Mapping[str, Any] | None = None) -> dict[
 
 
 def read_per_rank(state: Mapping[str, Any], owner: str, *, on_world_size_change: str = "raise",
-                  allow_other_rank: bool = False) -> tuple[Any, bool]:
+                  allow_other_rank: bool = False,
+                  portable: Callable[[Any], str | None] | None = None) -> tuple[Any, bool]:
     """``(this rank's values, True)`` from :func:`per_rank_state`'s dict, or ``(None, False)`` where
     they start fresh. A dict of another format (checkpoints from before this layout) comes back as it
     is, ``(state, True)``.
@@ -403,7 +404,11 @@ def read_per_rank(state: Mapping[str, Any], owner: str, *, on_world_size_change:
     per-rank values start as constructed; what is sharded or identical on every rank still loads).
     A dict of this world size holding only other ranks' entries (rank 0's file loaded on rank 1) raises a
     ``ValueError`` naming both ranks, whatever ``on_world_size_change``; ``allow_other_rank``: a dict
-    holding one other rank's entry gives that entry (on purpose)."""
+    holding one other rank's entry gives that entry (on purpose). ``portable(entry)`` says whether such
+    an entry can serve this rank anyway: ``None`` where nothing in it belongs to the rank that saved it
+    (counters, an inner optimizer's state that PyTorch's own wrapper hands every rank: rank 0's
+    ``torch.save`` loaded everywhere), else what would be lost or misapplied (error memory, residuals),
+    which the refusal names."""
     check_world_size_policy(on_world_size_change)
     if state.get("format") != PER_RANK_FORMAT:
         return state, True
@@ -419,11 +424,19 @@ def read_per_rank(state: Mapping[str, Any], owner: str, *, on_world_size_change:
         return torch.load(io.BytesIO(bytes(blob)), weights_only=True), True
     others = sorted(key for key, value in entries.items() if value and key != f"rank_{rank}")
     if not blob and saved_world == world and others:  # one rank's file loaded on another: not a new world
+        what = "its error memory is per rank"
+        if portable is not None and len(others) == 1:
+            entry = torch.load(io.BytesIO(bytes(entries[others[0]])), weights_only=True)
+            why = portable(entry)
+            if why is None:
+                logger.info("%s: rank %d loads the per-rank entry of %s, which holds nothing that belongs to "
+                            "that rank alone", owner, rank, others[0])
+                return entry, True
+            what = f"it holds per-rank state that would be lost or misapplied here: {why}"
         raise ValueError(
             f"{owner} checkpoint was saved with rank={others[0].removeprefix('rank_')} but this process has "
             f"rank={rank} (it holds the per-rank state of {', '.join(others)} of {saved_world} ranks, none of "
-            f"rank_{rank}); its error memory is per rank: load each rank's own, or pass allow_other_rank=True "
-            "to load it anyway")
+            f"rank_{rank}); {what}: load each rank's own, or pass allow_other_rank=True to load it anyway")
     if on_world_size_change == "fresh":
         logger.warning("%s: the checkpoint was saved by %s ranks, this run has %d (rank %d): "
                        "on_world_size_change='fresh', this rank's per-rank state starts fresh", owner,

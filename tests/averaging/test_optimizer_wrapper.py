@@ -103,3 +103,74 @@ def test_the_wrapper_shares_the_inner_optimizers_groups_and_defaults():
     assert optimizer.param_groups is inner.param_groups and optimizer.defaults is inner.defaults
     optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "lr": 0.5})
     assert optimizer.param_groups is inner.param_groups and len(inner.param_groups) == 2
+
+
+# --- rank 0's checkpoint, loaded on every rank ------------------------------------------------------------
+
+AVERAGERS = {  # PyTorch's test_post_localSGD_optimizer_step_reload: period 4, warm-up 10, 20 steps
+    "periodic": lambda: PeriodicModelAverager(period=4, warmup_steps=10),
+    "diloco": lambda: OuterOptimizerAverager(4, warmup_steps=10, outer_momentum=0.5),
+    "streaming, an update in flight": lambda: StreamingDiLoCoAverager(4, warmup_steps=10, num_fragments=2,
+                                                                      fragment_sync_delay=2, outer_momentum=0.5),
+    # Per rank: what rank 1 would take from rank 0's file is rank 0's error feedback.
+    "diloco-int8": lambda: OuterOptimizerAverager(4, warmup_steps=10, compression=QuantizeInt8(chunk_size=8)),
+    "diloco-powersgd": lambda: OuterOptimizerAverager(4, warmup_steps=10, compression=Config(
+        rank=1, start_compressing_after_num_steps=0, min_compression_rate=0)),
+    "streaming-int4": lambda: StreamingDiLoCoAverager(4, warmup_steps=10, num_fragments=2,
+                                                      compression=QuantizeInt4(chunk_size=8)),
+}
+PER_RANK = {"diloco-int8": "residual", "diloco-powersgd": "PowerSGD", "streaming-int4": "residual"}
+
+
+def rank0_checkpoint(rank, world, kind, path):
+    def make():
+        model = DDP(_model())
+        return model, PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.5),
+                                            AVERAGERS[kind]())
+
+    def train(model, optimizer, steps):
+        for step in steps:
+            optimizer.zero_grad()
+            x, y = _batch(rank, step)
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+
+    model, optimizer = make()
+    train(model, optimizer, range(24))
+    want = [p.detach().clone() for p in model.parameters()]
+    model, optimizer = make()
+    train(model, optimizer, range(20))
+    in_flight = bool(getattr(optimizer.averager, "in_flight", []))
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer_state_dict": optimizer.state_dict()}, path)
+    dist.barrier()
+    checkpoint = torch.load(path, weights_only=True)
+    model, optimizer = make()
+    model.load_state_dict(checkpoint["model"])
+    try:
+        optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
+    except ValueError as error:
+        refused = str(error)
+    else:
+        refused = None
+    anyone = torch.tensor([refused is not None], dtype=torch.int64)
+    dist.all_reduce(anyone)  # DDP trains on together only if every rank loaded
+    if anyone.item():
+        return refused, None, in_flight
+    step = optimizer.averager.step
+    train(model, optimizer, range(20, 24))
+    return None, (step, all(torch.equal(a, b) for a, b in zip(want, model.parameters()))), in_flight
+
+
+@pytest.mark.parametrize("kind", list(AVERAGERS))
+def test_rank_0s_checkpoint_loads_everywhere_unless_it_holds_per_rank_state(tmp_path, kind):
+    results = run(rank0_checkpoint, 2, kind, str(tmp_path / "rank0.pt"))
+    assert results[0][0] is None  # rank 0 loads its own
+    refused, resumed, in_flight = results[1]
+    assert in_flight == (kind == "streaming, an update in flight")
+    if kind in PER_RANK:
+        assert refused is not None and "saved with rank=0 but this process has rank=1" in refused, refused
+        assert PER_RANK[kind] in refused and "allow_other_rank=True" in refused, refused
+    else:  # DDP keeps the ranks identical: rank 0's state is every rank's, and the resume is bitwise
+        assert refused is None, refused
+        assert results[0][1] == resumed == (20, True)

@@ -113,9 +113,25 @@ class ModelAverager(ABC):
     def _own_state(self) -> dict[str, Any]:
         """This rank's own values (the per-rank entry)."""
         own: dict[str, Any] = {"bytes_sent": self.bytes_sent, "placement": placement(self.process_group)}
+        views, specs = local_views(self._params)
+        if any(s is not None for s in specs):
+            own["sharded"] = True  # what this rank saved is its own shards: no other rank's
         if not self.in_sync() and self._params:
-            own["parameters"] = [v.detach().clone() for v in local_views(self._params)[0]]
+            own["parameters"] = [v.detach().clone() for v in views]
         return own
+
+    def _per_rank_contents(self, own: Mapping[str, Any]) -> list[str]:
+        """What in the per-rank entry ``own`` belongs to the rank that saved it alone, in words (empty:
+        nothing, and another rank may load it: its counters, and its parameters saved between
+        synchronizations, which replace that rank's as loading the same rank's model state does)."""
+        return ["its parameters and outer state are that rank's FSDP2 shards"] if own.get("sharded") else []
+
+    def _portable(self, own: Any) -> str | None:
+        """``read_per_rank``'s question for an entry saved on another rank: ``None`` where it can serve
+        this rank, else what it holds per rank."""
+        if not isinstance(own, Mapping):
+            return None
+        return "; ".join(self._per_rank_contents(own)) or None
 
     def state_dict(self) -> dict[str, Any]:
         """The state for ``torch.distributed.checkpoint`` and ``torch.save`` (see the class docstring);
@@ -137,7 +153,7 @@ class ModelAverager(ABC):
             raise ValueError(f"{type(self).__name__}.load_state_dict: the state has no 'step': it is not what "
                              f"state_dict() returned (keys: {sorted(state)})")
         own, found = read_per_rank(state, type(self).__name__, on_world_size_change=on_world_size_change,
-                                   allow_other_rank=allow_other_rank)
+                                   allow_other_rank=allow_other_rank, portable=self._portable)
         self._load(state, own if found else None, allow_other_rank)
         if found and own.get("parameters") is not None:
             self._restore_parameters(own["parameters"])

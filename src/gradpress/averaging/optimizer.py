@@ -10,6 +10,7 @@ import torch
 
 from ..checkpoint import PER_RANK_FORMAT, per_rank_state, read_per_rank
 from .averagers import ModelAverager
+from .shards import is_sharded
 
 __all__ = ["PostLocalSGDOptimizer"]
 
@@ -97,21 +98,30 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
                                "step": self.averager.step})
 
     def load_state_dict(self, state_dict: dict[str, Any], *,  # type: ignore[override]
-                        on_world_size_change: str = "raise") -> None:
+                        on_world_size_change: str = "raise", allow_other_rank: bool = False) -> None:
         """Restore :meth:`state_dict`'s output (or a plain optimizer state dict, as PyTorch's does);
         ``on_world_size_change`` as in the averager's ``load_state_dict`` (``"fresh"``: the inner
-        optimizer's state starts empty too)."""
+        optimizer's state starts empty too).
+
+        Another rank's state (rank 0's ``torch.save`` loaded on every rank, as PyTorch's own test of its
+        wrapper does) loads wherever nothing in it belongs to rank 0 alone: the step counter, the outer
+        state, the inner optimizer's state (which PyTorch hands every rank too) and rank 0's parameters
+        saved between synchronizations (what loading rank 0's model does anyway). Error feedback (a
+        compressor's residual, PowerSGD's error memory) and FSDP2 shards would be lost or misapplied:
+        that is refused with a ``ValueError`` naming it (``allow_other_rank=True`` loads it anyway)."""
         state = dict(state_dict)
         averager = state.pop("averager", None)
         step = state.pop("step", None)
-        own, found = read_per_rank(state, "PostLocalSGDOptimizer", on_world_size_change=on_world_size_change)
+        own, found = read_per_rank(state, "PostLocalSGDOptimizer", on_world_size_change=on_world_size_change,
+                                   allow_other_rank=allow_other_rank, portable=_inner_state_portable)
         if state.get("format") == PER_RANK_FORMAT:
             state = {"state": own["state"] if found else {}, "param_groups": state["param_groups"]}
         self.optim.load_state_dict(state)
         if averager is None and step is None and _called_by_torch("_load_optim_state_dict"):
             return  # set_state_dict passes the inner optimizer's part only: the averager is loaded on its own
         if averager is not None:  # its other fields; the step is PyTorch's key alone
-            self.averager.load_state_dict({**averager, "step": 0}, on_world_size_change=on_world_size_change)
+            self.averager.load_state_dict({**averager, "step": 0}, on_world_size_change=on_world_size_change,
+                                          allow_other_rank=allow_other_rank)
         if step is None:
             # PyTorch's warning, in its words.
             warnings.warn("Loaded state dict does not contain a step counter for an averager. Setting step "
@@ -119,6 +129,16 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
             self.averager.step = 0
         else:
             self.averager.step = int(step)
+
+
+def _inner_state_portable(own: Any) -> str | None:
+    """Whether the inner optimizer's state saved on another rank can serve this one (``None``: it can, as
+    in PyTorch), unless it holds FSDP2 shards (DTensors: that rank's part of the model)."""
+    values = [v for per_param in (own.get("state") or {}).values() if isinstance(per_param, dict)
+              for v in per_param.values()] if isinstance(own, dict) else []
+    if any(is_sharded(v) for v in values):
+        return "the inner optimizer's state of that rank's FSDP2 shards"
+    return None
 
 
 def _called_by_torch(name: str) -> bool:

@@ -281,6 +281,15 @@ class OuterOptimizerAverager(PeriodicModelAverager):
             own["placement"] = placement(self.process_group)
         return own
 
+    def _per_rank_contents(self, own: Mapping[str, Any]) -> list[str]:
+        parts = super()._per_rank_contents(own)
+        if isinstance(own.get("powersgd"), Mapping):
+            parts.append("the error memory of its PowerSGD outer gradients (compression=Config(...))")
+        if own.get("residual") is not None:
+            parts.append(f"the error-feedback residual of its compressed outer gradients "
+                         f"(compression={self.compression!r})")
+        return parts
+
     def _shared_state(self) -> dict[str, Any]:
         state = super()._shared_state()
         state["num_skipped"] = self.num_skipped

@@ -454,6 +454,18 @@ class StreamingDiLoCoAverager(ModelAverager):
         state["fragments"] = fragments
         return state
 
+    def _per_rank_contents(self, own: Mapping[str, Any]) -> list[str]:
+        parts = super()._per_rank_contents(own)
+        for f, item in enumerate(own.get("fragments") or []):
+            if item.get("residual") is not None:
+                parts.append(f"fragment {f}'s error-feedback residual (compression={self.compression!r})")
+            if "powersgd" in item:
+                parts.append(f"fragment {f}'s PowerSGD error memory (compression=Config(...))")
+        for pending in own.get("in_flight") or []:
+            if pending.get("residual") is not None:
+                parts.append(f"the residual of fragment {pending['fragment']}'s update in flight")
+        return parts
+
     def _own_state(self) -> dict[str, Any]:
         own = super()._own_state()
         own["fragments"] = [self._own_fragment(fr) for fr in self._fragments]
