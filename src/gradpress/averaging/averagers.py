@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..checkpoint import per_rank_state, placement, read_per_rank, reject_gathered
 from ..validation import check_int
-from ..comm import all_gather_objects, average_tensors_, is_member
+from ..comm import all_gather_ints, average_tensors_, is_member
 from .shards import Spec, as_sharded, check_same_layout, from_saved, layout_key, local_views
 from .tensors import Params, named_tensors_to_average
 
@@ -337,10 +337,10 @@ def _group_ranks(process_group: dist.ProcessGroup | None) -> list[int]:
     member = is_member(process_group)
     if member and dist.get_world_size(process_group) == world:
         return dist.get_process_group_ranks(process_group)
-    # A rank outside the group holds only torch's NON_GROUP_MEMBER sentinel: ask the members.
-    mine = dist.get_process_group_ranks(process_group) if member else None
-    seen = {tuple(r) for r in all_gather_objects(mine, issuer="HierarchicalModelAverager's construction")
-            if r is not None}
+    # A rank outside the group holds only torch's NON_GROUP_MEMBER sentinel: ask the members (integers, no
+    # numpy; an outside rank sends none).
+    mine = dist.get_process_group_ranks(process_group) if member else []
+    seen = {tuple(r) for r in all_gather_ints(mine, issuer="HierarchicalModelAverager's construction") if r}
     if len(seen) != 1:  # the same gathered list on every rank: every rank raises this
         raise ValueError(f"HierarchicalModelAverager: every rank of process_group must pass the same group, "
                          f"got groups of global ranks {sorted(map(list, seen))}")
