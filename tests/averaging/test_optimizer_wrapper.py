@@ -4,8 +4,6 @@ loads on every rank unless it holds per-rank state that would be lost there (2 g
 
 from __future__ import annotations
 
-import math
-import os
 
 import pytest
 import torch
