@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..checkpoint import per_rank_state, placement, read_per_rank, reject_gathered
+from ..checkpoint import dcp_saved_keys, per_rank_state, placement, read_per_rank, reject_gathered
 from ..validation import check_int
 from ..comm import all_gather_ints, average_tensors_, is_member
+from .saved import Kind, check_kind, kind_from_keys, kind_from_state
 from .shards import Spec, as_sharded, check_same_layout, from_saved, layout_key, local_views
 from .tensors import Params, named_tensors_to_average
 
@@ -136,8 +137,31 @@ class ModelAverager(ABC):
     def state_dict(self) -> dict[str, Any]:
         """The state for ``torch.distributed.checkpoint`` and ``torch.save`` (see the class docstring);
         a fresh averager's is a complete template for DCP's in-place load once it knows its parameters
-        (:class:`PostLocalSGDOptimizer` built, or :meth:`anchor_parameters` called)."""
+        (:class:`PostLocalSGDOptimizer` built, or :meth:`anchor_parameters` called). Asked for it by
+        ``dcp.load``, it first checks what the checkpoint holds under its key (:meth:`check_dcp_keys`)."""
+        found = dcp_saved_keys()
+        if found is not None:
+            self.check_dcp_keys(found[1], found[0])
         return per_rank_state(self._own_state(), self._shared_state())
+
+    def _kind(self) -> Kind:
+        """This averager's state in outline (what :meth:`check_state_dict` compares)."""
+        return Kind("plain")
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Refuse (``ValueError``) a state saved by another kind of averager (another class, fragment count
+        or number of averaged tensors), saying what it holds and what this averager is; called by
+        :meth:`load_state_dict` before it loads anything."""
+        name = type(self).__name__
+        check_kind(name, self._kind(), kind_from_state(state), f"{name}.load_state_dict")
+
+    def check_dcp_keys(self, keys: set[str], prefix: str) -> None:
+        """:meth:`check_state_dict` for a ``torch.distributed.checkpoint`` checkpoint whose keys are
+        ``keys``, this averager's state saved under ``prefix``: raised where DCP would raise its "Missing
+        key" (or load a part of another averager's state without a word)."""
+        name = type(self).__name__
+        check_kind(name, self._kind(), kind_from_keys(keys, prefix),
+                   f"{name}: torch.distributed.checkpoint.load of {prefix!r}")
 
     def load_state_dict(self, state: Mapping[str, Any], *, allow_other_rank: bool = False,
                         on_world_size_change: str = "raise") -> None:
@@ -152,6 +176,7 @@ class ModelAverager(ABC):
         if "step" not in state:
             raise ValueError(f"{type(self).__name__}.load_state_dict: the state has no 'step': it is not what "
                              f"state_dict() returned (keys: {sorted(state)})")
+        self.check_state_dict(state)
         own, found = read_per_rank(state, type(self).__name__, on_world_size_change=on_world_size_change,
                                    allow_other_rank=allow_other_rank, portable=self._portable)
         self._load(state, own if found else None, allow_other_rank)

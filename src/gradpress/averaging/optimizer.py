@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import PER_RANK_FORMAT, per_rank_state, read_per_rank
+from ..checkpoint import PER_RANK_FORMAT, dcp_saved_keys, per_rank_state, read_per_rank
 from .averagers import ModelAverager
 from .shards import is_sharded
 
@@ -93,6 +93,9 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         inner = self.optim.state_dict()
         if _called_by_torch("_get_optim_state_dict"):
             return inner
+        found = dcp_saved_keys()  # asked by dcp.load: what the checkpoint holds of the averager, checked first
+        if found is not None:
+            self.averager.check_dcp_keys(found[1], f"{found[0]}.averager")
         return per_rank_state({"state": inner["state"]},
                               {"param_groups": inner["param_groups"], "averager": self.averager.state_dict(),
                                "step": self.averager.step})
@@ -112,6 +115,8 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         state = dict(state_dict)
         averager = state.pop("averager", None)
         step = state.pop("step", None)
+        if averager is not None:  # another kind of averager's state: refused before anything loads
+            self.averager.check_state_dict({**averager, "step": 0})
         own, found = read_per_rank(state, "PostLocalSGDOptimizer", on_world_size_change=on_world_size_change,
                                    allow_other_rank=allow_other_rank, portable=_inner_state_portable)
         if state.get("format") == PER_RANK_FORMAT:

@@ -17,6 +17,7 @@ from ..checkpoint import check_placement, placement
 from ..validation import check_number
 from ..comm import broadcast_parameters, is_distributed, is_member
 from .averagers import PeriodicModelAverager, sharded_copies
+from .saved import Kind
 from .shards import Spec, from_saved, local_views
 from .tensors import Params
 from .transport import Exact, Link, OuterTransport, transport_for
@@ -280,6 +281,9 @@ class OuterOptimizerAverager(PeriodicModelAverager):
             own["residual"] = self._residual.clone()
             own["placement"] = placement(self.process_group)
         return own
+
+    def _kind(self) -> Kind:
+        return Kind("outer", None, (len(self._params),) if self._params else None)
 
     def _per_rank_contents(self, own: Mapping[str, Any]) -> list[str]:
         parts = super()._per_rank_contents(own)

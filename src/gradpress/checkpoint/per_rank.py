@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import io
 import logging
+import sys
 from collections.abc import Callable, Mapping
+from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["PER_RANK_FORMAT", "check_placement", "check_saved_options", "check_world_size_policy", "dcp_stateful",
-           "per_rank_state", "placement", "read_per_rank", "to_cpu"]
+__all__ = ["PER_RANK_FORMAT", "check_placement", "check_saved_options", "check_world_size_policy", "dcp_load_key",
+           "dcp_saved_keys", "dcp_stateful", "per_rank_state", "placement", "read_per_rank", "to_cpu"]
 
 logger = logging.getLogger("gradpress.checkpoint")
 
@@ -144,13 +146,63 @@ def read_per_rank(state: Mapping[str, Any], owner: str, *, on_world_size_change:
                        "on_world_size_change='fresh', this rank's per-rank state starts fresh", owner,
                        saved_world, world, rank)
         return None, False
+    key = dcp_load_key()
+    dcp_way = (f"dcp.load({{{'key' if key is None else repr(key)}: gradpress.checkpoint.dcp_stateful(obj, 'fresh')}}, "
+               "checkpoint_id=...) (dcp.load itself has no on_world_size_change)")
+    plain_way = "obj.load_state_dict(state, on_world_size_change='fresh')"
+    ways = (f"through torch.distributed.checkpoint, as here, {dcp_way}; through load_state_dict, {plain_way}"
+            if key is not None else f"through load_state_dict, {plain_way}; through torch.distributed.checkpoint, "
+            f"{dcp_way}")
     raise ValueError(
         f"{owner} checkpoint was saved by {saved_world} ranks, this run has {world} (rank {rank} finds "
         f"{'no entry of its own' if not blob else 'the entry of a rank of another run'}): per-rank state "
-        f"(error memory, residuals) cannot be split or merged across world sizes. To resume without it, "
-        f"load with on_world_size_change='fresh' (each rank's per-rank state then starts fresh, which costs "
-        f"a few steps of quality; sharded and shared state still loads); to load into a larger world through "
-        f"torch.distributed.checkpoint, also pass planner=DefaultLoadPlanner(allow_partial_load=True)")
+        f"(error memory, residuals) cannot be split or merged across world sizes. To resume without it: {ways}. "
+        f"Each rank's per-rank state then starts fresh, which costs a few steps of quality; sharded and shared "
+        f"state still loads. To load into a larger world through torch.distributed.checkpoint, also pass "
+        f"planner=DefaultLoadPlanner(allow_partial_load=True)")
+
+
+def _dcp_load_frame(limit: int = 16) -> Any:
+    """The frame of ``torch.distributed.checkpoint.load`` among the callers (``None``: not inside one).
+    How a ``Stateful`` learns that DCP is loading it, and under which key: DCP tells it nothing."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(limit):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_name == "load" and code.co_filename.replace("\\", "/").endswith(
+                "torch/distributed/checkpoint/state_dict_loader.py"):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def dcp_load_key() -> str | None:
+    """The key of the ``Stateful`` that ``torch.distributed.checkpoint.load`` is loading now (``None``:
+    not inside a DCP load), so that a refusal can say how to load that key instead."""
+    frame = _dcp_load_frame()
+    key = None if frame is None else frame.f_locals.get("key")
+    return key if isinstance(key, str) else None
+
+
+def dcp_saved_keys() -> tuple[str, set[str]] | None:
+    """``(key, the checkpoint's keys)`` when the caller's caller is ``torch.distributed.checkpoint.load``
+    asking a ``Stateful`` for its template, directly or through :class:`dcp_stateful`; ``None``
+    otherwise, or if the checkpoint's metadata cannot be read here (DCP then reports it). Lets a
+    ``state_dict()`` compare what DCP is about to load into it with what the checkpoint holds, before
+    DCP's own "Missing key" (which does not say what differs)."""
+    frame: FrameType | None = sys._getframe(2)
+    if frame is not None and frame.f_code is dcp_stateful.state_dict.__code__:
+        frame = frame.f_back
+    if frame is None or _dcp_load_frame() is not frame:
+        return None
+    key, reader = frame.f_locals.get("key"), frame.f_locals.get("storage_reader")
+    if not isinstance(key, str) or reader is None:
+        return None
+    try:
+        return key, set(reader.read_metadata().state_dict_metadata)
+    except Exception:  # noqa: BLE001  (a reader that cannot tell yet: DCP's own errors stand)
+        return None
 
 
 class dcp_stateful:  # noqa: N801  (used like a function)

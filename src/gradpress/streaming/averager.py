@@ -38,9 +38,10 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
     ``average_buffers=True`` or a module) are split into ``num_fragments`` runs of consecutive tensors
     balanced by bytes (:func:`~gradpress.streaming.fragments.split_by_size`), or taken from
     ``fragments`` (modules or tensor lists, torchft's ``model_fragments``; every averaged tensor must be
-    in one, which :func:`~gradpress.streaming.model_fragments` makes sure of: ``fragments=model_fragments(
-    model, model.layers)`` adds a GPT's embeddings, final norm and head to the layers' fragments; a tensor
-    in none is refused when the averager first sees the parameters, by name where they carry one). With ``r = step - warmup_steps``, fragment ``f`` is *sent* at the steps where ``r >= 0``
+    in one: ``fragments=model_fragments(model, model.layers)``, :func:`~gradpress.streaming.model_fragments`,
+    adds a GPT's embeddings, final norm and head to the layers' fragments; a tensor in none is refused
+    when the averager first sees the parameters, by name where they carry one). With
+    ``r = step - warmup_steps``, fragment ``f`` is *sent* at the steps where ``r >= 0``
     and ``r % sync_every`` is its offset (:func:`~gradpress.streaming.fragments.fragment_offsets`), and
     its update is applied ``τ = fragment_sync_delay`` steps later:
 

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..averaging import ModelAverager, OuterStep
 from ..averaging.outer import outer_template, restore_outer
+from ..averaging.saved import Kind
 from ..averaging.shards import local_views, on_device_of
 from ..averaging.transport import OuterTransport, Sent
 from ..checkpoint import check_placement, placement
@@ -112,6 +113,10 @@ class FragmentCheckpoint(ModelAverager):
             fragments.append({**item, "syncs": fr.syncs})
         state["fragments"] = fragments
         return state
+
+    def _kind(self) -> Kind:
+        tensors = None if self._layout is None else tuple(len(fr.positions) for fr in self._fragments)
+        return Kind("streaming", self.num_fragments, tensors)
 
     def _per_rank_contents(self, own: Mapping[str, Any]) -> list[str]:
         parts = super()._per_rank_contents(own)
