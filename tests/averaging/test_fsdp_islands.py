@@ -463,3 +463,84 @@ def hierarchical_on_dtensors(rank, world):
 def test_hierarchical_averaging_of_dtensor_parameters_equals_it_on_plain_ones():
     for worst, averages, same_bytes in run(hierarchical_on_dtensors, WORLD):
         assert worst < 1e-12 and averages > 0 and same_bytes
+
+
+# --- set-ups that run but cannot be what was meant ---------------------------------------------------------
+
+def _ours(caught) -> list[str]:
+    return [str(w.message) for w in caught if "gradpress" in str(w.message) or "Averager" in str(w.message)]
+
+
+def hsdp_across_islands(rank, world, kind):
+    """``fully_shard(mesh=mesh)`` on the (island, shard) mesh is native HSDP across the islands: FSDP
+    all-reduces every step over the very ranks the averager averages over."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _mesh()
+    model = _plain_model()
+    for unit in (model[0], model[2], model[4], model):
+        fully_shard(unit, mesh=mesh)  # placements (Replicate(), Shard(0)): replicated across islands
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                              _averager(kind, mesh["island"].get_group(), [model[0], model[2:]]))
+            for step in range(5):
+                _inner_step(model, optimizer, step, [rank])
+        except ValueError as error:
+            return "raised", str(error)
+    return "ran", _ours(caught)
+
+
+@pytest.mark.parametrize("kind", ["periodic", "diloco", "streaming"])
+def test_native_hsdp_across_the_islands_is_refused_for_diloco_and_warned_once_for_averaging(kind):
+    for outcome, said in run(hsdp_across_islands, WORLD, kind):
+        if kind == "periodic":  # the result is right (replicas equal anyway); the bytes are wasted
+            assert outcome == "ran" and len(said) == 1, (outcome, said)
+            said = said[0]
+        else:  # DiLoCo's outer step would re-apply the islands' common steps: not DiLoCo
+            assert outcome == "raised", (outcome, said)
+        assert "native HSDP" in said and "mesh dim 'island'" in said and "mesh['shard']" in said, said
+
+
+def never_wrapped(rank, world, kind):
+    """The islands recipe without ``fully_shard``: each rank trains a whole model of its own on its own
+    batches; the averager over ``mesh["island"]`` never meets the other rank of its island."""
+    import warnings
+
+    mesh = _mesh()
+    model = _plain_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                          _averager(kind, mesh["island"].get_group(), [model[0], model[2:]]))
+        for step in range(5):
+            _inner_step(model, optimizer, step, [rank])
+    return _ours(caught)
+
+
+@pytest.mark.parametrize("kind", ["periodic", "diloco", "streaming"])
+def test_a_model_never_wrapped_in_fsdp_averaged_over_the_islands_warns_once(kind):
+    for said in run(never_wrapped, WORLD, kind):
+        assert len(said) == 1, said
+        assert "not fully_shard's DTensors" in said[0] and "fully_shard(module, mesh=mesh['shard'])" in said[0], said
+
+
+def wrapped_runs_quietly(rank, world):
+    import warnings
+
+    mesh = _mesh()
+    model = _sharded_model(mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                          _averager("diloco", mesh["island"].get_group()))
+        for step in range(5):
+            _inner_step(model, optimizer, step, [2 * (rank // 2), 2 * (rank // 2) + 1])
+    return _ours(caught)
+
+
+def test_the_islands_recipe_itself_warns_of_nothing():
+    assert run(wrapped_runs_quietly, WORLD) == [[]] * WORLD

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from ..checkpoint import dcp_saved_keys, per_rank_state, placement, read_per_rank, reject_gathered
 from ..validation import check_int
 from ..comm import all_gather_ints, average_tensors_, is_member
+from .islands import check_islands
 from .saved import Kind, check_kind, kind_from_keys, kind_from_state
 from .shards import Spec, as_sharded, check_same_layout, from_saved, layout_key, local_views
 from .tensors import Params, named_tensors_to_average
@@ -47,6 +48,12 @@ class ModelAverager(ABC):
         self._names: list[str | None] = []    # their names, where what was given names them
         self._pending: list[Tensor] | None = None  # a checkpoint's parameters of this rank, not yet written
         self._checked_layout: tuple[Any, ...] | None = None
+        self._checked_setup = False  # the set-ups of averaging/islands.py, checked once
+
+    #: Whether this averager takes DiLoCo's outer step (native HSDP across its group is then an error).
+    _outer_step = False
+    #: Whether ``process_group`` is the only group it averages over (not subgroups by design).
+    _one_group = True
 
     def anchor_parameters(self, params: Params) -> None:
         """Where local training starts (called by :class:`PostLocalSGDOptimizer` when it is built):
@@ -87,6 +94,10 @@ class ModelAverager(ABC):
         """Local shards of ``tensors`` (views) and their specs; a layout of DTensors not seen yet
         is checked over ``group`` (default ``process_group``; a collective there)."""
         views, specs = local_views(tensors)
+        if not self._checked_setup:
+            self._checked_setup = True
+            check_islands(views, specs, self.process_group if group is None else group, type(self).__name__,
+                          self._outer_step, self._one_group)
         if any(s is not None for s in specs):
             key = layout_key(views, specs)
             if key != self._checked_layout:
@@ -275,6 +286,8 @@ class HierarchicalModelAverager(ModelAverager):
 
     >>> HierarchicalModelAverager(OrderedDict([(2, 2), (8, 4)]), warmup_steps=100)   # doctest: +SKIP
     """
+
+    _one_group = False  # its subgroups leave ranks out by design
 
     def __init__(self, period_group_size_dict: Mapping[int, int] | None = None, warmup_steps: int = 0,
                  process_group: dist.ProcessGroup | None = None, *, average_buffers: bool = False,

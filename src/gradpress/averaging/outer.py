@@ -159,6 +159,8 @@ class OuterOptimizerAverager(PeriodicModelAverager):
     >>> optimizer = PostLocalSGDOptimizer(torch.optim.AdamW(model.parameters()), averager)  # doctest: +SKIP
     """
 
+    _outer_step = True  # native HSDP across its group would make it another optimizer: refused
+
     def __init__(self, period: int, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None, *,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                  compression: Any = None, average_buffers: bool = False, first_sync: str = "outer") -> None:

@@ -75,9 +75,11 @@ def average_parameters(params: Params, process_group: dist.ProcessGroup | None =
     >>> average_parameters(model.parameters(), None)     # doctest: +SKIP
     >>> average_parameters(model, None)                   # a module: its float buffers too
     """
+    from .islands import check_islands
     from .shards import check_same_layout, local_views
 
     views, specs = local_views(tensors_to_average(params, average_buffers=isinstance(params, nn.Module)))
+    check_islands(views, specs, process_group, "average_parameters", outer_step=False, one_group=True)
     if any(spec is not None for spec in specs):
         check_same_layout(views, specs, process_group, "average_parameters")
     average_tensors_(views, process_group)

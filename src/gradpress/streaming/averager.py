@@ -153,6 +153,8 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
         torch.save(optimizer.state_dict(), f"ckpt-rank{rank}.pt")  # one file per rank
     """
 
+    _outer_step = True  # native HSDP across its group would make it another optimizer: refused
+
     def __init__(self, sync_every: int, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None,
                  *, num_fragments: int | None = None, fragments: Sequence[FragmentSpec] | None = None,
                  fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0, outer_lr: float = 0.7,
