@@ -300,8 +300,9 @@ def dcp_resume(rank, world, kind, split, path, via):
         fragments = [model[0], [*model[2].parameters(), *model[4].parameters()]] \
             if kind.startswith("streaming") else None
         averager = _averager(kind, mesh["island"].get_group(), fragments, alpha=0.5)
-        # get_state_dict keeps one island's inner optimizer state (DCP deduplicates its DTensors across
-        # islands): bitwise with a stateless inner SGD only. The optimizer itself keeps it per rank.
+        # get_state_dict's inner optimizer state comes back as a per-shard mix of the islands' (DCP
+        # deduplicates its DTensors across islands): bitwise with a stateless inner SGD only. The optimizer
+        # itself keeps it per rank.
         momentum = 0.0 if via == "get_state_dict" else 0.5
         return model, PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum), averager)
 
@@ -544,3 +545,43 @@ def wrapped_runs_quietly(rank, world):
 
 def test_the_islands_recipe_itself_warns_of_nothing():
     assert run(wrapped_runs_quietly, WORLD) == [[]] * WORLD
+
+
+# --- a consistent model between synchronizations --------------------------------------------------------
+
+def export_between_syncs(rank, world, path):
+    """DiLoCo every 3 steps: after step 3 every island holds the anchor; after step 4 each its own. A DCP
+    checkpoint of model.state_dict() then keeps each shard once, from one island or the other; the anchor's
+    export is the model both islands agreed on, bitwise."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = _mesh()
+    island = rank // 2
+    model = _sharded_model(mesh)
+    averager = OuterOptimizerAverager(3, process_group=mesh["island"].get_group(), outer_momentum=0.5)
+    optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=LR), averager)
+    for step in range(5):
+        _inner_step(model, optimizer, step, [2 * island, 2 * island + 1])
+        if step == 3:
+            agreed = _full(model)  # right after the sync at step 3: the same in both islands
+    mine = _full(model)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=f"{path}/model")
+    dcp.save({"model": averager.anchor_state_dict(model)}, checkpoint_id=f"{path}/anchor")
+    loaded = {}
+    for what in ("model", "anchor"):
+        fresh = _sharded_model(mesh)
+        state = {"model": fresh.state_dict()}
+        dcp.load(state, checkpoint_id=f"{path}/{what}")
+        fresh.load_state_dict(state["model"])
+        loaded[what] = _full(fresh)
+    return agreed, mine, loaded
+
+
+def test_between_syncs_the_anchor_is_the_consistent_model_to_export(tmp_path):
+    results = run(export_between_syncs, WORLD, str(tmp_path))
+    island_models = [results[0][1], results[2][1]]  # island 0's and island 1's models after step 4
+    assert _worst(*island_models) > 0  # the islands differ between syncs
+    for agreed, mine, loaded in results:
+        assert all(torch.equal(a, b) for a, b in zip(loaded["anchor"], agreed))  # bitwise the synced model
+        for model in island_models:  # what model.state_dict() saved is neither island's model
+            assert not all(torch.equal(a, b) for a, b in zip(loaded["model"], model))

@@ -84,19 +84,25 @@ def gpt_fragments(rank, world):
         for i, p in enumerate(model.parameters()):
             p.add_((rank + 1) * (i + 1) / 8)  # every rank elsewhere
     means = [p.detach() - (rank + 1) * (i + 1) / 8 + 1.5 * (i + 1) / 8 for i, p in enumerate(model.parameters())]
+    rank0 = [m - 0.5 * (i + 1) / 8 for i, m in enumerate(means)]  # rank 0's start: every fragment's first anchor
     averager = StreamingDiLoCoAverager(sync_every=6, fragments=model_fragments(model, model.layers), outer_lr=1.0,
                                        outer_momentum=0.0)
     optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.named_parameters(), lr=0.0), averager)
-    synced = []
+    synced, exported = [], []
     for step in range(6):
         optimizer.step()  # lr 0: only the averager moves the parameters
         synced.append([torch.allclose(p, m, atol=1e-6) for p, m in zip(model.parameters(), means)])
-    return synced, averager.fragment_layout
+        # The export: each fragment's anchor, the mean once it synchronized, rank 0's start before.
+        anchors = averager.anchor_state_dict(model)
+        exported.append([torch.allclose(anchors[name], m if done else start, atol=1e-6) for (name, _), m, start, done
+                         in zip(model.named_parameters(), means, rank0, synced[-1])])
+    return synced, averager.fragment_layout, exported
 
 
 def test_every_tensor_of_a_gpt_synchronizes_at_its_fragments_step():
     names = [n for n, _ in TinyGPT().named_parameters()]
-    for synced, layout in run(gpt_fragments, 2):
+    for synced, layout, exported in run(gpt_fragments, 2):
+        assert all(all(step) for step in exported), exported
         fragment = dict(zip(names, layout))
         assert fragment["tok_embeddings.weight"] == fragment["pos_embeddings"] == fragment["layers.0.mlp.weight"] == 0
         assert fragment["norm.weight"] == fragment["output.weight"] == fragment["layers.2.mlp.bias"] == 2

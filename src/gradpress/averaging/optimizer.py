@@ -25,11 +25,18 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
 
     ``torch.distributed.checkpoint``: the wrapper is a Stateful (``dcp.save({"model": model.state_dict(),
     "optim": optimizer})``). Put it after the model: its load writes each rank's own parameters saved
-    between synchronizations (islands differ there, and a sharded model's state dict keeps one island's).
-    ``get_state_dict(model, optimizer)`` reads the inner optimizer's state only (and DCP keeps one island's
-    copy of it): save the averager beside it (``"averager": optimizer.averager``) and load it in a
-    ``dcp.load`` of its own after ``set_state_dict``; the zero-learning-rate step ``get_state_dict`` takes on
-    an optimizer without state is not an averaging step, and ``set_state_dict`` leaves the averager alone.
+    between synchronizations. Islands differ there, and DCP keeps each shard of a sharded model's state
+    dict once, from whichever island it picks: between synchronizations the model part of the checkpoint
+    is a per-shard mix of the islands' parameters, no island's model (a resume through this wrapper gives
+    every rank its own back; evaluating or exporting the model part alone does not). For a consistent
+    model at any step save DiLoCo's ``averager.anchor_state_dict(model)``, the model the islands agreed
+    on at the last synchronization, or checkpoint right after one (``averager.in_sync()``); a periodic
+    averager has no common model between synchronizations.
+    ``get_state_dict(model, optimizer)`` reads the inner optimizer's state only (and DCP keeps each of its
+    shards from one island or another: a mix too): save the averager beside it (``"averager":
+    optimizer.averager``) and load it in a ``dcp.load`` of its own after ``set_state_dict``; the
+    zero-learning-rate step ``get_state_dict`` takes on an optimizer without state is not an averaging
+    step, and ``set_state_dict`` leaves the averager alone.
 
     >>> opt = PostLocalSGDOptimizer(torch.optim.SGD(params, lr=0.1), PeriodicModelAverager(4, 100))  # doctest: +SKIP
     """
@@ -88,8 +95,9 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         """The inner optimizer's ``param_groups``, the averager's state and PyTorch's ``"step"``; the inner
         optimizer's ``state`` (its momentum, Adam moments) is this rank's own, as each island trains on
         its own: kept per rank (:func:`gradpress.checkpoint.per_rank_state`), so a DCP checkpoint does not
-        hand every island one island's state, and a fresh optimizer needs no initialized state to load
-        into. Called by ``get_state_dict``, the inner optimizer's plain state dict (the layout it reads)."""
+        hand every island a per-shard mix of the islands' states, and a fresh optimizer needs no initialized
+        state to load into. Called by ``get_state_dict``, the inner optimizer's plain state dict (the layout
+        it reads)."""
         inner = self.optim.state_dict()
         if _called_by_torch("_get_optim_state_dict"):
             return inner

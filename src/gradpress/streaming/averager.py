@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from ..aggregator import Config
 from ..averaging import OuterStep
 from ..averaging.compress import Compressor
-from ..averaging.outer import check_first_sync, no_anchor_message, take_anchor, takes_anchor
+from ..averaging.outer import anchored_state_dict, check_first_sync, no_anchor_message, take_anchor, takes_anchor
 from ..averaging.tensors import Params
 from ..averaging.transport import Link, OuterTransport, transport_for
 from ..validation import check_int, check_number
@@ -233,6 +233,22 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
             explicit_layout(tensors, self._explicit, self.num_fragments, self._unnamed_hint, type(self).__name__)
         if takes_anchor(self, from_average=False):
             self._take_anchor(tensors)
+
+    def anchor_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The model the islands agreed on, fragment by fragment: ``model.state_dict()`` with each averaged
+        tensor replaced by its fragment's anchor, the global parameters at that fragment's last sync
+        (see :meth:`gradpress.OuterOptimizerAverager.anchor_state_dict`: between syncs a DCP checkpoint of
+        ``model.state_dict()`` is a per-shard mix of the islands' parameters). ``ValueError`` before the
+        anchors are taken."""
+        if self._layout is None or not self.anchored:
+            raise ValueError(f"{type(self).__name__}.anchor_state_dict: no anchor yet (taken when the "
+                             "PostLocalSGDOptimizer is built, or at the last warm-up step): until then the "
+                             "islands train together, and model.state_dict() is the model")
+        anchors: list[Tensor | None] = [None] * len(self._layout)
+        for fr in self._fragments:
+            for j, position in enumerate(fr.positions):
+                anchors[position] = None if fr.anchor is None else fr.anchor[j]
+        return anchored_state_dict(model, self._params, anchors, type(self).__name__)
 
     @property
     def anchored(self) -> bool:
