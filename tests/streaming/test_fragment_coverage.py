@@ -70,6 +70,11 @@ def test_model_fragments_adds_every_other_tensor_to_the_fragment_next_to_it():
     assert ids[1] == {id(t) for t in model.layers[1].parameters()}
     assert set().union(*ids) >= {id(p) for p in model.parameters()}  # every parameter, once
     assert sum(map(len, ids)) == len(set().union(*ids))
+    # Fragments given as generators (read once) and as one tensor, as the averager takes them.
+    again = model_fragments(model, (layer.parameters() for layer in model.layers))
+    assert [{id(t) for t in f} for f in again] == ids
+    alone = model_fragments(model, [model.output.weight])
+    assert {id(t) for t in alone[0]} == {id(p) for p in model.parameters()}
     with pytest.raises(ValueError, match=r"fragments\[1\] shares a tensor with fragments\[0\]"):
         model_fragments(model, [model.layers[0], model.layers[0].norm])
     with pytest.raises(TypeError, match="model must be an nn.Module"):

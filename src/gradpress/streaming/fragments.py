@@ -72,7 +72,7 @@ def model_fragments(model: nn.Module, fragments: Iterable[FragmentSpec]) -> list
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module (the whole model the fragments are parts of), got "
                         f"{type(model).__name__}")
-    given = list(fragments)
+    given = [spec if isinstance(spec, (nn.Module, Tensor)) else list(spec) for spec in fragments]  # read once
     if not given:
         raise ValueError("fragments must hold at least one module or tensor list")
     members = fragment_members(given)
