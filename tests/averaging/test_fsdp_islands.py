@@ -300,8 +300,9 @@ def dcp_resume(rank, world, kind, split, path, via):
         fragments = [model[0], [*model[2].parameters(), *model[4].parameters()]] \
             if kind.startswith("streaming") else None
         averager = _averager(kind, mesh["island"].get_group(), fragments, alpha=0.5)
-        # get_state_dict keeps one island's inner optimizer state (DCP deduplicates its DTensors across
-        # islands): bitwise with a stateless inner SGD only. The optimizer itself keeps it per rank.
+        # get_state_dict's inner optimizer state comes back as a per-shard mix of the islands' (DCP
+        # deduplicates its DTensors across islands): bitwise with a stateless inner SGD only. The optimizer
+        # itself keeps it per rank.
         momentum = 0.0 if via == "get_state_dict" else 0.5
         return model, PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum), averager)
 
@@ -463,3 +464,124 @@ def hierarchical_on_dtensors(rank, world):
 def test_hierarchical_averaging_of_dtensor_parameters_equals_it_on_plain_ones():
     for worst, averages, same_bytes in run(hierarchical_on_dtensors, WORLD):
         assert worst < 1e-12 and averages > 0 and same_bytes
+
+
+# --- set-ups that run but cannot be what was meant ---------------------------------------------------------
+
+def _ours(caught) -> list[str]:
+    return [str(w.message) for w in caught if "gradpress" in str(w.message) or "Averager" in str(w.message)]
+
+
+def hsdp_across_islands(rank, world, kind):
+    """``fully_shard(mesh=mesh)`` on the (island, shard) mesh is native HSDP across the islands: FSDP
+    all-reduces every step over the very ranks the averager averages over."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _mesh()
+    model = _plain_model()
+    for unit in (model[0], model[2], model[4], model):
+        fully_shard(unit, mesh=mesh)  # placements (Replicate(), Shard(0)): replicated across islands
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                              _averager(kind, mesh["island"].get_group(), [model[0], model[2:]]))
+            for step in range(5):
+                _inner_step(model, optimizer, step, [rank])
+        except ValueError as error:
+            return "raised", str(error)
+    return "ran", _ours(caught)
+
+
+@pytest.mark.parametrize("kind", ["periodic", "diloco", "streaming"])
+def test_native_hsdp_across_the_islands_is_refused_for_diloco_and_warned_once_for_averaging(kind):
+    for outcome, said in run(hsdp_across_islands, WORLD, kind):
+        if kind == "periodic":  # the result is right (replicas equal anyway); the bytes are wasted
+            assert outcome == "ran" and len(said) == 1, (outcome, said)
+            said = said[0]
+        else:  # DiLoCo's outer step would re-apply the islands' common steps: not DiLoCo
+            assert outcome == "raised", (outcome, said)
+        assert "native HSDP" in said and "mesh dim 'island'" in said and "mesh['shard']" in said, said
+
+
+def never_wrapped(rank, world, kind):
+    """The islands recipe without ``fully_shard``: each rank trains a whole model of its own on its own
+    batches; the averager over ``mesh["island"]`` never meets the other rank of its island."""
+    import warnings
+
+    mesh = _mesh()
+    model = _plain_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                          _averager(kind, mesh["island"].get_group(), [model[0], model[2:]]))
+        for step in range(5):
+            _inner_step(model, optimizer, step, [rank])
+    return _ours(caught)
+
+
+@pytest.mark.parametrize("kind", ["periodic", "diloco", "streaming"])
+def test_a_model_never_wrapped_in_fsdp_averaged_over_the_islands_warns_once(kind):
+    for said in run(never_wrapped, WORLD, kind):
+        assert len(said) == 1, said
+        assert "not fully_shard's DTensors" in said[0] and "fully_shard(module, mesh=mesh['shard'])" in said[0], said
+
+
+def wrapped_runs_quietly(rank, world):
+    import warnings
+
+    mesh = _mesh()
+    model = _sharded_model(mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                          _averager("diloco", mesh["island"].get_group()))
+        for step in range(5):
+            _inner_step(model, optimizer, step, [2 * (rank // 2), 2 * (rank // 2) + 1])
+    return _ours(caught)
+
+
+def test_the_islands_recipe_itself_warns_of_nothing():
+    assert run(wrapped_runs_quietly, WORLD) == [[]] * WORLD
+
+
+# --- a consistent model between synchronizations --------------------------------------------------------
+
+def export_between_syncs(rank, world, path):
+    """DiLoCo every 3 steps: after step 3 every island holds the anchor; after step 4 each its own. A DCP
+    checkpoint of model.state_dict() then keeps each shard once, from one island or the other; the anchor's
+    export is the model both islands agreed on, bitwise."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = _mesh()
+    island = rank // 2
+    model = _sharded_model(mesh)
+    averager = OuterOptimizerAverager(3, process_group=mesh["island"].get_group(), outer_momentum=0.5)
+    optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=LR), averager)
+    for step in range(5):
+        _inner_step(model, optimizer, step, [2 * island, 2 * island + 1])
+        if step == 3:
+            agreed = _full(model)  # right after the sync at step 3: the same in both islands
+    mine = _full(model)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=f"{path}/model")
+    dcp.save({"model": averager.anchor_state_dict(model)}, checkpoint_id=f"{path}/anchor")
+    loaded = {}
+    for what in ("model", "anchor"):
+        fresh = _sharded_model(mesh)
+        state = {"model": fresh.state_dict()}
+        dcp.load(state, checkpoint_id=f"{path}/{what}")
+        fresh.load_state_dict(state["model"])
+        loaded[what] = _full(fresh)
+    return agreed, mine, loaded
+
+
+def test_between_syncs_the_anchor_is_the_consistent_model_to_export(tmp_path):
+    results = run(export_between_syncs, WORLD, str(tmp_path))
+    island_models = [results[0][1], results[2][1]]  # island 0's and island 1's models after step 4
+    assert _worst(*island_models) > 0  # the islands differ between syncs
+    for agreed, mine, loaded in results:
+        assert all(torch.equal(a, b) for a, b in zip(loaded["anchor"], agreed))  # bitwise the synced model
+        for model in island_models:  # what model.state_dict() saved is neither island's model
+            assert not all(torch.equal(a, b) for a, b in zip(loaded["model"], model))

@@ -12,11 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..checkpoint import per_rank_state, placement, read_per_rank, reject_gathered
+from ..checkpoint import dcp_saved_keys, per_rank_state, placement, read_per_rank, reject_gathered
 from ..validation import check_int
-from ..comm import all_gather_objects, average_tensors_, is_member
+from ..comm import all_gather_ints, average_tensors_, is_member
+from .islands import check_islands
+from .saved import Kind, check_kind, kind_from_keys, kind_from_state
 from .shards import Spec, as_sharded, check_same_layout, from_saved, layout_key, local_views
-from .tensors import Params, tensors_to_average
+from .tensors import Params, named_tensors_to_average
 
 __all__ = ["HierarchicalModelAverager", "ModelAverager", "PeriodicModelAverager"]
 
@@ -43,33 +45,59 @@ class ModelAverager(ABC):
         self.bytes_sent = 0
         self.num_averages = 0
         self._params: list[Tensor] = []       # what was averaged last (parameters, DTensors or not)
+        self._names: list[str | None] = []    # their names, where what was given names them
         self._pending: list[Tensor] | None = None  # a checkpoint's parameters of this rank, not yet written
         self._checked_layout: tuple[Any, ...] | None = None
+        self._checked_setup = False  # the set-ups of averaging/islands.py, checked once
+
+    #: Whether this averager takes DiLoCo's outer step (native HSDP across its group is then an error).
+    _outer_step = False
+    #: Whether ``process_group`` is the only group it averages over (not subgroups by design).
+    _one_group = True
 
     def anchor_parameters(self, params: Params) -> None:
         """Where local training starts (called by :class:`PostLocalSGDOptimizer` when it is built):
         averagers with an anchor (DiLoCo's) take ``params`` as it; the others remember which tensors
-        they average (a checkpoint restores a rank's own parameters into them)."""
-        self._remember(params)
+        they average (a checkpoint restores a rank's own parameters into them). ``params`` is read once
+        (a generator such as ``model.parameters()`` works), in any form :meth:`average_parameters` takes."""
+        self._anchor(self._remember(params))
+
+    def _anchor(self, tensors: list[Tensor]) -> None:
+        """:meth:`anchor_parameters` on the tensors it read: writes a loaded checkpoint's parameters of
+        this rank into them; DiLoCo's averagers also take their anchor here."""
         self._write_pending()
 
     @abstractmethod
     def average_parameters(self, params: Params) -> None:
-        """Average ``params`` if this step is an averaging step; advance the step counter."""
+        """Average ``params`` if this step is an averaging step; advance the step counter. ``params``: a
+        module, tensors, ``named_parameters()`` pairs or parameter groups, read once (a generator works)."""
 
     def _issuer(self) -> str:
         """Names this averager's collectives in a :class:`gradpress.comm.CollectiveError`."""
         return f"{type(self).__name__}.average_parameters, step {self.step}"
 
     def _remember(self, params: Params) -> list[Tensor]:
-        self._params = tensors_to_average(params, self.average_buffers or isinstance(params, nn.Module))
+        """The tensors ``params`` holds (read once: call it once per entry point and pass its result on),
+        remembered with their names."""
+        self._params, self._names = named_tensors_to_average(params, self.average_buffers or
+                                                             isinstance(params, nn.Module))
         return self._params
+
+    def _describe(self, index: int) -> str:
+        """Averaged tensor ``index`` in words: its name where known, and its shape."""
+        tensor = self._params[index]
+        name = self._names[index] if index < len(self._names) else None
+        return f"averaged tensor {index}{f' {name!r}' if name else ''} (shape {tuple(tensor.shape)})"
 
     def _local(self, tensors: list[Tensor], group: dist.ProcessGroup | None = None
                ) -> tuple[list[Tensor], list[Spec | None]]:
         """Local shards of ``tensors`` (views) and their specs; a layout of DTensors not seen yet
         is checked over ``group`` (default ``process_group``; a collective there)."""
         views, specs = local_views(tensors)
+        if not self._checked_setup:
+            self._checked_setup = True
+            check_islands(views, specs, self.process_group if group is None else group, type(self).__name__,
+                          self._outer_step, self._one_group)
         if any(s is not None for s in specs):
             key = layout_key(views, specs)
             if key != self._checked_layout:
@@ -97,15 +125,54 @@ class ModelAverager(ABC):
     def _own_state(self) -> dict[str, Any]:
         """This rank's own values (the per-rank entry)."""
         own: dict[str, Any] = {"bytes_sent": self.bytes_sent, "placement": placement(self.process_group)}
+        views, specs = local_views(self._params)
+        if any(s is not None for s in specs):
+            own["sharded"] = True  # what this rank saved is its own shards: no other rank's
         if not self.in_sync() and self._params:
-            own["parameters"] = [v.detach().clone() for v in local_views(self._params)[0]]
+            own["parameters"] = [v.detach().clone() for v in views]
         return own
+
+    def _per_rank_contents(self, own: Mapping[str, Any]) -> list[str]:
+        """What in the per-rank entry ``own`` belongs to the rank that saved it alone, in words (empty:
+        nothing, and another rank may load it: its counters, and its parameters saved between
+        synchronizations, which replace that rank's as loading the same rank's model state does)."""
+        return ["its parameters and outer state are that rank's FSDP2 shards"] if own.get("sharded") else []
+
+    def _portable(self, own: Any) -> str | None:
+        """``read_per_rank``'s question for an entry saved on another rank: ``None`` where it can serve
+        this rank, else what it holds per rank."""
+        if not isinstance(own, Mapping):
+            return None
+        return "; ".join(self._per_rank_contents(own)) or None
 
     def state_dict(self) -> dict[str, Any]:
         """The state for ``torch.distributed.checkpoint`` and ``torch.save`` (see the class docstring);
         a fresh averager's is a complete template for DCP's in-place load once it knows its parameters
-        (:class:`PostLocalSGDOptimizer` built, or :meth:`anchor_parameters` called)."""
+        (:class:`PostLocalSGDOptimizer` built, or :meth:`anchor_parameters` called). Asked for it by
+        ``dcp.load``, it first checks what the checkpoint holds under its key (:meth:`check_dcp_keys`)."""
+        found = dcp_saved_keys()
+        if found is not None:
+            self.check_dcp_keys(found[1], found[0])
         return per_rank_state(self._own_state(), self._shared_state())
+
+    def _kind(self) -> Kind:
+        """This averager's state in outline (what :meth:`check_state_dict` compares)."""
+        return Kind("plain")
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Refuse (``ValueError``) a state saved by another kind of averager (another class, fragment count
+        or number of averaged tensors), saying what it holds and what this averager is; called by
+        :meth:`load_state_dict` before it loads anything."""
+        name = type(self).__name__
+        check_kind(name, self._kind(), kind_from_state(state), f"{name}.load_state_dict")
+
+    def check_dcp_keys(self, keys: set[str], prefix: str) -> None:
+        """:meth:`check_state_dict` for a ``torch.distributed.checkpoint`` checkpoint whose keys are
+        ``keys``, this averager's state saved under ``prefix``: raised where DCP would raise its "Missing
+        key" (or load a part of another averager's state without a word)."""
+        name = type(self).__name__
+        check_kind(name, self._kind(), kind_from_keys(keys, prefix),
+                   f"{name}: torch.distributed.checkpoint.load of {prefix!r}")
 
     def load_state_dict(self, state: Mapping[str, Any], *, allow_other_rank: bool = False,
                         on_world_size_change: str = "raise") -> None:
@@ -120,8 +187,9 @@ class ModelAverager(ABC):
         if "step" not in state:
             raise ValueError(f"{type(self).__name__}.load_state_dict: the state has no 'step': it is not what "
                              f"state_dict() returned (keys: {sorted(state)})")
+        self.check_state_dict(state)
         own, found = read_per_rank(state, type(self).__name__, on_world_size_change=on_world_size_change,
-                                   allow_other_rank=allow_other_rank)
+                                   allow_other_rank=allow_other_rank, portable=self._portable)
         self._load(state, own if found else None, allow_other_rank)
         if found and own.get("parameters") is not None:
             self._restore_parameters(own["parameters"])
@@ -178,7 +246,10 @@ class PeriodicModelAverager(ModelAverager):
         return step >= self.warmup_steps and (step - self.warmup_steps) % self.period == 0
 
     def average_parameters(self, params: Params) -> None:
-        tensors = self._remember(params)  # known between averages too: a checkpoint saves this rank's
+        self._average_step(self._remember(params))  # known between averages too: a checkpoint saves them
+
+    def _average_step(self, tensors: list[Tensor]) -> None:
+        """Average ``tensors`` (what :meth:`average_parameters` read) if this step is an averaging step."""
         if self.is_averaging_step(self.step) and is_member(self.process_group):
             self._average(self._local(tensors)[0])
         self.step += 1
@@ -215,6 +286,8 @@ class HierarchicalModelAverager(ModelAverager):
 
     >>> HierarchicalModelAverager(OrderedDict([(2, 2), (8, 4)]), warmup_steps=100)   # doctest: +SKIP
     """
+
+    _one_group = False  # its subgroups leave ranks out by design
 
     def __init__(self, period_group_size_dict: Mapping[int, int] | None = None, warmup_steps: int = 0,
                  process_group: dist.ProcessGroup | None = None, *, average_buffers: bool = False,
@@ -302,10 +375,10 @@ def _group_ranks(process_group: dist.ProcessGroup | None) -> list[int]:
     member = is_member(process_group)
     if member and dist.get_world_size(process_group) == world:
         return dist.get_process_group_ranks(process_group)
-    # A rank outside the group holds only torch's NON_GROUP_MEMBER sentinel: ask the members.
-    mine = dist.get_process_group_ranks(process_group) if member else None
-    seen = {tuple(r) for r in all_gather_objects(mine, issuer="HierarchicalModelAverager's construction")
-            if r is not None}
+    # A rank outside the group holds only torch's NON_GROUP_MEMBER sentinel: ask the members (integers, no
+    # numpy; an outside rank sends none).
+    mine = dist.get_process_group_ranks(process_group) if member else []
+    seen = {tuple(r) for r in all_gather_ints(mine, issuer="HierarchicalModelAverager's construction") if r}
     if len(seen) != 1:  # the same gathered list on every rank: every rank raises this
         raise ValueError(f"HierarchicalModelAverager: every rank of process_group must pass the same group, "
                          f"got groups of global ranks {sorted(map(list, seen))}")

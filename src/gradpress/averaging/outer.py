@@ -5,19 +5,21 @@ that takes it every ``period`` steps (:class:`OuterOptimizerAverager`)."""
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..checkpoint import check_placement, placement
 from ..validation import check_number
 from ..comm import broadcast_parameters, is_distributed, is_member
 from .averagers import PeriodicModelAverager, sharded_copies
-from .shards import Spec, from_saved, local_views
+from .saved import Kind
+from .shards import Spec, as_sharded, from_saved, local_views
 from .tensors import Params
 from .transport import Exact, Link, OuterTransport, transport_for
 
@@ -158,6 +160,8 @@ class OuterOptimizerAverager(PeriodicModelAverager):
     >>> optimizer = PostLocalSGDOptimizer(torch.optim.AdamW(model.parameters()), averager)  # doctest: +SKIP
     """
 
+    _outer_step = True  # native HSDP across its group would make it another optimizer: refused
+
     def __init__(self, period: int, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None, *,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                  compression: Any = None, average_buffers: bool = False, first_sync: str = "outer") -> None:
@@ -178,20 +182,37 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         nothing where :func:`takes_anchor` says so: with a warm-up (the anchor is taken at its last step),
         once a synchronization happened (the anchor and its momentum are the run's), with
         ``first_sync="average"``, or on a rank outside ``process_group``."""
-        super().anchor_parameters(params)  # remembers them (and writes a loaded checkpoint's into them)
-        if takes_anchor(self, from_average=False):
-            self._take_anchor(params)
+        super().anchor_parameters(params)  # reads them once, then _anchor
 
-    def _take_anchor(self, params: Params) -> None:
-        tensors = self._local(self._remember(params))[0]
-        anchor, sent = take_anchor(tensors, self.process_group)
+    def _anchor(self, tensors: list[Tensor]) -> None:
+        super()._anchor(tensors)  # writes a loaded checkpoint's parameters into them
+        if takes_anchor(self, from_average=False):
+            self._take_anchor(tensors)
+
+    def _take_anchor(self, tensors: list[Tensor]) -> None:
+        anchor, sent = take_anchor(self._local(tensors)[0], self.process_group)
         self.bytes_sent += sent
         self._start(OuterStep(anchor, self.outer_lr, self.outer_momentum, self.nesterov))
 
     def average_parameters(self, params: Params) -> None:
+        tensors = self._remember(params)  # read once: a generator works
         if takes_anchor(self, from_average=True):
-            self._take_anchor(params)
-        super().average_parameters(params)
+            self._take_anchor(tensors)
+        self._average_step(tensors)
+
+    def anchor_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The model every island agreed on at the last synchronization: ``model.state_dict()`` with each
+        averaged tensor replaced by a copy of its anchor (a ``DTensor`` laid out like the parameter where
+        it is sharded). Between synchronizations each island holds its own parameters, and a
+        ``torch.distributed.checkpoint`` of ``model.state_dict()`` keeps each shard once, from whichever
+        island DCP picks: a per-shard mix that is neither island's model. Save this to evaluate or export
+        a consistent model at any step (``dcp.save({"model": averager.anchor_state_dict(model)}, ...)``).
+        ``ValueError`` before the anchor is taken."""
+        if self._outer is None:
+            raise ValueError(f"{type(self).__name__}.anchor_state_dict: no anchor yet (it is taken when the "
+                             "PostLocalSGDOptimizer is built, or at the last warm-up step): until then the "
+                             "islands train together, and model.state_dict() is the model")
+        return anchored_state_dict(model, self._params, list(self._outer.anchor), type(self).__name__)
 
     @property
     def powersgd(self) -> Any:
@@ -278,6 +299,18 @@ class OuterOptimizerAverager(PeriodicModelAverager):
             own["placement"] = placement(self.process_group)
         return own
 
+    def _kind(self) -> Kind:
+        return Kind("outer", None, (len(self._params),) if self._params else None)
+
+    def _per_rank_contents(self, own: Mapping[str, Any]) -> list[str]:
+        parts = super()._per_rank_contents(own)
+        if isinstance(own.get("powersgd"), Mapping):
+            parts.append("the error memory of its PowerSGD outer gradients (compression=Config(...))")
+        if own.get("residual") is not None:
+            parts.append(f"the error-feedback residual of its compressed outer gradients "
+                         f"(compression={self.compression!r})")
+        return parts
+
     def _shared_state(self) -> dict[str, Any]:
         state = super()._shared_state()
         state["num_skipped"] = self.num_skipped
@@ -321,6 +354,36 @@ class OuterOptimizerAverager(PeriodicModelAverager):
             self._bound.load_state_dict(own["powersgd"])  # placement checked above
         if own is not None and own.get("residual") is not None:
             self._residual = own["residual"].to(outer.anchor[0].device, copy=True)  # saved on the CPU
+
+
+def anchored_state_dict(model: nn.Module, tensors: list[Tensor], anchors: list[Tensor | None],
+                        owner: str) -> dict[str, Any]:
+    """``model.state_dict()`` with each of the averaged ``tensors`` replaced by a copy of its anchor
+    (``anchors[i]``: the local shard, made a ``DTensor`` like the parameter where sharded). ``ValueError``
+    if an anchor is missing or a tensor is not ``model``'s."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{owner}.anchor_state_dict: model must be the nn.Module whose parameters are averaged, "
+                        f"got {type(model).__name__}")
+    state = model.state_dict()
+    position = {id(t): i for i, t in enumerate(tensors)}
+    specs = local_views(tensors)[1]
+    placed: set[int] = set()
+    for name, tensor in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                        model.named_buffers(remove_duplicate=False)):
+        i = position.get(id(tensor))
+        if i is None or name not in state:
+            continue
+        anchor = anchors[i]
+        if anchor is None:
+            raise ValueError(f"{owner}.anchor_state_dict: {name!r} has no anchor yet (its fragment has not "
+                             "synchronized)")
+        with torch.no_grad():
+            state[name] = as_sharded(anchor.detach().clone(), specs[i])
+        placed.add(i)
+    if len(placed) != len(tensors):
+        raise ValueError(f"{owner}.anchor_state_dict: {len(tensors) - len(placed)} of the averaged tensors are not "
+                         "in model's state dict: pass the model whose parameters the averager averages")
+    return state
 
 
 def outer_template(outer: OuterStep | None, params: list[Tensor], specs: list[Spec | None],

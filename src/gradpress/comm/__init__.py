@@ -15,16 +15,17 @@ engine's communicators), ``collectives`` (every ``torch.distributed`` collective
 (:func:`broadcast_parameters`).
 """
 
-from .collectives import (Work, all_gather_async, all_gather_objects, all_reduce, all_reduce_async, barrier, broadcast,
-                          broadcast_async, gather_objects, is_distributed, is_member, reduce_scatter_async,
-                          scatter_objects)
+from .collectives import (Work, all_gather_async, all_gather_ints, all_gather_objects, all_reduce, all_reduce_async,
+                          barrier, broadcast, broadcast_async, gather_objects, is_distributed, is_member,
+                          reduce_scatter_async, scatter_objects)
 from .communicator import LocalCommunicator, ProcessGroupCommunicator, make_communicator
 from .average import PendingAverage, average_task, average_tensors_, device_groups, start_average
 from .errors import CollectiveError, check_process_group, collective_error, describe_collective
 from .parameters import broadcast_parameters, flat_groups
 
 __all__ = ["CollectiveError", "LocalCommunicator", "PendingAverage", "ProcessGroupCommunicator", "Work",
-           "all_gather_async", "all_gather_objects", "all_reduce", "all_reduce_async", "average_task",
+           "all_gather_async", "all_gather_ints", "all_gather_objects", "all_reduce", "all_reduce_async",
+           "average_task",
            "average_tensors_", "barrier", "broadcast", "broadcast_async", "broadcast_parameters",
            "check_process_group", "collective_error", "describe_collective", "device_groups", "flat_groups",
            "gather_objects", "is_distributed", "is_member", "make_communicator", "reduce_scatter_async",

@@ -14,9 +14,9 @@ from torch import Tensor
 
 from .errors import CollectiveError, collective_error, describe_collective
 
-__all__ = ["Work", "all_gather_async", "all_gather_objects", "all_reduce", "all_reduce_async", "barrier", "broadcast",
-           "broadcast_async", "gather_objects", "is_distributed", "is_member", "reduce_scatter_async",
-           "require_member", "scatter_objects", "start_described"]
+__all__ = ["Work", "all_gather_async", "all_gather_ints", "all_gather_objects", "all_reduce", "all_reduce_async",
+           "barrier", "broadcast", "broadcast_async", "gather_objects", "is_distributed", "is_member",
+           "reduce_scatter_async", "require_member", "scatter_objects", "start_described"]
 
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
@@ -187,9 +187,35 @@ def barrier(process_group: dist.ProcessGroup | None = None, issuer: str = "gradp
                                error) from error
 
 
+def all_gather_ints(values: list[int], process_group: dist.ProcessGroup | None = None, issuer: str = "gradpress",
+                    device: torch.device | None = None) -> list[list[int]]:
+    """Every rank's ``values`` (a list of integers, of any length), in rank order, on every rank of
+    ``process_group``: two all-gathers of int64 tensors (the lengths, then the values padded to the
+    longest) on ``device`` (``None``: the current CUDA device for NCCL, else the CPU). Needs no numpy,
+    unlike :func:`all_gather_objects` (``torch.distributed``'s object collectives read their bytes back
+    through ``Tensor.numpy()``, and the torch wheels do not depend on numpy)."""
+    require_member(process_group, f"all-gather of integers in {issuer}")
+    if device is None:
+        backend = str(dist.get_backend(process_group))
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    world = dist.get_world_size(process_group)
+    length = torch.tensor([len(values)], dtype=torch.int64, device=device)
+    lengths = all_gather_async(torch.empty(world, dtype=torch.int64, device=device), length, process_group,
+                               issuer).wait().tolist()
+    longest = max(lengths)
+    if longest == 0:
+        return [[] for _ in lengths]
+    mine = torch.zeros(longest, dtype=torch.int64, device=device)
+    mine[:len(values)] = torch.tensor(values, dtype=torch.int64)
+    everyone = all_gather_async(torch.empty(world * longest, dtype=torch.int64, device=device), mine,
+                                process_group, issuer).wait().view(world, longest).tolist()
+    return [row[:n] for row, n in zip(everyone, lengths)]
+
+
 def all_gather_objects(obj: object, process_group: dist.ProcessGroup | None = None,
                        issuer: str = "gradpress") -> list[Any]:
-    """Every rank's ``obj`` (picklable), in rank order, on every rank of ``process_group``."""
+    """Every rank's ``obj`` (picklable), in rank order, on every rank of ``process_group``. Needs numpy
+    (``torch.distributed.all_gather_object`` does): :func:`all_gather_ints` does not."""
     require_member(process_group, f"all-gather of one object per rank in {issuer}")
     world = dist.get_world_size(process_group)
     everyone: list[Any] = [None] * world

@@ -15,6 +15,6 @@ Modules: ``fragments`` (split and schedule), ``averager`` (the rest). The payloa
 """
 
 from .averager import StreamingDiLoCoAverager
-from .fragments import fragment_offsets, split_by_size
+from .fragments import fragment_offsets, model_fragments, split_by_size
 
-__all__ = ["StreamingDiLoCoAverager", "fragment_offsets", "split_by_size"]
+__all__ = ["StreamingDiLoCoAverager", "fragment_offsets", "model_fragments", "split_by_size"]

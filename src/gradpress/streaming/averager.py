@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Union
 
 import torch
@@ -10,60 +10,22 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..aggregator import Config
-from ..averaging import ModelAverager, OuterStep
+from ..averaging import OuterStep
 from ..averaging.compress import Compressor
-from ..averaging.outer import (check_first_sync, no_anchor_message, outer_template, restore_outer, take_anchor,
-                               takes_anchor)
-from ..averaging.shards import local_views, on_device_of
-from ..averaging.tensors import Params, tensors_to_average
-from ..averaging.transport import Link, OuterTransport, Sent, transport_for
-from ..checkpoint import check_placement, placement
+from ..averaging.outer import anchored_state_dict, check_first_sync, no_anchor_message, take_anchor, takes_anchor
+from ..averaging.tensors import Params
+from ..averaging.transport import Link, OuterTransport, transport_for
 from ..validation import check_int, check_number
 from ..comm import average_tensors_, is_member
-from .fragments import fragment_offsets, split_by_size
+from .fragments import FragmentSpec, explicit_layout, fragment_members, fragment_offsets, split_by_size
+from .state import Fragment, FragmentCheckpoint, InFlight
 
 __all__ = ["StreamingDiLoCoAverager"]
 
 Compression = Union[None, str, Compressor, Config, OuterTransport]
-FragmentSpec = Union[nn.Module, Iterable[Tensor]]
 
 
-class _Fragment:
-    """Per-fragment state: its outer step (the anchor: global parameters at its last sync, identical on
-    every rank; and the outer optimizer's momentum), the transport bound to that anchor, this rank's
-    error-feedback residual, and counters."""
-
-    __slots__ = ("index", "offset", "positions", "outer", "transport", "residual", "syncs", "bytes_sent")
-
-    def __init__(self, index: int, offset: int) -> None:
-        self.index = index
-        self.offset = offset
-        self.positions: list[int] = []
-        self.outer: OuterStep | None = None
-        self.transport: OuterTransport | None = None
-        self.residual: Tensor | None = None
-        self.syncs = 0          # outer syncs started: seeds the stochastic rounding
-        self.bytes_sent = 0
-
-    @property
-    def anchor(self) -> list[Tensor] | None:
-        return None if self.outer is None else self.outer.anchor
-
-
-class _InFlight:
-    """An outer gradient sent and not yet applied: what its transport has in flight (``sent``: the
-    collectives' handles, their output buffers, and the residual this rank keeps if the result is
-    finite), and the step at which it is applied."""
-
-    __slots__ = ("fragment", "due", "sent")
-
-    def __init__(self, fragment: int, due: int, sent: Sent) -> None:
-        self.fragment = fragment
-        self.due = due
-        self.sent = sent
-
-
-class StreamingDiLoCoAverager(ModelAverager):
+class StreamingDiLoCoAverager(FragmentCheckpoint):
     """Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication",
     arXiv:2501.18512): DiLoCo's outer Nesterov step taken one *fragment* of the parameters at a time,
     with the outer gradient's collective overlapped with inner steps, optionally compressed.
@@ -76,7 +38,10 @@ class StreamingDiLoCoAverager(ModelAverager):
     ``average_buffers=True`` or a module) are split into ``num_fragments`` runs of consecutive tensors
     balanced by bytes (:func:`~gradpress.streaming.fragments.split_by_size`), or taken from
     ``fragments`` (modules or tensor lists, torchft's ``model_fragments``; every averaged tensor must be
-    in one). With ``r = step - warmup_steps``, fragment ``f`` is *sent* at the steps where ``r >= 0``
+    in one: ``fragments=model_fragments(model, model.layers)``, :func:`~gradpress.streaming.model_fragments`,
+    adds a GPT's embeddings, final norm and head to the layers' fragments; a tensor in none is refused
+    when the averager first sees the parameters, by name where they carry one). With
+    ``r = step - warmup_steps``, fragment ``f`` is *sent* at the steps where ``r >= 0``
     and ``r % sync_every`` is its offset (:func:`~gradpress.streaming.fragments.fragment_offsets`), and
     its update is applied ``τ = fragment_sync_delay`` steps later:
 
@@ -188,6 +153,8 @@ class StreamingDiLoCoAverager(ModelAverager):
         torch.save(optimizer.state_dict(), f"ckpt-rank{rank}.pt")  # one file per rank
     """
 
+    _outer_step = True  # native HSDP across its group would make it another optimizer: refused
+
     def __init__(self, sync_every: int, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None,
                  *, num_fragments: int | None = None, fragments: Sequence[FragmentSpec] | None = None,
                  fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0, outer_lr: float = 0.7,
@@ -205,17 +172,7 @@ class StreamingDiLoCoAverager(ModelAverager):
                 raise ValueError(f"fragments must be a sequence of 1 to sync_every={sync_every} modules or "
                                  f"tensor lists, got {type(fragments).__name__}"
                                  f"{f' of {len(fragments)}' if isinstance(fragments, Sequence) else ''}")
-            self._explicit = {}
-            for f, spec in enumerate(fragments):
-                if isinstance(spec, nn.Module):
-                    members = tensors_to_average(spec, average_buffers=True)
-                else:
-                    members = tensors_to_average([spec] if isinstance(spec, Tensor) else list(spec))
-                if not members:
-                    raise ValueError(f"fragments[{f}] holds no tensor to average")
-                for t in members:
-                    if self._explicit.setdefault(id(t), f) != f:
-                        raise ValueError(f"fragments[{f}] shares a tensor with fragments[{self._explicit[id(t)]}]")
+            self._explicit = fragment_members(fragments)
             num_fragments = len(fragments)
         elif num_fragments is None:
             num_fragments = 1
@@ -229,10 +186,10 @@ class StreamingDiLoCoAverager(ModelAverager):
         self.first_sync = check_first_sync(first_sync)
         self.fragment_phase = fragment_phase
         offsets = fragment_offsets(sync_every, self.num_fragments, fragment_phase, self.fragment_sync_delay)
-        self._fragments = [_Fragment(f, offset) for f, offset in enumerate(offsets)]  # send offsets
+        self._fragments = [Fragment(f, offset) for f, offset in enumerate(offsets)]  # send offsets
         self._by_offset = {fr.offset: fr for fr in self._fragments}
         self._layout: list[int] | None = None
-        self._in_flight: list[_InFlight] = []
+        self._in_flight: list[InFlight] = []
 
     # -- schedule ---------------------------------------------------------------------------------
 
@@ -268,9 +225,30 @@ class StreamingDiLoCoAverager(ModelAverager):
         where :func:`~gradpress.averaging.outer.takes_anchor` says so: with a warm-up (the anchor is taken
         at its last step), once a fragment synchronized, with ``first_sync="average"``, or on a rank
         outside ``process_group``."""
-        super().anchor_parameters(params)  # remembers them (and writes a loaded checkpoint's into them)
+        super().anchor_parameters(params)  # reads them once, then _anchor
+
+    def _anchor(self, tensors: list[Tensor]) -> None:
+        super()._anchor(tensors)  # writes a loaded checkpoint's parameters into them
+        if self._explicit is not None and is_member(self.process_group):  # refused now, not at the first sync
+            explicit_layout(tensors, self._explicit, self.num_fragments, self._unnamed_hint, type(self).__name__)
         if takes_anchor(self, from_average=False):
-            self._take_anchor(params)
+            self._take_anchor(tensors)
+
+    def anchor_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The model the islands agreed on, fragment by fragment: ``model.state_dict()`` with each averaged
+        tensor replaced by its fragment's anchor, the global parameters at that fragment's last sync
+        (see :meth:`gradpress.OuterOptimizerAverager.anchor_state_dict`: between syncs a DCP checkpoint of
+        ``model.state_dict()`` is a per-shard mix of the islands' parameters). ``ValueError`` before the
+        anchors are taken."""
+        if self._layout is None or not self.anchored:
+            raise ValueError(f"{type(self).__name__}.anchor_state_dict: no anchor yet (taken when the "
+                             "PostLocalSGDOptimizer is built, or at the last warm-up step): until then the "
+                             "islands train together, and model.state_dict() is the model")
+        anchors: list[Tensor | None] = [None] * len(self._layout)
+        for fr in self._fragments:
+            for j, position in enumerate(fr.positions):
+                anchors[position] = None if fr.anchor is None else fr.anchor[j]
+        return anchored_state_dict(model, self._params, anchors, type(self).__name__)
 
     @property
     def anchored(self) -> bool:
@@ -282,8 +260,7 @@ class StreamingDiLoCoAverager(ModelAverager):
         """Whether a fragment synchronized (sent or applied)."""
         return self.num_averages > 0 or any(fr.syncs for fr in self._fragments)
 
-    def _take_anchor(self, params: Params) -> None:
-        tensors = self._remember(params)
+    def _take_anchor(self, tensors: list[Tensor]) -> None:
         self._bind(tensors)
         views = self._local(tensors)[0]
         anchor, sent = take_anchor(views, self.process_group)
@@ -299,9 +276,9 @@ class StreamingDiLoCoAverager(ModelAverager):
         if not is_member(self.process_group):
             self.step += 1
             return
+        tensors = self._remember(params)  # read once: a generator works
         if takes_anchor(self, from_average=True):
-            self._take_anchor(params)
-        tensors = self._remember(params)
+            self._take_anchor(tensors)
         sent = self.fragment_sent_at(self.step)
         due = [p for p in self._in_flight if p.due == self.step] if self._in_flight else []
         if sent is not None or due:
@@ -315,16 +292,8 @@ class StreamingDiLoCoAverager(ModelAverager):
 
     def _bind(self, tensors: list[Tensor]) -> None:
         if self._explicit is not None:
-            layout = []
-            for i, t in enumerate(tensors):
-                if id(t) not in self._explicit:
-                    raise ValueError(f"StreamingDiLoCoAverager: averaged tensor {i} (shape {tuple(t.shape)}) is in "
-                                     f"none of the fragments")
-                layout.append(self._explicit[id(t)])
-            missing = set(range(self.num_fragments)) - set(layout)
-            if missing:
-                raise ValueError(f"StreamingDiLoCoAverager: fragments {sorted(missing)} hold none of the averaged "
-                                 f"tensors")
+            layout = explicit_layout(tensors, self._explicit, self.num_fragments, self._unnamed_hint,
+                                     type(self).__name__)
         elif self._layout is not None and len(self._layout) == len(tensors):
             layout = self._layout  # shapes are checked against the anchors
         else:
@@ -337,7 +306,14 @@ class StreamingDiLoCoAverager(ModelAverager):
         for fr in self._fragments:
             fr.positions = [i for i, f in enumerate(self._layout) if f == fr.index]
 
-    def _members(self, fr: _Fragment, tensors: list[Tensor]) -> list[Tensor]:
+    def _unnamed_hint(self, index: int) -> str:
+        """Averaged tensor ``index`` in words, and where its name would come from if unknown."""
+        if index < len(self._names) and self._names[index]:
+            return self._describe(index)
+        return (f"{self._describe(index)} (its name shows here when the inner optimizer is built from "
+                "model.named_parameters())")
+
+    def _members(self, fr: Fragment, tensors: list[Tensor]) -> list[Tensor]:
         members = [tensors[i].detach() for i in fr.positions]
         if fr.anchor is not None and (len(fr.anchor) != len(members) or
                                       any(a.shape != t.shape for a, t in zip(fr.anchor, members))):
@@ -345,7 +321,7 @@ class StreamingDiLoCoAverager(ModelAverager):
                              f"its last synchronization")
         return members
 
-    def _send(self, fr: _Fragment, tensors: list[Tensor]) -> None:
+    def _send(self, fr: Fragment, tensors: list[Tensor]) -> None:
         members = self._members(fr, tensors)
         if fr.anchor is None:  # first sync, first_sync="average": plain average, sets the anchor
             if self.first_sync == "outer":
@@ -363,23 +339,23 @@ class StreamingDiLoCoAverager(ModelAverager):
         sent = fr.transport.send(fr.anchor, members, fr.residual, link)
         fr.syncs += 1
         self._count(fr, sent.bytes_sent)
-        self._in_flight.append(_InFlight(fr.index, self.step + self.fragment_sync_delay, sent))
+        self._in_flight.append(InFlight(fr.index, self.step + self.fragment_sync_delay, sent))
 
-    def _describe_sync(self, fr: _Fragment, op: str, sent: int, world: int) -> str:
+    def _describe_sync(self, fr: Fragment, op: str, sent: int, world: int) -> str:
         """The collective of one sync, as a :class:`gradpress.comm.CollectiveError` names it."""
         return (f"{op} of fragment {fr.index}'s outer gradient ({sent:,} bytes per rank) over {world} ranks in "
                 f"{self._issuer()}")
 
-    def _count(self, fr: _Fragment, sent: int) -> None:
+    def _count(self, fr: Fragment, sent: int) -> None:
         fr.bytes_sent += sent
         self.bytes_sent += sent
 
-    def _set_anchor(self, fr: _Fragment, anchor: list[Tensor]) -> None:
+    def _set_anchor(self, fr: Fragment, anchor: list[Tensor]) -> None:
         """Start fragment ``fr``'s outer step from ``anchor`` and bind the transport to it."""
         fr.outer = OuterStep(anchor, self.outer_lr, self.outer_momentum, self.nesterov)
         fr.transport = self._transport.bind(anchor, self.process_group)
 
-    def _apply(self, pending: _InFlight, tensors: list[Tensor]) -> None:
+    def _apply(self, pending: InFlight, tensors: list[Tensor]) -> None:
         fr = self._fragments[pending.fragment]
         members = self._members(fr, tensors)
         assert fr.anchor is not None and fr.outer is not None and fr.transport is not None
@@ -406,92 +382,3 @@ class StreamingDiLoCoAverager(ModelAverager):
         # Only one fragment with no delay and no mixing leaves every rank at the anchor after its sync.
         one = self.num_fragments == 1 and self.fragment_sync_delay == 0 and self.fragment_update_alpha == 0
         return self.step <= self.warmup_steps or (one and self.fragment_sent_at(self.step - 1) is not None)
-
-    def local_state_dict(self) -> dict[str, Any]:
-        """This rank's whole state as one plain dict (fragments' anchors, residuals, updates in flight)."""
-        state = {**super().local_state_dict(), "placement": placement(self.process_group),
-                 "compression": repr(self.compression), "layout": None if self._layout is None else list(self._layout)}
-        state["fragments"] = [{
-            **(fr.outer.state_dict() if fr.outer is not None else {"anchor": None, "outer": None}),
-            **self._own_fragment(fr), "syncs": fr.syncs} for fr in self._fragments]
-        state["in_flight"] = self._in_flight_state()
-        return state
-
-    def _own_fragment(self, fr: _Fragment) -> dict[str, Any]:
-        return {"residual": None if fr.residual is None else fr.residual.clone(),
-                **({} if fr.transport is None or fr.transport.state_dict() is None
-                   else {"powersgd": fr.transport.state_dict()}),
-                "bytes_sent": fr.bytes_sent}
-
-    def _in_flight_state(self) -> list[dict[str, Any]]:
-        in_flight = []
-        for pending in self._in_flight:
-            sent = pending.sent
-            sent.wait()
-            in_flight.append({"fragment": pending.fragment, "due": pending.due,
-                              "buffers": [b.clone() for b in sent.buffers],
-                              "residual": None if sent.residual is None else sent.residual.clone(),
-                              **({} if sent.finite is None else {"finite": sent.finite.clone()})})
-        return in_flight
-
-    def _shared_state(self) -> dict[str, Any]:
-        state = super()._shared_state()
-        state["compression"] = repr(self.compression)
-        state["layout"] = None if self._layout is None else list(self._layout)
-        specs = local_views(self._params)[1] if self._params else []  # as the parameters are sharded
-        fragments = []
-        for fr in self._fragments:
-            if fr.outer is not None:
-                item = outer_template(fr.outer, [], [specs[i] for i in fr.positions] if specs else [],
-                                      self.outer_momentum)
-            elif self._layout is not None and self._params:
-                item = outer_template(None, [self._params[i] for i in fr.positions], [], self.outer_momentum)
-            else:
-                item = {"anchored": False}
-            fragments.append({**item, "syncs": fr.syncs})
-        state["fragments"] = fragments
-        return state
-
-    def _own_state(self) -> dict[str, Any]:
-        own = super()._own_state()
-        own["fragments"] = [self._own_fragment(fr) for fr in self._fragments]
-        own["in_flight"] = self._in_flight_state()
-        return own
-
-    def _load(self, state: Mapping[str, Any], own: Mapping[str, Any] | None, allow_other_rank: bool) -> None:
-        saved = state["fragments"]
-        if len(saved) != self.num_fragments:
-            raise ValueError(f"StreamingDiLoCoAverager checkpoint has {len(saved)} fragments, this averager "
-                             f"{self.num_fragments}")
-        mine = None if own is None else own.get("fragments", saved)
-        in_flight = [] if own is None else own.get("in_flight", [])
-        if mine is not None and (any(f.get("residual") is not None or "powersgd" in f for f in mine) or
-                                 any(p["residual"] is not None for p in in_flight)):
-            check_placement(own.get("placement"), placement(self.process_group),  # type: ignore[union-attr]
-                            "StreamingDiLoCoAverager", allow_other_rank)
-        if in_flight and state.get("compression") != repr(self.compression):
-            raise ValueError(f"StreamingDiLoCoAverager checkpoint has outer updates in flight encoded with compression="
-                             f"{state.get('compression')}, but this averager has compression={self.compression!r}")
-        super()._load(state, own, allow_other_rank)
-        self._layout = None if state["layout"] is None else [int(f) for f in state["layout"]]
-        for fr in self._fragments:
-            fr.positions = [] if self._layout is None else [i for i, f in enumerate(self._layout) if f == fr.index]
-        for fr, item in zip(self._fragments, saved):
-            ours = None if mine is None else mine[fr.index]
-            members = [self._params[i] for i in fr.positions] if self._params and self._layout is not None else []
-            outer = restore_outer(item, members, self.outer_lr, self.outer_momentum, self.nesterov,
-                                  type(self).__name__)
-            fr.outer, fr.transport = outer, None
-            if outer is not None:
-                fr.transport = self._transport.bind(outer.anchor, self.process_group)
-                if ours is not None and "powersgd" in ours and fr.transport.state_dict() is not None:
-                    fr.transport.load_state_dict(ours["powersgd"])  # placement checked above
-            fr.residual = None if ours is None else on_device_of(ours["residual"], fr.anchor)
-            fr.syncs = int(item["syncs"])
-            fr.bytes_sent = 0 if ours is None else int(ours["bytes_sent"])
-        self._in_flight = [
-            _InFlight(int(p["fragment"]), int(p["due"]),
-                      Sent([], [on_device_of(b, fr.anchor) for b in p["buffers"]],
-                           on_device_of(p["residual"], fr.anchor), finite=on_device_of(p.get("finite"), fr.anchor)))
-            for p in in_flight for fr in [self._fragments[int(p["fragment"])]]]
-

@@ -2,9 +2,95 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Union
 
-__all__ = ["fragment_offsets", "split_by_size"]
+from torch import Tensor, nn
+
+from ..averaging.tensors import tensors_to_average
+
+__all__ = ["explicit_layout", "fragment_members", "fragment_offsets", "model_fragments", "split_by_size"]
+
+FragmentSpec = Union[nn.Module, Iterable[Tensor]]
+
+#: How a fragment list that leaves part of the model out is fixed (the docs' own snippet once did).
+COVER_THE_MODEL = ("fragments=list(model.layers) leaves out what lies outside the layers (a GPT's embeddings, final "
+                   "norm and head): pass fragments=gradpress.streaming.model_fragments(model, model.layers), which "
+                   "adds each such tensor to the fragment next to it, or add a fragment that holds them")
+
+
+def _members(spec: Any) -> list[Tensor]:
+    """The tensors of one fragment: a module's trainable parameters and floating-point buffers, or the
+    trainable tensors given."""
+    if isinstance(spec, nn.Module):
+        return tensors_to_average(spec, average_buffers=True)
+    return tensors_to_average([spec] if isinstance(spec, Tensor) else list(spec))
+
+
+def fragment_members(fragments: Sequence[FragmentSpec]) -> dict[int, int]:
+    """``id(tensor) -> fragment index`` for explicit ``fragments`` (modules or tensor lists); ``ValueError``
+    for a fragment without a tensor or a tensor in two fragments."""
+    members: dict[int, int] = {}
+    for f, spec in enumerate(fragments):
+        tensors = _members(spec)
+        if not tensors:
+            raise ValueError(f"fragments[{f}] holds no tensor to average")
+        for t in tensors:
+            if members.setdefault(id(t), f) != f:
+                raise ValueError(f"fragments[{f}] shares a tensor with fragments[{members[id(t)]}]")
+    return members
+
+
+def explicit_layout(tensors: Sequence[Tensor], members: dict[int, int], num_fragments: int,
+                    describe: Callable[[int], str], owner: str) -> list[int]:
+    """Fragment index of each averaged tensor under explicit fragments (:func:`fragment_members`);
+    ``ValueError`` naming the first tensor in none of them (``describe(i)``, by its name where known)
+    and how to cover the rest of the model, or the fragments that hold none of ``tensors``."""
+    outside = [i for i, t in enumerate(tensors) if id(t) not in members]
+    if outside:
+        more = f" (nor are {len(outside) - 1} more: tensors {outside[1:]})" if len(outside) > 1 else ""
+        raise ValueError(f"{owner}: {describe(outside[0])} is in none of the fragments{more}: every averaged tensor "
+                         f"must be in one. {COVER_THE_MODEL}")
+    layout = [members[id(t)] for t in tensors]
+    missing = set(range(num_fragments)) - set(layout)
+    if missing:
+        raise ValueError(f"{owner}: fragments {sorted(missing)} hold none of the averaged tensors")
+    return layout
+
+
+def model_fragments(model: nn.Module, fragments: Iterable[FragmentSpec]) -> list[list[Tensor]]:
+    """``fragments`` (modules or tensor lists, e.g. ``model.layers``) completed to cover all of ``model``,
+    for ``StreamingDiLoCoAverager(fragments=...)``: each fragment's tensors (a module's trainable
+    parameters and floating-point buffers), and every tensor of ``model`` outside them added to the
+    fragment of the nearest fragment tensor before it in the model's order (modules in ``model.modules()``
+    order, each one's own parameters, then its buffers), or to the first fragment for those before any:
+    a GPT's embeddings join its first layer's fragment, its final norm and head the last one's.
+
+    >>> fragments = model_fragments(model, model.layers)  # doctest: +SKIP
+    >>> StreamingDiLoCoAverager(sync_every=100, fragments=fragments)  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module (the whole model the fragments are parts of), got "
+                        f"{type(model).__name__}")
+    given = [spec if isinstance(spec, (nn.Module, Tensor)) else list(spec) for spec in fragments]  # read once
+    if not given:
+        raise ValueError("fragments must hold at least one module or tensor list")
+    members = fragment_members(given)
+    out = [_members(spec) for spec in given]
+    seen: set[int] = set()
+    current = 0
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad] + \
+            [b for b in module.buffers(recurse=False) if b.is_floating_point()]
+        for t in own:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if id(t) in members:
+                current = members[id(t)]
+            else:
+                out[current].append(t)
+    return out
 
 
 def split_by_size(sizes: Sequence[int], num_fragments: int) -> list[int]:
