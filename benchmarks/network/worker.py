@@ -4,21 +4,21 @@ Started by ``run.py`` inside the rank's network namespace (``GLOO_SOCKET_IFNAME=
 per rank, all methods in sequence in the same process group (start-up paid once; one untimed noop run
 first, since the first method of a process pays for page faults). For each method a fresh model and DDP
 wrapper, ``--warmup`` untimed steps (the compressed methods start compressing after 2 of them), then
-``--steps`` timed steps. ``powersgd-eager:R`` / ``multi-eager:R`` use the hook's pipeline as it was
-of the first releases (``advance_on_submit=True``: each bucket's hook first finishes the previous buckets' P
-phase, waiting for it inside the backward pass); ``powersgd-lazy:R`` / ``multi-lazy:R`` name today's
-default explicitly (every Q phase at the last bucket). ``powersgd-held:R`` holds every bucket until the last
-and compresses them in one step (``PowerSGDState(overlap="none")``), ``powersgd-overlap:R`` issues each
-bucket's P product and all-reduce as it arrives (``overlap="p-phase"``). ``--rounds N`` runs every method N times, interleaved,
-and pools the timed steps (each round's median is kept too). With ``--ranks-per-node L`` (nodes of L ranks sharing a
-namespace), ``hier-powersgd:R`` / ``hier-allreduce`` / ``hier-noop`` (nothing across nodes: the intra-node
-collectives alone) wrap the hook in ``gradpress.hierarchical_wrapper``
-(exact inside the node, the hook across nodes); ``hsdp`` is FSDP2's native hybrid sharding (sharded inside
-the node, all-reduced across nodes) and ``fsdp-powersgd:R`` the same sharding with PowerSGD across nodes
-(``gradpress.register_fsdp_comm_hook``). Per step, per rank: forward, backward (which includes the
-hooks and DDP's wait for the last collectives), optimizer (and local SGD's averaging), total; the time
-spent inside the comm hook calls on the autograd thread, and, for gradpress's hooks, the part of it
-blocked waiting for a collective. Rank 0 writes the slowest rank's times per step as JSON.
+``--steps`` timed steps. ``powersgd-eager:R`` / ``multi-eager:R`` use the hook's pipeline as it was of the
+first releases (``advance_on_submit=True``: each bucket's hook first finishes the previous buckets' P phase,
+waiting for it inside the backward pass); ``powersgd-lazy:R`` / ``multi-lazy:R`` name today's default
+explicitly (every Q phase at the last bucket). ``powersgd-held:R`` holds every bucket until the last and
+compresses them in one step (``PowerSGDState(overlap="none")``), ``powersgd-overlap:R`` issues each bucket's P
+product and all-reduce as it arrives (``overlap="p-phase"``). ``--rounds N`` runs every method N times,
+interleaved, and pools the timed steps (each round's median is kept too). With ``--ranks-per-node L`` (nodes
+of L ranks sharing a namespace), ``hier-powersgd:R`` / ``hier-allreduce`` / ``hier-noop`` (nothing across
+nodes: the intra-node collectives alone) wrap the hook in ``gradpress.hierarchical_wrapper`` (exact inside the
+node, the hook across nodes); ``hsdp`` is FSDP2's native hybrid sharding (sharded inside the node, all-reduced
+across nodes) and ``fsdp-powersgd:R`` the same sharding with PowerSGD across nodes
+(``gradpress.register_fsdp_comm_hook``). Per step, per rank: forward, backward (which includes the hooks and
+DDP's wait for the last collectives), optimizer (and local SGD's averaging), total; the time spent inside the
+comm hook calls on the autograd thread, and, for gradpress's hooks, the part of it blocked waiting for a
+collective. Rank 0 writes the slowest rank's times per step as JSON.
 
 Workloads:
   * ``shapes``: ResNet-18-CIFAR's parameter shapes (11.2M floats, 62 tensors) with a trivial backward:
