@@ -1,6 +1,7 @@
 """The averagers need no numpy: gradpress declares only ``torch``, whose CPU wheel does not bring numpy, and
 ``torch.distributed``'s object collectives (``all_gather_object`` and friends) read their bytes back through
-``Tensor.numpy()``. Every averager on FSDP2 islands, their checkpoints and ``average_parameters`` run
+``Tensor.numpy()``. Every averager on FSDP2 islands, their checkpoints, ``average_parameters`` and
+``post_localSGD_hook``'s default subgroup (the ranks of one machine) run
 
 * in the shared gloo workers with every object collective and ``Tensor.numpy`` made to raise (so none is
   on these paths), on 4 ranks (2 islands x 2 shards);
@@ -62,6 +63,11 @@ def averagers_on_islands(rank: int, world: int) -> str:
         HierarchicalModelAverager(OrderedDict([(1, world // 2)]), process_group=half)
     except ValueError as error:
         assert "not in process_group" in str(error) and rank >= world // 2, error
+    # post_localSGD_hook's default subgroup: the ranks of this machine, found by host name.
+    from gradpress.hooks.post_local import node_subgroup
+
+    machine = node_subgroup()
+    assert dist.get_world_size(machine) == world  # one machine here
     return "ok"
 
 

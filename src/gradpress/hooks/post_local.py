@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm import all_gather_objects
+from ..comm import all_gather_ints
 from .default import allreduce_mean_future
 
 __all__ = ["PostLocalSGDState", "node_subgroup", "post_localSGD_hook", "post_localsgd_hook"]
@@ -37,7 +37,9 @@ def node_subgroup(process_group: dist.ProcessGroup | None = None) -> dist.Proces
     """
     host = os.environ.get("GRADPRESS_NODE_NAME") or socket.gethostname()
     world = dist.get_world_size(process_group)
-    names = all_gather_objects(host, process_group, issuer="node_subgroup")
+    # The names as their UTF-8 bytes: an integer gather needs no numpy (object collectives do).
+    names = [bytes(name).decode() for name in all_gather_ints(list(host.encode()), process_group,
+                                                                  issuer="node_subgroup")]
     ranks = dist.get_process_group_ranks(process_group) if process_group is not None else list(range(world))
     mine = None
     for name in dict.fromkeys(names):
