@@ -184,19 +184,20 @@ def test_aggregator_floats_and_bytes_match_the_plan(shapes, dtypes, rank, rate, 
     config = Config(rank=rank, min_compression_rate=rate, num_iters_per_step=iterations,
                     start_compressing_after_num_steps=warm_up, bytes_per_weight=bytes_per_weight)
     powersgd = PowerSGD(params, config, init_sync=False)
+    oriented = config.engine_config().orientation(torch.device("cpu"))
 
     rows = direct_plan(shapes, rank, rate)
     mean_sent = direct_sent(rows, 0, None) if iterations is None else \
-        (direct_sent(rows, 0, iterations, config.orient_matrices)
-         + direct_sent(rows, iterations, iterations, config.orient_matrices)) / 2
+        (direct_sent(rows, 0, iterations, oriented)
+         + direct_sent(rows, iterations, iterations, oriented)) / 2
     assert powersgd.numel == sum(row[0] for row in rows)
     assert powersgd.floats_per_step == pytest.approx(mean_sent, rel=1e-12, abs=0)
     expected_bytes = 0.0
     for dtype in set(dtypes):
         mine = [row for row, d in zip(rows, dtypes) if d == dtype]
         sent = direct_sent(mine, 0, None) if iterations is None else \
-            (direct_sent(mine, 0, iterations, config.orient_matrices)
-             + direct_sent(mine, iterations, iterations, config.orient_matrices)) / 2
+            (direct_sent(mine, 0, iterations, oriented)
+             + direct_sent(mine, iterations, iterations, oriented)) / 2
         expected_bytes += sent * wire_itemsize(bytes_per_weight, dtype)
     assert powersgd.bytes_per_step == pytest.approx(expected_bytes, rel=1e-12, abs=0)
 
@@ -211,7 +212,7 @@ def test_aggregator_floats_and_bytes_match_the_plan(shapes, dtypes, rank, rate, 
                 sent, itemsize = sum(row[0] for row in mine), dtype.itemsize
             else:
                 first = (step - warm_up) * (iterations or 0)
-                sent = direct_sent(mine, first, iterations, config.orient_matrices)
+                sent = direct_sent(mine, first, iterations, oriented)
                 itemsize = wire_itemsize(bytes_per_weight, dtype)
             floats += sent
             bytes_ += sent * itemsize
@@ -283,7 +284,8 @@ class World:
 
     def __init__(self, shapes, dtype, config, world_size):
         self.shapes, self.dtype, self.config = shapes, dtype, config
-        plan = make_plan(shapes, config.rank, config.min_compression_rate, orient=config.orient)
+        self.plan_oriented = config.orientation(torch.device("cpu"))
+        plan = make_plan(shapes, config.rank, config.min_compression_rate, orient=self.plan_oriented)
         self.plan = plan
         self.segments = [Segment(plan, list(range(len(shapes))), torch.device("cpu"), work_dtype_for(dtype))
                          for _ in range(world_size)]
@@ -344,7 +346,7 @@ def check_wire(world, sent, first_iteration):
         sums = [(numel, dtype) for op, numel, dtype in comm.sent if op == "sum"]
         assert sum(numel for numel, _ in sums) == sent + wire_padding(world, first_iteration)
         assert sent == direct_sent(direct_plan(world.shapes, config.rank, config.min_compression_rate),
-                                   first_iteration, config.num_iters_per_step, config.orient)
+                                   first_iteration, config.num_iters_per_step, world.plan_oriented)
         assert all(dtype == expected for numel, dtype in sums if numel)
         maxes = [(numel, dtype) for op, numel, dtype in comm.sent if op == "max"]
         # The fp16 wire agrees on its scales with one max before each sum, of one float per tensor span;

@@ -60,7 +60,7 @@ class Config:
     warm_up_bytes_per_weight: int | None = None
     approximation_error_every_n_iters: int | None = None
     global_residual_every_n_iters: int | None = None
-    orient_matrices: bool = True
+    orient_matrices: bool | str = "auto"
     half_precision_wire: str = "auto"
     orthogonalization: str = "auto"
 

@@ -139,7 +139,12 @@ class PowerSGD(Aggregator):
 
     def _plan(self) -> Plan:
         return make_plan([p.shape for p in self.params], self.config.rank, self.config.min_compression_rate,
-                         self._ranks_of(range(len(self.params))), orient=self.config.orient_matrices)
+                         self._ranks_of(range(len(self.params))), orient=self._oriented())
+
+    def _oriented(self) -> bool:
+        """The orientation this aggregator's memory is (or will be) built in."""
+        oriented = self._session.oriented
+        return self._session.config.orientation(self.params[0].device) if oriented is None else oriented
 
     # --- counters, memory ---------------------------------------------------------------------------
     @property
@@ -196,8 +201,7 @@ class PowerSGD(Aggregator):
         for dtype in {p.dtype for p in self.params}:
             indices = [i for i, p in enumerate(self.params) if p.dtype == dtype]
             plan = make_plan([self.params[i].shape for i in indices], self.config.rank,
-                             self.config.min_compression_rate, self._ranks_of(indices),
-                             orient=self.config.orient_matrices)
+                             self.config.min_compression_rate, self._ranks_of(indices), orient=self._oriented())
             wire = self._session.wire_dtype(dtype)
             total += plan.mean_numel_sent(self.config.num_iters_per_step) * wire.itemsize
         return total
@@ -318,7 +322,8 @@ class PowerSGD(Aggregator):
             "placement": placement(self.process_group),
             # Options added later only when set: checkpoints keep the keys they had before they existed.
             "config": {name: value for name, value in asdict(self.config).items()
-                       if name not in _LATER_FIELDS or value != _LATER_FIELDS[name]},
+                       if name not in _LATER_FIELDS or value != _LATER_FIELDS[name]}
+            | ({} if self._session.oriented is None else {"orient_matrices": self._session.oriented}),
             "step_counter": self.step_counter,
             "total_numel": self.total_numel,
             "total_floats_sent": self.total_floats_sent,
@@ -359,10 +364,10 @@ class PowerSGD(Aggregator):
                             "PowerSGD", "use the same Config to resume")
         # The memory's warm-start factors belong to one side of each wide matrix: follow the checkpoint's
         # orientation (checkpoints from before the option: PyTorch's view, not oriented).
-        oriented = bool(state_dict["config"].get("orient_matrices", False))
-        if oriented != self.config.orient_matrices:
-            logger.info("PowerSGD: the checkpoint was saved with orient_matrices=%s; this aggregator follows it "
-                        "(its memory's factors belong to that orientation)", oriented)
+        oriented = state_dict["config"].get("orient_matrices", False)
+        if isinstance(oriented, bool) and oriented != self.config.orient_matrices:
+            logger.info("PowerSGD: the checkpoint's memory was built with orient_matrices=%s; this aggregator "
+                        "follows it (its factors belong to that orientation)", oriented)
             self.config = replace(self.config, orient_matrices=oriented)
             self._session.configure(self.config.engine_config())
         shapes = [tuple(int(d) for d in s) for s in state_dict["param_shapes"]]

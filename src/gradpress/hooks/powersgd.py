@@ -134,9 +134,10 @@ class PowerSGDState(StateBuckets, StateReport, StateCheckpoint):
             of the averaged gradients' energy in the last warm-up iterations (the same on every rank;
             logged; checkpointed), then read as ``matrix_approximation_rank``. DDP hooks only; a mapping
             ``rank_policy`` keeps its own ranks. See :mod:`gradpress.autorank`.
-        orient_matrices: compress a wide gradient (``n < m``) as its transpose, so that a model's ``(a, b)``
-            and ``(b, a)`` shapes share one batched product (fewer kernels, the same bytes); ``False``:
-            PyTorch's ``(shape[0], -1)`` view always. A loaded checkpoint's setting wins.
+        orient_matrices: ``True`` compresses a wide gradient (``n < m``) as its transpose, so that a model's
+            ``(a, b)`` and ``(b, a)`` shapes share one batched product (fewer kernels, the same bytes);
+            ``False``: PyTorch's ``(shape[0], -1)`` view always; ``"auto"`` (default): oriented on
+            accelerators, not on the CPU (a strided pass each way there). A loaded checkpoint's wins.
         half_precision_wire: the 2-byte wires' format: ``"auto"`` (bf16 for bf16 gradients, else scaled
             fp16), ``"fp16"`` or ``"bf16"`` (fp32's range, no scale, 8 bits of mantissa against 11).
         orthogonalization: ``"auto"`` (Householder on the CPU, Cholesky-QR elsewhere), ``"householder"``,
@@ -192,7 +193,7 @@ class PowerSGDState(StateBuckets, StateReport, StateCheckpoint):
         rank_policy: RankRules | None = None,
         adaptive_rank: AdaptiveRank | dict[str, Any] | None = None,
         auto_rank: AutoRank | dict[str, Any] | None = None,
-        orient_matrices: bool = True,
+        orient_matrices: bool | str = "auto",
         half_precision_wire: str = "auto",
         orthogonalization: str = "auto",
         overlap: str = "auto",

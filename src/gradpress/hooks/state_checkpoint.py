@@ -88,7 +88,7 @@ class _State(Protocol):
     @property
     def warm_up_beta_factor(self) -> float | None: ...
     @property
-    def orient_matrices(self) -> bool: ...
+    def orient_matrices(self) -> bool | str: ...
     @property
     def half_precision_wire(self) -> str: ...
     @property
@@ -149,9 +149,9 @@ class StateCheckpoint:
                 "rank_policy": self.rank_policy if isinstance(self.rank_policy, dict) else None,
                 "adaptive_rank": None if self.adaptive_rank is None else self.adaptive_rank.to_dict(),
                 **({} if self._auto is None else {"auto_rank": self._auto.rule.to_dict()}),
-                # The memory's factors belong to one side of each wide matrix (checkpoints from before the
-                # option: PyTorch's view).
-                "orient_matrices": self.orient_matrices,
+                # The memory's factors belong to one side of each wide matrix: the orientation it was built in
+                # (the setting while no memory exists; checkpoints from before the option: PyTorch's view).
+                "orient_matrices": self.orient_matrices if self._session.oriented is None else self._session.oriented,
                 # Only when set: checkpoints keep the keys they had before the option existed.
                 **({} if self.warm_up_bytes_per_weight is None
                    else {"warm_up_bytes_per_weight": self.warm_up_bytes_per_weight}),
@@ -230,10 +230,10 @@ class StateCheckpoint:
                         allow_other_rank)
         if self._session.in_flight():
             raise RuntimeError("PowerSGDState.load_state_dict() was called while a backward pass is in flight")
-        oriented = bool(state_dict["options"].get("orient_matrices", False))
-        if oriented != self.orient_matrices:
-            logger.info("PowerSGDState: the checkpoint was saved with orient_matrices=%s; this state follows it "
-                        "(its memory's factors belong to that orientation)", oriented)
+        oriented = state_dict["options"].get("orient_matrices", False)
+        if isinstance(oriented, bool) and oriented != self.orient_matrices:
+            logger.info("PowerSGDState: the checkpoint's memory was built with orient_matrices=%s; this state "
+                        "follows it (its factors belong to that orientation)", oriented)
             self._session.configure(dataclasses.replace(self._session.config, orient=oriented))
         self.iter = int(state_dict["iter"])
         self.total_numel_before_compression = int(state_dict["total_numel_before_compression"])

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .backend import backend_for
 from .linalg import ORTHOGONALIZATIONS
 
 __all__ = ["HALF_PRECISION_WIRES", "EngineConfig"]
@@ -43,10 +44,13 @@ class EngineConfig:
     ``orthogonalization``: how P (and Q in the alternating scheme) is orthonormalized: a name of
     :data:`~gradpress.powersgd.linalg.ORTHOGONALIZATIONS` (``"householder"``, ``"cholesky"``) or ``"auto"``,
     the device's choice (:mod:`gradpress.powersgd.backend`: Householder QR on the CPU, Cholesky-QR elsewhere).
-    ``orient``: view each compressed gradient as a tall matrix, its longer side first (``(shape[0], -1)``
-    transposed where that is wide), so that a model's transposed pairs of shapes (a transformer's
-    ``(4d, d)`` and ``(d, 4d)``) share one batched product; ``False``: PyTorch's ``(shape[0], -1)`` always.
-    The bytes sent are the same; the approximation of a transposed matrix is taken from its other side.
+    ``orient``: ``True`` views each compressed gradient as a tall matrix, its longer side first
+    (``(shape[0], -1)`` transposed where that is wide), so that a model's transposed pairs of shapes (a
+    transformer's ``(4d, d)`` and ``(d, 4d)``) share one batched product; ``False``: PyTorch's
+    ``(shape[0], -1)`` always; ``"auto"``: the device's backend decides (:meth:`orientation`: oriented on
+    accelerators, where it saves kernel launches; not on the CPU, where a transposed gradient costs a
+    strided pass each way). The bytes sent are the same; a transposed matrix is approximated from its
+    other side.
     """
 
     rank: int = 1
@@ -63,7 +67,7 @@ class EngineConfig:
     warm_up_bytes_per_weight: int | None = None
     half_precision_wire: str = "auto"
     orthogonalization: str = "auto"
-    orient: bool = True
+    orient: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -76,7 +80,9 @@ class EngineConfig:
                 f"orthogonalization_epsilon must be a number >= 0, got {self.orthogonalization_epsilon!r}")
         if isinstance(self.random_seed, bool) or not isinstance(self.random_seed, int) or self.random_seed < 0:
             raise ValueError(f"random_seed must be an integer >= 0, got {self.random_seed!r}")
-        for name in ("use_error_feedback", "warm_start", "orient"):
+        if not (isinstance(self.orient, bool) or self.orient == "auto"):
+            raise ValueError(f"orient (orient_matrices) must be True, False or 'auto', got {self.orient!r}")
+        for name in ("use_error_feedback", "warm_start"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         k = self.num_iters_per_step
@@ -121,6 +127,13 @@ class EngineConfig:
         if self.bytes_per_weight == 2:
             return self._half(grad_dtype)
         return torch.float32 if self.bytes_per_weight == 4 else torch.float64
+
+    def orientation(self, device: torch.device) -> bool:
+        """Whether gradients on ``device`` are compressed oriented (``orient``, resolved: ``"auto"`` asks
+        the device's backend)."""
+        if isinstance(self.orient, bool):
+            return self.orient
+        return backend_for(device).orients_matrices
 
     def warm_up_wire_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         """The dtype the exact averages before compression starts send, for gradients of ``grad_dtype``:

@@ -286,6 +286,12 @@ class EngineSession:
         counters and the learning rate stay. Nothing may be in flight."""
         self.store = SegmentStore(self.config)
 
+    @property
+    def oriented(self) -> bool | None:
+        """Whether this run's memory compresses wide matrices as their transpose (``None``: no segment yet,
+        so nothing decided: ``config.orient`` says what will be)."""
+        return self.store.oriented
+
     def configure(self, config: EngineConfig) -> None:
         """Compress with ``config`` from now on (an automatic rank's decision, a checkpoint's orientation):
         the memory is dropped, as :meth:`forget_memory`, since its meaning depends on the configuration;

@@ -28,10 +28,13 @@ class SegmentStore:
     parameters' memory from there: memory follows parameters, never positions.
     """
 
-    __slots__ = ("config", "segments", "pool", "workspace")
+    __slots__ = ("config", "segments", "pool", "workspace", "oriented")
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        #: Whether the segments compress wide matrices as their transpose: ``config.orient`` resolved for the
+        #: first segment's device, then kept for every segment (the memory means one thing); ``None`` before.
+        self.oriented: bool | None = None
         self.segments: dict[object, Segment] = {}
         self.pool: dict[int, ParamMemory] = {}
         self.workspace = Workspace()  # shared by the segments (see Workspace)
@@ -47,7 +50,9 @@ class SegmentStore:
         wanted = set(keys)
         for other in [s for s, seg in self.segments.items() if s == slot or wanted & set(seg.keys)]:
             self.pool.update(self.segments.pop(other).export(self.config))
-        plan = make_plan(shapes, self.config.rank, self.config.min_compression_rate, ranks, orient=self.config.orient)
+        if self.oriented is None:
+            self.oriented = self.config.orientation(device)
+        plan = make_plan(shapes, self.config.rank, self.config.min_compression_rate, ranks, orient=self.oriented)
         segment = Segment(plan, keys, device, dtype, self.workspace)
         segment.load(self.pool, self.config)
         for key in keys:

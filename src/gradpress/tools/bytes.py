@@ -108,13 +108,13 @@ def allreduce_bytes(shapes: Shapes, dtypes: Sequence[torch.dtype], wire_dtype: t
 
 def powersgd_bytes(shapes: Shapes, dtypes: Sequence[torch.dtype], rank: int, min_compression_rate: float = 2.0,
                    bytes_per_weight: int | None = 4, num_iters_per_step: int | None = None,
-                   iteration: int = 0, orient_matrices: bool = True) -> StepBytes:
+                   iteration: int = 0, orient_matrices: bool = False) -> StepBytes:
     """One compressed step of PowerSGD (``PowerSGDState(matrix_approximation_rank=rank,
     min_compression_rate=..., bytes_per_weight=..., num_iters_per_step=...)``, or the aggregator's
     :class:`gradpress.Config`) for gradients of ``shapes`` and ``dtypes`` (one per shape), as the state
     counts it: ``num_iters_per_step=None`` is classic PowerSGD (P and Q), ``k`` the alternating scheme
     whose step starts at one-sided iteration ``iteration`` (even: P, odd: Q; ``orient_matrices``: P is the
-    longer side's factor, as the engine compresses a wide matrix as its transpose).
+    longer side's factor, as the engine compresses a wide matrix on an accelerator, ``orient_matrices="auto"``).
 
     The tensors are planned per gradient dtype, as DDP buckets hold one dtype each; whether a tensor is
     compressed does not depend on its bucket, so these are the sums of the per-bucket counts. Invalid
