@@ -22,7 +22,6 @@ from torch import Tensor
 from .backend import Backend, backend_for
 from .config import EngineConfig
 from .layout import ALIGNMENT_BYTES, WireLayout, WireSpans, Workspace, aligned_offset, aligned_stride, batch_view
-from .linalg import orthogonalize_
 from .plan import GroupPlan, Plan
 from .seeding import P_DRAW, seeded_normal, upload
 
@@ -302,18 +301,14 @@ class Segment:
 
     def draw_q(self, positions: Sequence[int], seed: int, draw: int, with_p: bool = False) -> None:
         """Fill the Q (and, with ``with_p``, the P) of the given compressed positions with seeded normals,
-        the same on every rank. Without P (classic PowerSGD, whose first product is M Q) each Q is first
-        orthonormalized on the host, as PyTorch does: at full rank Q is square, and a square Gaussian draw
-        can be ill-conditioned enough to cost digits in P = M Q (the alternating scheme orthonormalizes
-        every input factor anyway)."""
+        the same on every rank. (Not orthonormalized, unlike PyTorch's first Q: ``span(M Q)`` does not
+        depend on Q's basis, P is orthogonalized after, and at full rank, where a square Q's conditioning
+        would cost digits, the classic step takes ``P = M``: :func:`~gradpress.powersgd.kernels.first_products`.)"""
         order = self.compressed_order
         for position in positions:
             key = self.keys[order[position]]
             view = self.q_views[position].t()
-            drawn = seeded_normal(view.shape, seed, key, draw)
-            if not with_p and drawn.numel():
-                drawn = orthogonalize_(drawn.unsqueeze(0), method="householder")[0]
-            view.copy_(upload(drawn, view.device))
+            view.copy_(upload(seeded_normal(view.shape, seed, key, draw), view.device))
             if with_p:
                 view = self.p_views[position]
                 view.copy_(upload(seeded_normal(view.shape, seed, key, P_DRAW | draw), view.device))
