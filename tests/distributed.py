@@ -195,6 +195,15 @@ def run_script(path: str | os.PathLike[str], args: list[str], nproc: int, *, env
             proc.join(timeout=10)
 
 
+def modules_imported_by(rank: int, world_size: int, statement: str, names: list[str]) -> list[str]:
+    """Those of ``names`` in ``sys.modules`` after ``exec(statement)``: run with :func:`run_fresh`, in a
+    process forked from the server, which has imported its preload list (torch, gradpress) and this module
+    only, what an interpreter started for ``python -c statement`` would hold (the test process's
+    imports, Lightning's included, are not there)."""
+    exec(statement, {})
+    return sorted(name for name in names if name in sys.modules)
+
+
 def close_all() -> None:
     for group in _GROUPS.values():
         if not group.broken:
