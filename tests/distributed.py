@@ -146,12 +146,37 @@ def run_fresh(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             proc.join(timeout=10)
 
 
+#: The process groups a script run by :func:`run_script` destroyed, kept until its process ends.
+_KEPT: list[Any] = []
+
+
 def _script(rank: int, world_size: int, path: str, args: list[str], env: dict[str, str],
             cwd: str | None) -> tuple[int, str]:
-    """Rank ``rank`` of :func:`run_script`: ``python path args`` as torchrun's worker ``rank`` would run it."""
+    """Rank ``rank`` of :func:`run_script`: ``python path args`` as torchrun's worker ``rank`` would run it.
+
+    One difference, outside what the script does: the groups it destroys are deregistered as usual but
+    their C++ objects are kept (``_KEPT``) until this process ends, without running their destructors
+    (``os._exit``). Otherwise the last reference to a gloo group is the one a DDP reducer drops when the
+    script's objects are freed after ``destroy_process_group``, holding the GIL, and
+    ``~ProcessGroupGloo`` joins a gloo thread which, now and then, is waiting for the GIL to free the
+    thread-local state of the last collective (pytorch/pytorch#56297): the process hangs for good (seen
+    once in about six runs of ``examples/own_script.py --compile`` here, with both threads' stacks in
+    gdb; probably also the Accelerate example's rare teardown hang under torchrun, which its test runs
+    again, tests/torchrun.py). Each example's own torchrun test still runs it without this."""
     import contextlib
     import runpy
 
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    destroy = dist.destroy_process_group
+
+    def destroy_keeping_the_objects(group: Any = None) -> None:
+        _KEPT.extend(distributed_c10d._world.pg_map)
+        destroy(group)
+
+    # This process runs this one script only: nothing else sees the change.
+    dist.destroy_process_group = distributed_c10d.destroy_process_group = destroy_keeping_the_objects
     os.environ.clear()
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
     if cwd is not None:
