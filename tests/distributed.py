@@ -19,13 +19,22 @@ import sys
 import traceback
 from typing import Any, Callable
 
+from gradpress.tools.cli.demo import supervisor
 from gradpress.tools.cli.demo.supervisor import context
 from gradpress.tools.processes import join_group, serve_rendezvous
 
 # The demo's start method: forked from a server that imported torch once (about 0.1 s a group instead of
 # an interpreter start and ``import torch`` each, 5-15 s on a busy 2-core machine), each still a new
 # process with none of the test process's state; spawned where there is no forkserver. One server, one
-# preload list, for these groups and the demo runs of the same session.
+# preload list, for these groups and the demo runs of the same session: the demo's (``PRELOAD``), and
+# for the tests also what nearly every new worker imported next, each on its own: ``torch._dynamo``,
+# which DDP's constructor imports, and scikit-learn, the digits task's data (with SciPy): 3-5 s of a
+# demo worker's 5-6 s from its start to its first step, measured on the busy 2-core machine; 0.2 s
+# with them preloaded. Only what the server imports changes (a module it cannot import is skipped, and
+# the worker imports it as before); the demo's own runs outside the tests keep ``PRELOAD``.
+for _module in ("torch._dynamo", "sklearn.datasets"):
+    if _module not in supervisor.PRELOAD:
+        supervisor.PRELOAD.append(_module)
 _CTX = context()
 DEFAULT_TIMEOUT = 180.0
 
