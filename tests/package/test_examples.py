@@ -13,7 +13,6 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 import gradpress
 import gradpress.tools.zoo
 from distributed import run_script
+from torchrun import torchrun_script
 
 pytestmark = pytest.mark.slow
 
@@ -51,9 +51,7 @@ def test_example_refuses_to_run_outside_torchrun(monkeypatch: pytest.MonkeyPatch
 
 def _torchrun(script: str, *args: str, nproc: int = 4) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), str(EXAMPLE.parent / script), *args], capture_output=True, text=True,
-                          timeout=240, env=env)
+    proc = torchrun_script(EXAMPLE.parent / script, list(args), nproc=nproc, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -111,9 +109,7 @@ def _own_script(tmp_path: Path, *args: str, launch: str = "in-process") -> dict:
     timeout = 900 if "--compile" in args else 240
     argv = ["--out-dir", str(tmp_path / "out"), "--json", str(out), *args]
     if launch == "torchrun":
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                               "2", str(OWN_SCRIPT), *argv], capture_output=True, text=True, timeout=timeout,
-                              env=env, cwd=tmp_path)
+        proc = torchrun_script(OWN_SCRIPT, argv, nproc=2, timeout=timeout, env=env, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         stdout = proc.stdout
     else:
