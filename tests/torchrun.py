@@ -11,6 +11,11 @@ three additions for tests:
   past the same last collective long ago): its stacks are dumped and the whole run is started once more,
   with a warning that carries the stacks. A second such hang fails the test;
 * the outputs are read while the run goes on, so a hang still shows what was printed.
+
+``torchrun_script(script, args, ...)`` runs a script that way: each worker runs it as ``python script
+args`` would (``runpy``, as ``__main__``) and then prints that last line itself, so a worker stuck in its
+teardown after the script (a gloo group's destructor waiting for the GIL, see ``distributed._script``)
+costs ``straggler_s`` and a second run instead of the whole ``timeout`` and a failed test.
 """
 
 from __future__ import annotations
@@ -134,3 +139,29 @@ def torchrun(args: list[str], *, timeout: float, nproc: int = 2, env: dict[str, 
         warnings.warn(f"a worker hung after its last line and was run again:\n{hang.stderr[-6000:]}",
                       stacklevel=2)
     return _once(command, timeout, env, cwd, finished, nproc, straggler_s)
+
+
+#: What each worker of :func:`torchrun_script` prints once its script has returned (with its exit code).
+FINISHED = "tests/torchrun.py: the script returned"
+
+
+def torchrun_script(script: str | os.PathLike[str], args: list[str], *, timeout: float, nproc: int = 2,
+                    env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
+                    straggler_s: float = 30.0) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node NPROC script args`` through :func:`torchrun`, each worker
+    running the script as ``__main__`` and then printing :data:`FINISHED` (one write: the workers share
+    the pipe); the run's exit code is the script's. 30 s after a peer's last line, a worker still in its
+    teardown is stuck: past its last collective what is left takes milliseconds on any machine."""
+    wrapper = ("import os, runpy, sys\n"
+               "sys.argv = sys.argv[1:]\n"
+               "sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as python script puts it\n"
+               "code = 0\n"
+               "try:\n"
+               "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+               "except SystemExit as exc:\n"
+               "    code = exc.code\n"
+               f"sys.stdout.write(f'{FINISHED} (exit code {{code}})\\n')\n"
+               "sys.stdout.flush()\n"
+               "sys.exit(code)\n")
+    return torchrun(["--no-python", sys.executable, "-c", wrapper, os.fspath(script), *args], timeout=timeout,
+                    nproc=nproc, env=env, cwd=cwd, finished=re.escape(FINISHED), straggler_s=straggler_s)

@@ -21,6 +21,7 @@ from torch import nn  # noqa: E402
 import gradpress  # noqa: E402
 from accelerate_launch import launched  # noqa: E402
 from distributed import run  # noqa: E402
+from torchrun import torchrun_script  # noqa: E402
 from gradpress.integrations.transformers import GradpressCallback, register_comm_hook, state_file  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -103,14 +104,10 @@ def test_bad_arguments_are_clear_errors(tmp_path):
 
 def test_the_example_runs_under_torchrun(tmp_path):
     """``examples/trainer_powersgd.py`` (the README's Trainer snippet) on 2 processes started by torchrun."""
-    import subprocess
-    import sys
-
     example = Path(__file__).resolve().parents[2] / "examples" / "trainer_powersgd.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(example), "--output-dir", str(tmp_path / "out"), "--steps", "20"],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    proc = torchrun_script(example, ["--output-dir", str(tmp_path / "out"), "--steps", "20"], nproc=2, timeout=300,
+                           env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "PowerSGD: 20 iterations" in proc.stdout and "ranks identical: True" in proc.stdout
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoint-20").glob("gradpress_*")) == [

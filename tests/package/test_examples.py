@@ -1,5 +1,11 @@
 """The examples run under torchrun as their docstrings and the README say (``examples/train.py`` under a real
-kill and restart: tests/tools/test_elastic.py)."""
+kill and restart: tests/tools/test_elastic.py).
+
+Each example is started by a real ``torchrun`` once; a test's further runs of the same example (a resume
+from what that run saved, a compiled variant) run its code path as ``__main__`` on processes forked from
+the tests' server (``distributed.run_script``: the environment torchrun gives its workers, the group made
+by the script itself), which saves an interpreter start and an ``import torch`` per process and run.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,6 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +20,8 @@ import pytest
 
 import gradpress
 import gradpress.tools.zoo
+from distributed import run_script
+from torchrun import torchrun_script
 
 pytestmark = pytest.mark.slow
 
@@ -44,11 +51,18 @@ def test_example_refuses_to_run_outside_torchrun(monkeypatch: pytest.MonkeyPatch
 
 def _torchrun(script: str, *args: str, nproc: int = 4) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), str(EXAMPLE.parent / script), *args], capture_output=True, text=True,
-                          timeout=240, env=env)
+    proc = torchrun_script(EXAMPLE.parent / script, list(args), nproc=nproc, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
+
+
+def _in_process(script: str, *args: str, nproc: int = 4, cwd: Path | None = None, timeout: float = 240) -> str:
+    """What ``_torchrun(script, *args)`` prints, the script's code path run by ``distributed.run_script``
+    (every rank's output, rank 0's first)."""
+    ranks = run_script(EXAMPLE.parent / script, list(args), nproc, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                       cwd=cwd, timeout=timeout)
+    assert [code for code, _ in ranks] == [0] * nproc, ranks
+    return "".join(out for _, out in ranks)
 
 
 def test_fsdp_example_of_the_readme_compresses_across_replicas() -> None:
@@ -62,8 +76,9 @@ def test_fsdp_islands_example_resumes_from_its_distributed_checkpoint_bit_for_bi
     ckpt, summary = tmp_path / "ckpt", tmp_path / "summary.json"
     out = _torchrun("fsdp_islands_diloco.py", "--verify-resume", "--steps", "24", "--checkpoint-dir", str(ckpt))
     assert "parameters equal to never stopping, bit for bit, on every rank: True" in out
-    # That run left its half-way checkpoint (step 12) in --checkpoint-dir: a new torchrun resumes from it.
-    out = _torchrun("fsdp_islands_diloco.py", "--steps", "24", "--checkpoint-dir", str(ckpt), "--json", str(summary))
+    # That run left its half-way checkpoint (step 12) in --checkpoint-dir: new processes resume from it (the
+    # example's code path on processes of their own; its launch under torchrun was the run above).
+    out = _in_process("fsdp_islands_diloco.py", "--steps", "24", "--checkpoint-dir", str(ckpt), "--json", str(summary))
     assert f"resumed from {ckpt} at step 12" in out
     result = json.loads(summary.read_text())
     assert result["step"] == 24 and result["fragment_syncs"] > 0
@@ -83,18 +98,26 @@ def test_hierarchical_example_of_the_readme_sends_half_the_flat_bytes_per_node()
 OWN_SCRIPT = EXAMPLE.parent / "own_script.py"
 
 
-def _own_script(tmp_path: Path, *args: str) -> dict:
+def _own_script(tmp_path: Path, *args: str, launch: str = "in-process") -> dict:
+    """``examples/own_script.py`` on 2 ranks, started by ``torchrun`` (``launch="torchrun"``: once in this
+    module) or in processes of their own (``distributed.run_script``); what it wrote to ``--json``."""
     tmp_path.mkdir(exist_ok=True)
     out = tmp_path / f"run{len(list(tmp_path.glob('run*.json')))}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # A compiled run in a fresh environment compiles its C++ kernels with no cache: 20-25 s on an idle
     # 2-core machine, over 240 s measured beside a 2-process training run.
     timeout = 900 if "--compile" in args else 240
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(OWN_SCRIPT), "--out-dir", str(tmp_path / "out"), "--json", str(out), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {**json.loads(out.read_text()), "stdout": proc.stdout}
+    argv = ["--out-dir", str(tmp_path / "out"), "--json", str(out), *args]
+    if launch == "torchrun":
+        proc = torchrun_script(OWN_SCRIPT, argv, nproc=2, timeout=timeout, env=env, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        stdout = proc.stdout
+    else:
+        assert launch == "in-process", launch
+        ranks = run_script(OWN_SCRIPT, argv, 2, env=env, cwd=tmp_path, timeout=timeout)
+        assert [code for code, _ in ranks] == [0, 0], ranks
+        stdout = "".join(printed for _, printed in ranks)
+    return {**json.loads(out.read_text()), "stdout": stdout}
 
 
 def test_own_script_saves_on_rank_0_only_and_resumes_as_if_never_stopped(tmp_path: Path) -> None:
@@ -116,9 +139,10 @@ def test_own_script_saves_on_rank_0_only_and_resumes_as_if_never_stopped(tmp_pat
     expected = _state_bytes(_own_gpt(ckpt["model"]["wte.weight"].shape[0]), rank=4)
     assert [gradpress.state_nbytes(entry) for entry in entries] == [expected, expected]
     # As if the run had stopped during iteration 36: a new torchrun resumes from the newest checkpoint (30)
-    # and redoes the iterations after it.
+    # and redoes the iterations after it (this module's one launch of the example under torchrun; the run
+    # that never stopped ran its code path on processes of their own).
     shutil.copytree(tmp_path / "whole" / "out", tmp_path / "split" / "out")
-    resumed = _own_script(tmp_path / "split", "--max-iters", "40", "--init-from", "resume")
+    resumed = _own_script(tmp_path / "split", "--max-iters", "40", "--init-from", "resume", launch="torchrun")
     assert resumed["hook_iter"] == resumed["iter_num"] == 40
     # Resumed at 30: its evaluation there is the uninterrupted run's (and no better, so nothing is saved).
     assert resumed["val_losses"] == whole["val_losses"][2:] and resumed["saved_at"] == []
