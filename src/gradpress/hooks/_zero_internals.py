@@ -11,11 +11,13 @@ at once with a message naming it (tested with torch 2.13), not later in the midd
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from torch.distributed.optim import ZeroRedundancyOptimizer
+
+if TYPE_CHECKING:  # only annotated here; importing it costs a second (hooks/zero.py imports it at use)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = ["ASSIGNMENT_FIELDS", "OVERLAP_INFO_FIELDS", "ZERO_FIELDS", "check_internals", "initialize",
            "install_state_dict", "is_driven", "is_initialized", "local_parameters", "local_step", "mark_driven",

@@ -41,18 +41,20 @@ import copy
 import threading
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm import broadcast_async
 from . import _zero_internals as internals
 from .bucket import check_hook
 from .powersgd import PowerSGDState
+
+if TYPE_CHECKING:  # torch.distributed.optim pulls in FSDP and sympy: about a second on import
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = ["ZeroStepHook", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
@@ -110,13 +112,15 @@ class ZeroStepHook:
     ``iterations``: backward passes completed with an optimizer step (every one, from the first).
     """
 
-    def __init__(self, hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer,
+    def __init__(self, hook: Hook, ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer",
                  shard_buckets: bool, interleaved: bool) -> None:
         name = "hook_with_zero_step_interleaved" if interleaved else "hook_with_zero_step"
         check_hook(hook, name)
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"{name}: ddp must be a torch.nn.parallel.DistributedDataParallel model, "
                             f"got {type(ddp).__name__}")
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # here: importing it costs a second
+
         if not isinstance(zero, ZeroRedundancyOptimizer):
             raise TypeError(f"{name}: zero must be a torch.distributed.optim.ZeroRedundancyOptimizer, "
                             f"got {type(zero).__name__}")
@@ -265,7 +269,7 @@ class ZeroStepHook:
         self.iterations += 1
 
 
-def hook_with_zero_step(hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer,
+def hook_with_zero_step(hook: Hook, ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer",
                         shard_buckets: bool = False) -> ZeroStepHook:
     """Wrap ``hook`` so that the ZeRO step runs inside backward, after the last bucket is handed to DDP.
 
@@ -285,7 +289,7 @@ def hook_with_zero_step(hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedu
     return ZeroStepHook(hook, ddp, zero, shard_buckets, interleaved=False)
 
 
-def hook_with_zero_step_interleaved(hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer,
+def hook_with_zero_step_interleaved(hook: Hook, ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer",
                                     shard_buckets: bool = False) -> ZeroStepHook:
     """Like :func:`hook_with_zero_step`, but each bucket's step runs as soon as its reduction completes.
 
