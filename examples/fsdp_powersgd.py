@@ -12,6 +12,7 @@ Rank 0 prints the loss and what PowerSGD sent; ``--checkpoint DIR`` saves each r
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -82,6 +83,12 @@ def main() -> int:
         # Per rank: each rank's error memory belongs to its own shards.
         torch.save({"model": model.state_dict(), "powersgd": state.state_dict()},
                    os.path.join(args.checkpoint, f"rank{rank}.pt"))
+    # The model goes before the process group: gloo's group, when its last reference goes, waits for its
+    # threads while holding the GIL (pytorch/pytorch#56297), and a DDP/FSDP model holds that group and its
+    # hooks' futures: freed by the model's destructor after this call, a gloo thread that needs the GIL to
+    # finish deadlocks the exit.
+    del model
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

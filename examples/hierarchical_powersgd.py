@@ -15,6 +15,7 @@ scheme's (``gradpress inspect --workers-per-node`` gives the same arithmetic for
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -84,6 +85,12 @@ def main() -> int:
         print(f"  flat:         {flat:,} per rank, {flat * per_node:,} per node")
         print(f"  hierarchical: {per_rank} (local ranks 0..{per_node - 1}), {node:,} per node "
               f"({node / (flat * per_node):.2f}x of flat)")
+    # The model goes before the process group: gloo's group, when its last reference goes, waits for its
+    # threads while holding the GIL (pytorch/pytorch#56297), and a DDP/FSDP model holds that group and its
+    # hooks' futures: freed by the model's destructor after this call, a gloo thread that needs the GIL to
+    # finish deadlocks the exit.
+    del model
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

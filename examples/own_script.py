@@ -15,6 +15,7 @@ The lines that concern gradpress are marked ``# gradpress``.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import math
@@ -185,6 +186,12 @@ def main() -> None:
                        "compression": state.compression_stats()[0], "seconds": time.perf_counter() - started,
                        "digest": hashlib.sha256(b"".join(p.detach().numpy().tobytes()
                                                          for p in raw_model.parameters())).hexdigest()}, f)
+    # The model goes before the process group: gloo's group, when its last reference goes, waits for its
+    # threads while holding the GIL (pytorch/pytorch#56297), and a DDP/FSDP model holds that group and its
+    # hooks' futures: freed by the model's destructor after this call, a gloo thread that needs the GIL to
+    # finish deadlocks the exit.
+    del model, raw_model, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 
