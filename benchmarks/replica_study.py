@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     config = DemoConfig(task=args.task, steps=args.steps, start_iter=args.start_iter, seed=args.seed, lr=args.lr,
                         momentum=args.momentum, evals=args.evals, powersgd_options=options,
                         clip_grad_norm=args.clip_grad_norm, optimizer=args.optimizer, batch_size=args.batch_size,
-                        **outer_options(args))
+                        schedule=args.schedule, **outer_options(args))
     methods = parse_methods(args.methods, [1])
     if len(methods) != 1:
         parser.error(f"--methods must name one method, got {args.methods!r}")

@@ -133,7 +133,12 @@ def test_demo_streaming_and_compressed_diloco_methods_send_what_the_formulas_say
         entry = methods[spec]
         assert entry["bytes_per_step"] == pytest.approx(payload / 4), spec
         assert entry["bytes_total"] == warm_up + anchor + 4 * payload + 4 * numel, spec
-        assert entry["counted"] == {"averages": 4, "bytes_averaged": anchor + 4 * payload, "ok": True}, spec
+        # On 2 workers each rank's link carries what it hands over: an all-gather's (W - 1) = 1 payload,
+        # the allreduces' 2 (W - 1) / W = 1, the anchor's broadcast once.
+        assert entry["counted"] == {"averages": 4, "bytes_averaged": anchor + 4 * payload,
+                                    "link_bytes": anchor + 4 * payload, "ok": True}, spec
+        assert entry["link_bytes_per_step"] == pytest.approx(payload / 4), spec
+        assert entry["link_bytes_total"] == entry["bytes_total"], spec
         assert entry["ranks_agree"]
     # Streaming: 4 fragments, one sent at every step after warm-up, each parameter once per 4 steps.
     streaming = methods["streaming:4"]

@@ -17,6 +17,7 @@ from gradpress.tools.check.loader import load_model
 from gradpress.tools.cli.main import main
 from gradpress.hooks.hierarchical import assign_shares
 from gradpress.tools.zoo import build_model
+from gradpress import QuantizeInt4
 
 PAPER = ["--workers", "16", "--batch-size", "128", "--dataset-size", "50000"]
 
@@ -372,3 +373,23 @@ def test_demo_task_with_dataset_size_does_not_load_the_data(capsys, monkeypatch)
     code, out, err = run(capsys, "--model", "gpt", "--rank", "1")
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "--model gpt: the data's package is missing; or give --dataset-size" in err
+
+
+def test_link_bytes_at_the_given_world_size_and_at_8_64_512(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    report = inspect_json(capsys, "--model", "resnet18-cifar", "--rank", "1", "--world-size", "3")
+    link, totals = report["link"], report["totals"]
+    assert link["world_size"] == 3 and link["world_sizes"] == [3, 8, 64, 512]
+    for i, world in enumerate(link["world_sizes"]):
+        for method in ("allreduce", "powersgd"):  # both all-reduce their payload
+            assert link["per_step"][method][i] == 2 * (world - 1) / world * totals["bytes_per_step"][method]
+        sync = link["diloco_sync"]
+        assert sync["exact"][i] == link["per_step"]["allreduce"][i]
+        assert sync["int4 all-gather"][i] == (world - 1) * QuantizeInt4().payload_bytes(totals["parameters"])
+        assert sync["int4 two-shot"][i] < sync["exact"][i] / 7 and sync["int8 two-shot"][i] < sync["exact"][i] / 3.5
+    monkeypatch.setenv("WORLD_SIZE", "5")  # launched by torchrun: its world size
+    assert inspect_json(capsys, "--model", "resnet18-cifar", "--rank", "1")["link"]["world_size"] == 5
+    monkeypatch.delenv("WORLD_SIZE")
+    assert inspect_json(capsys, "--model", "resnet18-cifar", "--rank", "1")["link"]["world_size"] == 16  # --workers
+    code, out, _ = run(capsys, "--model", "resnet18-cifar", "--rank", "1", "--world-size", "3")
+    assert code == 0 and "W = 3" in out and "W = 512" in out and "per DiLoCo sync: int4 two-shot" in out
