@@ -57,7 +57,7 @@ from ..streaming.fragments import split_by_size
 
 __all__ = ["REPORTED_WORLDS", "StepBytes", "allreduce_bytes", "anchor_bytes", "anchor_link_bytes", "diloco_links",
            "dtype_name", "fragments", "powersgd_bytes", "reported_worlds", "schedule_at", "sync_bytes",
-           "sync_link_bytes"]
+           "sync_link_bytes", "sync_phases"]
 
 #: The world sizes ``gradpress check`` and ``gradpress inspect`` print beside the one they are given.
 REPORTED_WORLDS = (8, 64, 512)
@@ -182,6 +182,27 @@ def schedule_at(compression: Any, world: int, schedule: str = "auto") -> str:
     if isinstance(transport, (Exact, PowerSGD)):
         return "allreduce"
     raise ValueError(f"compression: no byte model for {compression!r}")
+
+
+def sync_phases(shapes: Shapes, dtypes: Sequence[torch.dtype], compression: Any = None, num_fragments: int = 1,
+                world: int = 2, schedule: str = "auto", sync: int = 0) -> list[list[tuple[int, float]]]:
+    """Per fragment, its sync's phases as ``(payload, link bytes)``: one (its allreduce or all-gather), or
+    two-shot's two, the all-to-all of the padded rows ``W · row`` and the all-gather of one row (a
+    streaming averager issues the second ``(τ + 1) // 2`` steps after the first). Their sums are
+    :func:`sync_bytes` and :func:`sync_link_bytes`.
+
+    >>> from gradpress import QuantizeInt8
+    >>> sync_phases([(1024,)], [torch.float32], QuantizeInt8(chunk_size=256), world=4)
+    [[(1040, 780.0), (260, 780.0)]]
+    """
+    out = []
+    for collective, payload, link in _sync_counts(shapes, dtypes, compression, num_fragments, sync, world, schedule):
+        if collective != "two-shot":
+            out.append([(payload, link)])
+            continue
+        row = payload // (world + 1)  # W rows, then one
+        out.append([(world * row, link / 2), (row, link / 2)])
+    return out
 
 
 def _sync_counts(shapes: Shapes, dtypes: Sequence[torch.dtype], compression: Any, num_fragments: int, sync: int,

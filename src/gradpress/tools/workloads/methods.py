@@ -77,6 +77,8 @@ PayloadFn = Callable[[Method, Plan, DemoConfig, "int | None"], list[int]]
 SyncBytesFn = Callable[[Method, Plan, DemoConfig, "int | None"], int]
 #: ``(method, plan, config, world size) -> bytes`` one worker's link carries at each step (ring-equivalent).
 LinkFn = Callable[[Method, Plan, DemoConfig, int], list[float]]
+#: ``(method, plan, config, world size) -> bytes`` one worker's link carries for one complete synchronisation.
+SyncLinkFn = Callable[[Method, Plan, DemoConfig, int], float]
 #: ``(method, config, number of parameter tensors) -> averager`` wrapped around the optimizer.
 AveragerBuilder = Callable[[Method, DemoConfig, int], ModelAverager]
 
@@ -107,6 +109,7 @@ class MethodKind:
     averager: AveragerBuilder | None = None
     sync_bytes: SyncBytesFn | None = None
     link: LinkFn | None = None
+    sync_link: SyncLinkFn | None = None
     alternating: bool = False
     final_average: bool = False
     anchored: bool = False
@@ -124,11 +127,11 @@ class MethodKind:
         mean after warm-up for an ``alternating`` kind; a synchronisation's bytes over the period for an
         averaging kind on several workers."""
         if self.sync_bytes is not None and world_size > 1:
-            if link:
-                period = method.period or 1
-                tail = wire[config.start_iter:]
-                whole = len(tail) // period * period  # whole periods after warm-up: every fragment's sync
-                return sum(tail[:whole]) / whole if whole else sum(tail) / max(1, len(tail))
+            if link and self.sync_link is not None:
+                return self.sync_link(method, plan, config, world_size) / (method.period or 1)
+            if link:  # an averaging kind of one allreduce per synchronisation
+                return link_bytes("allreduce", self.sync_bytes(method, plan, config, world_size), world_size) / (
+                    method.period or 1)
             return self.sync_bytes(method, plan, config, world_size) / (method.period or 1)
         tail = wire[config.start_iter:]
         return sum(tail) / len(tail) if self.alternating and tail else wire[-1]
@@ -189,6 +192,16 @@ def _streaming_averager(method: Method, config: DemoConfig, num_tensors: int) ->
         period, warmup_steps=config.start_iter, num_fragments=min(STREAMING_FRAGMENTS, period, num_tensors),
         fragment_sync_delay=min(STREAMING_DELAY, period - 1), fragment_update_alpha=STREAMING_ALPHA,
         outer_lr=config.outer_lr, outer_momentum=config.outer_momentum)
+
+
+def _streaming_int4_averager(method: Method, config: DemoConfig, num_tensors: int) -> StreamingDiLoCoAverager:
+    """``streaming``'s fragments, overlap and mixing, with int4 outer gradients (``config.schedule``)."""
+    period = method.period or 1
+    return StreamingDiLoCoAverager(
+        period, warmup_steps=config.start_iter, num_fragments=min(STREAMING_FRAGMENTS, period, num_tensors),
+        fragment_sync_delay=min(STREAMING_DELAY, period - 1), fragment_update_alpha=STREAMING_ALPHA,
+        outer_lr=config.outer_lr, outer_momentum=config.outer_momentum, compression=QuantizeInt4(),
+        schedule=config.schedule)
 
 
 def _quantized_averager(compressor: Callable[[], Any]) -> AveragerBuilder:
@@ -325,32 +338,51 @@ def _fragment_payloads(method: Method, plan: Plan, config: DemoConfig, world_siz
 
 
 def _by_fragment(averager: StreamingDiLoCoAverager, config: DemoConfig, warm: float,
-                 per_fragment: Sequence[float]) -> list[float]:
-    """``warm`` until ``start_iter``, then at each fragment's sync step its figure, nothing between."""
-    out = []
-    for step in range(config.steps):
+                 phases: Sequence[Sequence[float]]) -> list[float]:
+    """``warm`` until ``start_iter``, then each fragment's sync by its phases: the first at its send step,
+    two-shot's second ``(τ + 1) // 2`` steps later (where the averager issues it; past the last step, never)."""
+    out = [warm if step < config.start_iter else 0.0 for step in range(config.steps)]
+    later = (averager.fragment_sync_delay + 1) // 2
+    for step in range(config.start_iter, config.steps):
         fragment = averager.fragment_sent_at(step)  # the averager's step numbering is the 0-based step
-        out.append(warm if step < config.start_iter else 0 if fragment is None else per_fragment[fragment])
+        if fragment is None:
+            continue
+        for k, value in enumerate(phases[fragment]):
+            at = step + (later if k else 0)
+            if at < config.steps:
+                out[at] += value
     return out
+
+
+def _phases(method: Method, plan: Plan, config: DemoConfig, world_size: int | None
+            ) -> tuple[StreamingDiLoCoAverager, list[list[tuple[int, float]]]]:
+    """The streaming averager of ``method`` and each fragment's sync phases ``(payload, link)`` at
+    ``world_size`` (:func:`gradpress.tools.bytes.sync_phases`; ``None``: the all-gather's payload)."""
+    averager = _streaming_of(method, plan, config)
+    shapes, dtypes = _gradients(plan)
+    if world_size is None:
+        payloads = model_bytes.sync_bytes(shapes, dtypes, averager.compression, averager.num_fragments)
+        return averager, [[(p, 0.0)] for p in payloads]
+    return averager, model_bytes.sync_phases(shapes, dtypes, averager.compression, averager.num_fragments,
+                                             world=world_size, schedule=averager.schedule)
 
 
 def _fragment_payload(method: Method, plan: Plan, config: DemoConfig, world_size: int | None = None) -> list[int]:
     """fp32 gradients until ``start_iter``, the anchor at its last step, then at each fragment's sync step
-    its payload (every sync, the first included, is an outer step)."""
-    averager, _, steady = _fragment_payloads(method, plan, config, world_size)
-    out = [int(b) for b in _by_fragment(averager, config, _allreduce(plan), steady)]
+    its payload (every sync, the first included, is an outer step; a two-shot sync's all-gather where the
+    averager issues it)."""
+    averager, phases = _phases(method, plan, config, world_size)
+    payloads = [[p for p, _ in fragment] for fragment in phases]
+    out = [int(b) for b in _by_fragment(averager, config, _allreduce(plan), payloads)]
     return _with_anchor(out, method, plan, config)
 
 
 def _fragment_link(method: Method, plan: Plan, config: DemoConfig, world_size: int) -> list[float]:
     """:func:`_fragment_payload` on one worker's link: the warm-up's allreduce, the anchor's broadcast,
-    each fragment's sync by the collective its schedule takes at ``world_size``
-    (:func:`gradpress.tools.bytes.sync_link_bytes`). The two-shot all-gather, issued a few steps after
-    its all-to-all, is counted at the send step here."""
-    averager = _streaming_of(method, plan, config)
-    shapes, dtypes = _gradients(plan)
-    links = model_bytes.sync_link_bytes(shapes, dtypes, averager.compression, averager.num_fragments,
-                                        world=world_size, schedule=averager.schedule)
+    each fragment's sync by the collectives its schedule takes at ``world_size``
+    (:func:`gradpress.tools.bytes.sync_phases`)."""
+    averager, phases = _phases(method, plan, config, world_size)
+    links = [[link for _, link in fragment] for fragment in phases]
     out = _by_fragment(averager, config, link_bytes("allreduce", _allreduce(plan), world_size), links)
     return _with_anchor_link(out, method, plan, config, world_size)
 
@@ -359,10 +391,15 @@ def _fragment_sync_bytes(method: Method, plan: Plan, config: DemoConfig, world_s
     return sum(_fragment_payloads(method, plan, config, world_size)[2])
 
 
+def _fragment_sync_link(method: Method, plan: Plan, config: DemoConfig, world_size: int) -> float:
+    return sum(link for fragment in _phases(method, plan, config, world_size)[1] for _, link in fragment)
+
+
 def _streamed(name: str, description: str, averager: AveragerBuilder, final_average: bool = False) -> MethodKind:
     """An averaging kind whose averager is a :class:`StreamingDiLoCoAverager` (fragments, compression)."""
     return MethodKind(name, description, "period", hook=_post_local, payload=_fragment_payload,
                       averager=averager, sync_bytes=_fragment_sync_bytes, link=_fragment_link,
+                      sync_link=_fragment_sync_link,
                       final_average=final_average, anchored=True)
 
 
@@ -396,6 +433,8 @@ METHOD_REGISTRY: dict[str, MethodKind] = {kind.name: kind for kind in (
               _quantized_averager(QuantizeInt4)),
     _streamed("sparseloco", "diloco with a sparse outer gradient: top 3% of each chunk, 2-bit values, error "
               "feedback in place of the outer momentum (SparseLoCo)", _sparseloco_averager),
+    _streamed("streaming-int4", "streaming with the outer gradient quantized to int4 (two-shot from 3 workers by "
+              "default, --schedule)", _streaming_int4_averager, final_average=True),
 )}
 
 #: Method kinds: what each sends per step (``powersgd`` and ``multi`` take a rank).
