@@ -27,6 +27,7 @@ from ...streaming import StreamingDiLoCoAverager
 from ...comm import link_bytes
 from .. import bytes as model_bytes
 from .config import DemoConfig
+from .traffic import FragmentTraffic, allreduce_payload, at_anchor_step, gradients
 
 __all__ = ["DEFAULT_PERIOD", "METHOD_KINDS", "METHOD_REGISTRY", "RECOMMENDED", "SPARSELOCO", "STREAMING_ALPHA",
            "STREAMING_DELAY", "STREAMING_FRAGMENTS", "Method", "MethodKind", "bytes_schedule", "link_schedule",
@@ -224,14 +225,7 @@ def _sparseloco_averager(method: Method, config: DemoConfig, num_tensors: int) -
 
 # --- payloads -------------------------------------------------------------------------------------------
 
-def _gradients(plan: Plan) -> tuple[list[tuple[int, ...]], list[torch.dtype]]:
-    """The demo's gradients: the plan's shapes, fp32."""
-    return [t.shape for t in plan.tensors], [torch.float32] * len(plan.tensors)
-
-
-def _allreduce(plan: Plan, wire_dtype: torch.dtype | None = None) -> int:
-    """Bytes of one exact average of the gradients (:func:`gradpress.tools.bytes.allreduce_bytes`)."""
-    return model_bytes.allreduce_bytes(*_gradients(plan), wire_dtype).bytes_sent
+_gradients, _allreduce = gradients, allreduce_payload
 
 
 def _every_step(wire_dtype: torch.dtype | None) -> PayloadFn:
@@ -296,18 +290,13 @@ def anchor_bytes(method: Method, plan: Plan, config: DemoConfig) -> int:
 
 def _with_anchor(out: list[int], method: Method, plan: Plan, config: DemoConfig) -> list[int]:
     """``out`` with the anchor's broadcast added at the last warm-up step (step 0 without warm-up)."""
-    if out:
-        out[min(len(out) - 1, max(0, config.start_iter - 1))] += anchor_bytes(method, plan, config)
-    return out
+    return at_anchor_step(out, config, anchor_bytes(method, plan, config))
 
 
 def _with_anchor_link(out: list[float], method: Method, plan: Plan, config: DemoConfig,
                       world_size: int) -> list[float]:
     """``out`` with the anchor's broadcast on one worker's link added where :func:`_with_anchor` adds it."""
-    if out:
-        out[min(len(out) - 1, max(0, config.start_iter - 1))] += link_bytes(
-            "broadcast", anchor_bytes(method, plan, config), world_size)
-    return out
+    return at_anchor_step(out, config, link_bytes("broadcast", anchor_bytes(method, plan, config), world_size))
 
 
 def _whole_model(method: Method, plan: Plan, config: DemoConfig, world_size: int | None = None) -> int:
@@ -315,92 +304,12 @@ def _whole_model(method: Method, plan: Plan, config: DemoConfig, world_size: int
     return sum(model_bytes.sync_bytes(*_gradients(plan)))
 
 
-def _streaming_of(method: Method, plan: Plan, config: DemoConfig) -> StreamingDiLoCoAverager:
-    build = METHOD_REGISTRY[method.kind].averager
-    assert build is not None
-    averager = build(method, config, len(plan.tensors))
-    assert isinstance(averager, StreamingDiLoCoAverager)
-    return averager
-
-
-def _fragment_payloads(method: Method, plan: Plan, config: DemoConfig, world_size: int | None = None
-                       ) -> tuple[StreamingDiLoCoAverager, list[int], list[int]]:
-    """``(averager, numel of each fragment, bytes of each fragment's outer sync)`` of a kind whose
-    averager is a :class:`StreamingDiLoCoAverager` (at ``world_size``: a compressed sync's payload depends
-    on the schedule it takes there, :func:`gradpress.tools.bytes.sync_bytes`)."""
-    averager = _streaming_of(method, plan, config)
-    shapes, dtypes = _gradients(plan)
-    parts = model_bytes.fragments(shapes, dtypes, averager.num_fragments)
-    numel = [sum(plan.tensors[i].numel for i in part) for part in parts]
-    steady = model_bytes.sync_bytes(shapes, dtypes, averager.compression, averager.num_fragments,
-                                    world=world_size, schedule=averager.schedule)
-    return averager, numel, steady
-
-
-def _by_fragment(averager: StreamingDiLoCoAverager, config: DemoConfig, warm: float,
-                 phases: Sequence[Sequence[float]]) -> list[float]:
-    """``warm`` until ``start_iter``, then each fragment's sync by its phases: the first at its send step,
-    two-shot's second ``(τ + 1) // 2`` steps later (where the averager issues it; past the last step, never)."""
-    out = [warm if step < config.start_iter else 0.0 for step in range(config.steps)]
-    later = (averager.fragment_sync_delay + 1) // 2
-    for step in range(config.start_iter, config.steps):
-        fragment = averager.fragment_sent_at(step)  # the averager's step numbering is the 0-based step
-        if fragment is None:
-            continue
-        for k, value in enumerate(phases[fragment]):
-            at = step + (later if k else 0)
-            if at < config.steps:
-                out[at] += value
-    return out
-
-
-def _phases(method: Method, plan: Plan, config: DemoConfig, world_size: int | None
-            ) -> tuple[StreamingDiLoCoAverager, list[list[tuple[int, float]]]]:
-    """The streaming averager of ``method`` and each fragment's sync phases ``(payload, link)`` at
-    ``world_size`` (:func:`gradpress.tools.bytes.sync_phases`; ``None``: the all-gather's payload)."""
-    averager = _streaming_of(method, plan, config)
-    shapes, dtypes = _gradients(plan)
-    if world_size is None:
-        payloads = model_bytes.sync_bytes(shapes, dtypes, averager.compression, averager.num_fragments)
-        return averager, [[(p, 0.0)] for p in payloads]
-    return averager, model_bytes.sync_phases(shapes, dtypes, averager.compression, averager.num_fragments,
-                                             world=world_size, schedule=averager.schedule)
-
-
-def _fragment_payload(method: Method, plan: Plan, config: DemoConfig, world_size: int | None = None) -> list[int]:
-    """fp32 gradients until ``start_iter``, the anchor at its last step, then at each fragment's sync step
-    its payload (every sync, the first included, is an outer step; a two-shot sync's all-gather where the
-    averager issues it)."""
-    averager, phases = _phases(method, plan, config, world_size)
-    payloads = [[p for p, _ in fragment] for fragment in phases]
-    out = [int(b) for b in _by_fragment(averager, config, _allreduce(plan), payloads)]
-    return _with_anchor(out, method, plan, config)
-
-
-def _fragment_link(method: Method, plan: Plan, config: DemoConfig, world_size: int) -> list[float]:
-    """:func:`_fragment_payload` on one worker's link: the warm-up's allreduce, the anchor's broadcast,
-    each fragment's sync by the collectives its schedule takes at ``world_size``
-    (:func:`gradpress.tools.bytes.sync_phases`)."""
-    averager, phases = _phases(method, plan, config, world_size)
-    links = [[link for _, link in fragment] for fragment in phases]
-    out = _by_fragment(averager, config, link_bytes("allreduce", _allreduce(plan), world_size), links)
-    return _with_anchor_link(out, method, plan, config, world_size)
-
-
-def _fragment_sync_bytes(method: Method, plan: Plan, config: DemoConfig, world_size: int | None = None) -> int:
-    return sum(_fragment_payloads(method, plan, config, world_size)[2])
-
-
-def _fragment_sync_link(method: Method, plan: Plan, config: DemoConfig, world_size: int) -> float:
-    return sum(link for fragment in _phases(method, plan, config, world_size)[1] for _, link in fragment)
-
-
 def _streamed(name: str, description: str, averager: AveragerBuilder, final_average: bool = False) -> MethodKind:
     """An averaging kind whose averager is a :class:`StreamingDiLoCoAverager` (fragments, compression)."""
-    return MethodKind(name, description, "period", hook=_post_local, payload=_fragment_payload,
-                      averager=averager, sync_bytes=_fragment_sync_bytes, link=_fragment_link,
-                      sync_link=_fragment_sync_link,
-                      final_average=final_average, anchored=True)
+    traffic = FragmentTraffic(averager)
+    return MethodKind(name, description, "period", hook=_post_local, payload=traffic.payload,
+                      averager=averager, sync_bytes=traffic.sync_bytes, link=traffic.link,
+                      sync_link=traffic.sync_link, final_average=final_average, anchored=True)
 
 
 #: Every method kind, in the order ``--help`` lists them.
