@@ -133,25 +133,38 @@ def _sync_once(rank: int, world: int, numel: int, compression: Any, schedule: st
     return averager, param
 
 
-def counted_bytes(rank: int, world: int, numel: int) -> list[dict[str, Any]]:
+def counted_bytes(rank: int, world: int, numel: int, repeats: int) -> list[dict[str, Any]]:
+    """Per case, one sync's counted bytes and the loopback's bytes per rank (median of ``repeats`` syncs,
+    each less an idle interval as long right after it)."""
     import torch.distributed as dist
 
     out = []
     for label, name, schedule in CASES:
         compression = None if name is None else _compressor(name)
         averager, param = _sync_once(rank, world, numel, compression, schedule)
-        before = averager.bytes_sent, averager.link_bytes
-        dist.barrier()
-        lo0, t0 = _lo_sent(), time.perf_counter()
-        averager.average_parameters([param])
-        dist.barrier()
-        lo1, seconds = _lo_sent(), time.perf_counter() - t0
-        time.sleep(seconds)  # an idle interval as long: what else used lo meanwhile
-        lo2 = _lo_sent()
-        dist.barrier()
-        out.append({"case": label, "bytes_sent": averager.bytes_sent - before[0],
-                    "link_bytes": averager.link_bytes - before[1],
-                    "lo_per_rank": None if lo0 < 0 else ((lo1 - lo0) - (lo2 - lo1)) / world})
+        counts, measured = None, []
+        for k in range(repeats):
+            if k:
+                with torch.no_grad():
+                    param.add_(torch.randn(numel, generator=torch.Generator().manual_seed(k * 7919 + rank)) * 1e-2)
+            before = averager.bytes_sent, averager.link_bytes
+            dist.barrier()
+            lo0, t0 = _lo_sent(), time.perf_counter()
+            averager.average_parameters([param])
+            dist.barrier()
+            lo1, seconds = _lo_sent(), time.perf_counter() - t0
+            time.sleep(seconds)  # an idle interval as long: what else used lo meanwhile
+            lo2 = _lo_sent()
+            dist.barrier()
+            sync = (averager.bytes_sent - before[0], averager.link_bytes - before[1])
+            # Every sync of a case counts the same (the link bytes are floats: 2 (W - 1) / W of a payload).
+            assert counts is None or (sync[0] == counts[0] and abs(sync[1] - counts[1]) <= 1e-6 * counts[1])
+            counts = counts or sync
+            measured.append(((lo1 - lo0) - (lo2 - lo1)) / world)
+        assert counts is not None
+        out.append({"case": label, "bytes_sent": counts[0], "link_bytes": counts[1],
+                    "lo_per_rank": None if _lo_sent() < 0 else statistics.median(measured),
+                    "lo_per_rank_each": measured})
     return out
 
 
@@ -162,15 +175,15 @@ def bytes_part(args: argparse.Namespace) -> dict[str, Any]:
     fp32 = [torch.float32]
     counted = {}
     for world in args.worlds:
-        rows = run_group(world, counted_bytes, n)[0]
+        rows = run_group(world, counted_bytes, n, args.repeats)[0]
         counted[world] = rows
         print(f"W = {world}: " + ", ".join(f"{r['case']} {r['link_bytes'] / n:.3f}n" for r in rows), flush=True)
     formula_worlds = [2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
     formula = {label: [sum(sync_link_bytes([(args.formula_numel,)], fp32, None if name is None else _compressor(name),
                                            world=w, schedule=schedule)) / args.formula_numel for w in formula_worlds]
                for label, name, schedule in CASES}
-    return {"numel": n, "formula_numel": args.formula_numel, "counted": counted, "formula_worlds": formula_worlds,
-            "formula": formula}
+    return {"numel": n, "formula_numel": args.formula_numel, "repeats": args.repeats, "counted": counted,
+            "formula_worlds": formula_worlds, "formula": formula}
 
 
 def bytes_table(result: dict[str, Any]) -> list[str]:
@@ -178,7 +191,7 @@ def bytes_table(result: dict[str, Any]) -> list[str]:
     n = result["numel"]
     worlds = sorted(result["counted"], key=int)
     lines = [f"Counted on gloo (n = {n:,} values, one sync; link bytes per rank / n, in brackets the loopback "
-             "interface's bytes per rank / n):", "",
+             f"interface's bytes per rank / n, median of {result.get('repeats', 1)} syncs):", "",
              "| schedule | " + " | ".join(f"W = {w}" for w in worlds) + " |", "|---|" + "---:|" * len(worlds)]
     for i, first in enumerate(result["counted"][worlds[0]]):
         cells = []
@@ -334,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--worlds", type=_ints, default=[2, 3, 4, 5, 6, 8, 12, 16])
     b.add_argument("--numel", type=int, default=2 ** 21)
     b.add_argument("--formula-numel", type=int, default=2 ** 24)
+    b.add_argument("--repeats", type=int, default=3, help="syncs per case on the loopback count (median)")
     t = sub.add_parser("time")
     t.add_argument("--world", type=int, default=8)
     t.add_argument("--numel", type=int, default=2 ** 21)

@@ -413,3 +413,29 @@ def test_bad_schedules_are_refused_at_construction_naming_the_argument_and_the_a
         make(compression=Compressed(QuantizeInt8()), schedule="two-shot")
     make(compression=_Sign(), schedule="all-gather")
     assert SCHEDULES == ("auto", "all-gather", "two-shot")
+
+
+def two_shot_host_reads(rank: int, world: int) -> list[str]:
+    from host_reads import HostRead, no_host_reads
+
+    failures = []
+    for compression in (QuantizeInt8(chunk_size=16, rounding="stochastic"), QuantizeInt4(chunk_size=16),
+                        TopK(k=2, chunk_size=16)):
+        params = _params(rank, torch.float32)
+        averager = StreamingDiLoCoAverager(6, num_fragments=2, fragment_sync_delay=2, fragment_update_alpha=0.5,
+                                           compression=compression, schedule="two-shot")
+        averager.anchor_parameters(params)
+        for step in range(14):
+            _local_update(params, rank, step)
+            try:
+                with no_host_reads():
+                    averager.average_parameters(params)
+            except HostRead as exc:
+                failures.append(f"{compression!r}, step {step}: {exc}")
+                raise
+    return failures
+
+
+def test_two_shot_reads_no_device_value_on_the_host():
+    for failures in run(two_shot_host_reads, 3):
+        assert failures == []
