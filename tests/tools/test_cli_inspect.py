@@ -295,12 +295,15 @@ def test_workers_per_node_text_and_absent_by_default(capsys) -> None:
     code, out, err = run(capsys, "--model", "resnet18-cifar", "--rank", "1", "--workers", "4",
                          "--workers-per-node", "2")
     assert code == 0 and err == ""
-    table = out[out.index("inter-node bytes per step"):]
-    assert "flat: each rank                          44,695,848       183,740" in table
-    assert "flat: each node (2 ranks)                89,391,696       367,480" in table
-    assert "hierarchical: each node                  44,695,848       183,740" in table
-    assert "hierarchical: local rank 0 (32 tensors)  22,348,032        89,236" in table
-    assert "hierarchical: local rank 1 (30 tensors)  22,347,816        94,504" in table
+    table = [" ".join(line.split()) for line in out[out.index("inter-node bytes per step"):].splitlines()]
+    assert "flat: each rank 44,695,848 183,740" in table
+    assert "flat: each node (2 ranks) 89,391,696 367,480" in table
+    assert "hierarchical: each node 44,695,848 183,740" in table
+    assert "hierarchical: local rank 0 (32 tensors) 22,348,032 89,236" in table
+    assert "hierarchical: local rank 1 (30 tensors) 22,347,816 94,504" in table
+    # On the link: flat 2 (4 - 1) / 4 of each rank's plan; hierarchical 2 (2 - 1) / 2 of the busiest share's.
+    assert "on the link: flat, each rank (allreduce over 4 workers) 67,043,772 275,610" in table
+    assert "on the link: hierarchical, busiest rank (its inter-node allreduce over 2 nodes) 22,348,032 94,504" in table
     assert "4 workers = 2 nodes x 2" in out
     assert "hierarchical" not in inspect_json(capsys, "--model", "resnet18-cifar", "--rank", "1")
     code, out, _ = run(capsys, "--model", "resnet18-cifar", "--rank", "1")

@@ -351,8 +351,9 @@ class Compressed(OuterTransport):
         if not sent.needs_progress:
             return
         if sent.owner != (link.rank, link.world):
-            raise ValueError(f"a two-shot sync sent as rank {sent.owner} (rank, world) cannot be finished as rank "
-                             f"{link.rank} of {link.world}: its all-to-all delivered another region")
+            sender = f"rank {sent.owner[0]} of {sent.owner[1]}" if sent.owner else "another rank"
+            raise ValueError(f"a two-shot sync sent as {sender} cannot be finished as rank {link.rank} of "
+                             f"{link.world}: its all-to-all delivered that rank's region")
         sent.wait()
         compressor = self.compressor
         dtype, device = self.work_dtype(anchor), anchor[0].device

@@ -46,6 +46,7 @@ from torch import nn
 
 import os
 
+from ...comm import link_bytes
 from ..bytes import allreduce_bytes, diloco_links, powersgd_bytes, reported_worlds
 from ..check.loader import load_model, valid_models
 from ...hooks.hierarchical import assign_shares
@@ -151,9 +152,14 @@ def hierarchical_traffic(shapes: list[tuple[int, ...]], rank: int, min_compressi
                        "numel": sum(plan.tensors[i].numel for i in share), "bytes_per_step": share_bytes[-1]})
     flat = sent(list(range(len(shapes))))
     busiest = {k: max(b[k] for b in share_bytes) for k in flat}
+    nodes = workers // workers_per_node
     return {
-        "workers_per_node": workers_per_node, "nodes": workers // workers_per_node, "shares": shares,
+        "workers_per_node": workers_per_node, "nodes": nodes, "shares": shares,
         "per_rank": {"flat": flat, "hierarchical_busiest": busiest},
+        # What each rank's link carries, ring-equivalent: flat, an allreduce over every worker; the
+        # hierarchical wrapper's inter-node step, an allreduce over the nodes.
+        "per_rank_link": {"flat": {k: link_bytes("allreduce", v, workers) for k, v in flat.items()},
+                          "hierarchical_busiest": {k: link_bytes("allreduce", v, nodes) for k, v in busiest.items()}},
         "per_node": {"flat": {k: v * workers_per_node for k, v in flat.items()},
                      "hierarchical": {k: sum(b[k] for b in share_bytes) for k in flat}},
     }
@@ -296,6 +302,12 @@ def _format_hierarchical(h: dict[str, Any], rank: int, workers: int) -> list[str
              for s in h["shares"]]
     rows += [row("hierarchical: each node", h["per_node"]["hierarchical"]),
              ["hierarchical / flat, busiest rank", *(f"{busiest[k] / flat[k]:.2f}x" for k in flat)]]
+    links = h.get("per_rank_link")
+    if links is not None:
+        rows += [[f"on the link: flat, each rank (allreduce over {workers} workers)",
+                  *(f"{v:,.0f}" for v in links["flat"].values())],
+                 [f"on the link: hierarchical, busiest rank (its inter-node allreduce over {h['nodes']} nodes)",
+                  *(f"{v:,.0f}" for v in links["hierarchical_busiest"].values())]]
     return [f"inter-node traffic, {workers} workers = {h['nodes']} nodes x {size}: flat = every rank sends its "
             "whole plan across nodes; hierarchical = gradpress.hierarchical_wrapper, local rank j sends its share's",
             "", *format_table(["inter-node bytes per step", "allreduce", f"PowerSGD r={rank}"], rows, "<>>"),
