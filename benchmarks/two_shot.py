@@ -29,6 +29,15 @@ round ``||U - mean|| / ||mean||`` and cumulative after ``--rounds`` rounds ``||s
 ||sum mean||``, two-shot with and without the owner's error feedback, and the all-gather::
 
     python3 benchmarks/two_shot.py numerics --worlds 2,4,8,16,32,64,128,256,512,1024 --rounds 20
+
+``quality``: the table of ``benchmarks/replica_study.py`` runs (``--out``) that differ only in
+``--schedule``: each two-shot run's final perplexity against its all-gather twin's (labels ending in
+``-two-shot`` and ``-all-gather``)::
+
+    python3 benchmarks/replica_study.py --task charlm --replicas 8 --methods streaming-int4:8 --schedule two-shot \
+        --lr 2.0 --start-iter 24 --steps 240 --evals 8 --out benchmarks/results/two-shot-quality \
+        --label twoshot-charlm-r8-streaming-int4-8-two-shot           # and --schedule all-gather, ...-all-gather
+    python3 benchmarks/two_shot.py quality --out benchmarks/results/two-shot-quality
 """
 
 from __future__ import annotations
@@ -334,6 +343,42 @@ def numerics_table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+# -- quality ---------------------------------------------------------------------------------------------
+
+def quality_part(args: argparse.Namespace) -> dict[str, Any]:
+    runs = {}
+    for path in sorted(Path(args.out).glob("*.json")):
+        run = json.loads(path.read_text())
+        runs[run["label"]] = run
+    rows = []
+    for label, two_shot in sorted(runs.items()):
+        if not label.endswith("-two-shot"):
+            continue
+        twin = runs.get(label[: -len("-two-shot")] + "-all-gather")
+        if twin is None:
+            continue
+        rows.append({"label": label[: -len("-two-shot")], "task": two_shot["config"]["task"],
+                     "replicas": two_shot["workers"], "method": two_shot["method"],
+                     "steps": two_shot["config"]["steps"], "ppl_all_gather": twin["ppl_end"],
+                     "ppl_two_shot": two_shot["ppl_end"], "vs_all_gather": two_shot["ppl_end"] / twin["ppl_end"] - 1,
+                     "link_all_gather": twin.get("link_bytes_per_step"),
+                     "link_two_shot": two_shot.get("link_bytes_per_step"),
+                     "link_allreduce": two_shot.get("link_bytes_allreduce_per_step"),
+                     "commands": [twin["command"], two_shot["command"]]})
+    return {"out": args.out, "rows": rows}
+
+
+def quality_table(result: dict[str, Any]) -> list[str]:
+    lines = ["| task | replicas | method | steps | ppl, all-gather | ppl, two-shot | two-shot vs all-gather | "
+             "link B/step all-gather / two-shot (allreduce's) |", "|---|---:|---|---:|---:|---:|---:|---|"]
+    for r in sorted(result["rows"], key=lambda r: (r["task"], r["replicas"])):
+        link = (f"{r['link_all_gather']:,.0f} / {r['link_two_shot']:,.0f} ({r['link_allreduce']:,.0f})"
+                if r["link_two_shot"] else "")
+        lines.append(f"| {r['task']} | {r['replicas']} | {r['method']} | {r['steps']} | {r['ppl_all_gather']:.4f} | "
+                     f"{r['ppl_two_shot']:.4f} | {100 * r['vs_all_gather']:+.2f}% | {link} |")
+    return lines
+
+
 # -- main ------------------------------------------------------------------------------------------------
 
 def _ints(text: str) -> list[int]:
@@ -359,13 +404,15 @@ def main(argv: list[str] | None = None) -> int:
     n.add_argument("--rounds", type=int, default=20)
     n.add_argument("--region", type=int, default=1024)
     n.add_argument("--owners", type=int, default=16)
-    for p in (b, t, n):
+    q = sub.add_parser("quality")
+    q.add_argument("--out", default=str(RESULTS / "two-shot-quality"), help="replica_study.py's --out")
+    for p in (b, t, n, q):
         p.add_argument("--label", default=None, help="the JSON's name in benchmarks/results/ (default: by part)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     command = "python3 benchmarks/two_shot.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    part = {"bytes": bytes_part, "time": time_part, "numerics": numerics_part}[args.part]
+    part = {"bytes": bytes_part, "time": time_part, "numerics": numerics_part, "quality": quality_part}[args.part]
     start = time.perf_counter()
     result = {"command": command, "torch": torch.__version__, **part(args), "elapsed_s": 0.0}
     result["elapsed_s"] = time.perf_counter() - start
@@ -373,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                            f"two_shot_time_w{args.world}_{args.compressor}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{label}.json").write_text(json.dumps(result, indent=1) + "\n")
-    table = {"bytes": bytes_table, "time": time_table, "numerics": numerics_table}[args.part]
+    table = {"bytes": bytes_table, "time": time_table, "numerics": numerics_table, "quality": quality_table}[args.part]
     print("\n".join(table(json.loads(json.dumps(result)))))
     print(f"({result['elapsed_s']:.0f} s; benchmarks/results/{label}.json)")
     return 0
