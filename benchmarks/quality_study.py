@@ -264,7 +264,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, command: str) -> Non
                         powersgd_options=with_orthogonalization(powersgd_options(args.powersgd_options),
                                                                 args.orthogonalization),
                         clip_grad_norm=args.clip_grad_norm, clip_before_averaging=args.clip_before_averaging,
-                        optimizer=args.optimizer, batch_size=args.batch_size, **outer_options(args))
+                        optimizer=args.optimizer, batch_size=args.batch_size, schedule=args.schedule,
+                        **outer_options(args))
     method = parse_methods(args.methods, [1])
     if len(method) != 1:
         raise SystemExit(f"--methods must name one method, got {args.methods!r}")
@@ -320,6 +321,8 @@ def run_record(result: dict[str, Any], config: Any, *, label: str, command: str,
             "ppl_mid": metric_at(curve, config.steps // 2), "ppl_end": curve[-1]["metric"],
             "bytes_per_step": per_step, "bytes_allreduce_per_step": result["bytes_allreduce_per_step"],
             "bytes_per_step_predicted": result["bytes_per_step"], "counted": counted,
+            "link_bytes_per_step": result.get("link_bytes_per_step"),
+            "link_bytes_allreduce_per_step": result.get("link_bytes_allreduce_per_step"),
             "time_per_step_s": result["time_per_step_s"], "approximation_error": result["approximation_error"],
             "global_residual": result.get("global_residual"), "global_residuals": result.get("global_residuals"),
             **({"auto_rank": result["auto_rank"]} if result.get("auto_rank") else {}),
@@ -330,6 +333,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, per: str) -> None:
     """The training arguments this script shares with ``replica_study.py`` (``per``: what one
     ``--batch-size`` is for, a worker or a replica)."""
     parser.add_argument("--task", default="charlm")
+    parser.add_argument("--schedule", choices=("auto", "all-gather", "two-shot"), default="auto",
+                        help="the compressed DiLoCo methods' schedule (default: auto)")
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--start-iter", type=int, default=80)
     parser.add_argument("--evals", type=int, default=20)

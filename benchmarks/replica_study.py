@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     config = DemoConfig(task=args.task, steps=args.steps, start_iter=args.start_iter, seed=args.seed, lr=args.lr,
                         momentum=args.momentum, evals=args.evals, powersgd_options=options,
                         clip_grad_norm=args.clip_grad_norm, optimizer=args.optimizer, batch_size=args.batch_size,
-                        **outer_options(args))
+                        schedule=args.schedule, **outer_options(args))
     methods = parse_methods(args.methods, [1])
     if len(methods) != 1:
         parser.error(f"--methods must name one method, got {args.methods!r}")
@@ -92,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{args.label}.json").write_text(json.dumps(record, indent=1) + "\n")
     per_step = record["bytes_per_step"]
     fewer = f" ({record['bytes_allreduce_per_step'] / per_step:.2f}x fewer than allreduce)" if per_step else ""
+    link = record.get("link_bytes_per_step")
+    if link:  # what each replica's link carries (ring-equivalent), beside the payload
+        fewer += (f", {link:,.0f} B/step on each link ({record['link_bytes_allreduce_per_step'] / link:.2f}x fewer "
+                  "than allreduce's)")
     print(f"{args.label}: {record['ppl_mid']:.4g} at step {args.steps // 2}, {record['ppl_end']:.4g} at the end "
           f"({results[0]['metric_name']}), {per_step:,.0f} B/step after warm-up{fewer}; {args.replicas} replicas "
           f"simulated in {record['elapsed_s']:.1f} s", flush=True)

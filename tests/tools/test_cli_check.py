@@ -280,3 +280,20 @@ def test_bad_link_and_step_values_are_rejected():
 def test_the_documented_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted and not result.failed
+
+
+def test_the_link_bytes_table_is_what_each_method_carries_at_the_world_sizes():
+    from gradpress import QuantizeInt4
+    from gradpress.tools.check.advice import candidate_methods
+    from gradpress.tools.check.report import link_bytes_table
+
+    shapes = [(256, 256), (256,)]
+    methods = candidate_methods(shapes)
+    table = link_bytes_table(shapes, methods, 4, diloco_period=64)
+    assert table["world_sizes"] == [4, 8, 64, 512]
+    for method in methods:
+        assert table["methods"][method.name] == [2 * (w - 1) / w * method.bytes_per_step for w in table["world_sizes"]]
+    payload = QuantizeInt4().payload_bytes(256 * 257)
+    assert table["methods"]["diloco-h64 int4 all-gather"] == [(w - 1) * payload / 64 for w in table["world_sizes"]]
+    assert all(t < a for t, a in zip(table["methods"]["diloco-h64 int4 two-shot"][1:],
+                                    table["methods"]["diloco-h64 int4 all-gather"][1:]))

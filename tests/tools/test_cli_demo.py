@@ -85,7 +85,8 @@ def test_demo_end_to_end_writes_three_files_consistent_with_the_plan(tmp_path: P
     # Local SGD: 4 synchronous steps, averages at steps 5 and 9, and a final one so that ranks agree.
     assert localsgd["synchronizations"] == 4 + 2 + 1 and allreduce["synchronizations"] == 12
     assert localsgd["bytes_total"] == 7 * 4 * numel and localsgd["compression_ratio"] == 4
-    assert localsgd["counted"] == {"averages": 2, "bytes_averaged": 2 * 4 * numel, "ok": True}
+    assert localsgd["counted"] == {"averages": 2, "bytes_averaged": 2 * 4 * numel, "link_bytes": 2 * 4 * numel,
+                                   "ok": True}  # on 2 workers an allreduce's link carries 2 (2 - 1) / 2 = 1 payload
     # Totals over the whole run, warm-up included, and what the run saved against allreduce.
     assert [m["bytes_warm_up"] for m in methods.values()] == [4 * 4 * numel, 4 * 2 * numel] + [4 * 4 * numel] * 3
     for entry in methods.values():
@@ -133,7 +134,12 @@ def test_demo_streaming_and_compressed_diloco_methods_send_what_the_formulas_say
         entry = methods[spec]
         assert entry["bytes_per_step"] == pytest.approx(payload / 4), spec
         assert entry["bytes_total"] == warm_up + anchor + 4 * payload + 4 * numel, spec
-        assert entry["counted"] == {"averages": 4, "bytes_averaged": anchor + 4 * payload, "ok": True}, spec
+        # On 2 workers each rank's link carries what it hands over: an all-gather's (W - 1) = 1 payload,
+        # the allreduces' 2 (W - 1) / W = 1, the anchor's broadcast once.
+        assert entry["counted"] == {"averages": 4, "bytes_averaged": anchor + 4 * payload,
+                                    "link_bytes": anchor + 4 * payload, "ok": True}, spec
+        assert entry["link_bytes_per_step"] == pytest.approx(payload / 4), spec
+        assert entry["link_bytes_total"] == entry["bytes_total"], spec
         assert entry["ranks_agree"]
     # Streaming: 4 fragments, one sent at every step after warm-up, each parameter once per 4 steps.
     streaming = methods["streaming:4"]

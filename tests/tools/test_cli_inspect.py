@@ -17,6 +17,7 @@ from gradpress.tools.check.loader import load_model
 from gradpress.tools.cli.main import main
 from gradpress.hooks.hierarchical import assign_shares
 from gradpress.tools.zoo import build_model
+from gradpress import QuantizeInt4
 
 PAPER = ["--workers", "16", "--batch-size", "128", "--dataset-size", "50000"]
 
@@ -294,12 +295,15 @@ def test_workers_per_node_text_and_absent_by_default(capsys) -> None:
     code, out, err = run(capsys, "--model", "resnet18-cifar", "--rank", "1", "--workers", "4",
                          "--workers-per-node", "2")
     assert code == 0 and err == ""
-    table = out[out.index("inter-node bytes per step"):]
-    assert "flat: each rank                          44,695,848       183,740" in table
-    assert "flat: each node (2 ranks)                89,391,696       367,480" in table
-    assert "hierarchical: each node                  44,695,848       183,740" in table
-    assert "hierarchical: local rank 0 (32 tensors)  22,348,032        89,236" in table
-    assert "hierarchical: local rank 1 (30 tensors)  22,347,816        94,504" in table
+    table = [" ".join(line.split()) for line in out[out.index("inter-node bytes per step"):].splitlines()]
+    assert "flat: each rank 44,695,848 183,740" in table
+    assert "flat: each node (2 ranks) 89,391,696 367,480" in table
+    assert "hierarchical: each node 44,695,848 183,740" in table
+    assert "hierarchical: local rank 0 (32 tensors) 22,348,032 89,236" in table
+    assert "hierarchical: local rank 1 (30 tensors) 22,347,816 94,504" in table
+    # On the link: flat 2 (4 - 1) / 4 of each rank's plan; hierarchical 2 (2 - 1) / 2 of the busiest share's.
+    assert "on the link: flat, each rank (allreduce over 4 workers) 67,043,772 275,610" in table
+    assert "on the link: hierarchical, busiest rank (its inter-node allreduce over 2 nodes) 22,348,032 94,504" in table
     assert "4 workers = 2 nodes x 2" in out
     assert "hierarchical" not in inspect_json(capsys, "--model", "resnet18-cifar", "--rank", "1")
     code, out, _ = run(capsys, "--model", "resnet18-cifar", "--rank", "1")
@@ -372,3 +376,23 @@ def test_demo_task_with_dataset_size_does_not_load_the_data(capsys, monkeypatch)
     code, out, err = run(capsys, "--model", "gpt", "--rank", "1")
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "--model gpt: the data's package is missing; or give --dataset-size" in err
+
+
+def test_link_bytes_at_the_given_world_size_and_at_8_64_512(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    report = inspect_json(capsys, "--model", "resnet18-cifar", "--rank", "1", "--world-size", "3")
+    link, totals = report["link"], report["totals"]
+    assert link["world_size"] == 3 and link["world_sizes"] == [3, 8, 64, 512]
+    for i, world in enumerate(link["world_sizes"]):
+        for method in ("allreduce", "powersgd"):  # both all-reduce their payload
+            assert link["per_step"][method][i] == 2 * (world - 1) / world * totals["bytes_per_step"][method]
+        sync = link["diloco_sync"]
+        assert sync["exact"][i] == link["per_step"]["allreduce"][i]
+        assert sync["int4 all-gather"][i] == (world - 1) * QuantizeInt4().payload_bytes(totals["parameters"])
+        assert sync["int4 two-shot"][i] < sync["exact"][i] / 7 and sync["int8 two-shot"][i] < sync["exact"][i] / 3.5
+    monkeypatch.setenv("WORLD_SIZE", "5")  # launched by torchrun: its world size
+    assert inspect_json(capsys, "--model", "resnet18-cifar", "--rank", "1")["link"]["world_size"] == 5
+    monkeypatch.delenv("WORLD_SIZE")
+    assert inspect_json(capsys, "--model", "resnet18-cifar", "--rank", "1")["link"]["world_size"] == 16  # --workers
+    code, out, _ = run(capsys, "--model", "resnet18-cifar", "--rank", "1", "--world-size", "3")
+    assert code == 0 and "W = 3" in out and "W = 512" in out and "per DiLoCo sync: int4 two-shot" in out

@@ -5,7 +5,11 @@ With 2 replicas the two agree bitwise: every sum over ranks has two terms, and a
 the threaded group sums in rank order and gloo's ring in another, so each average may differ in the last
 bit; a dozen steps carry that to an ulp or two of the weights (at most 9e-8 apart in every state tensor
 on these runs), so they must agree to ``ATOL`` plus ``RTOL`` of their size (ten times that and more), and
-the accuracy curve to within one test sample (an argmax a rounding can flip).
+the accuracy curve to within one test sample (an argmax a rounding can flip). A quantized outer gradient
+rounds to a grid, and inputs an ulp apart can land on neighbouring codes: such a value moves by one grid step
+(2e-5 on these weights), on both schedules, twice as often under two-shot (which rounds the mean again, at
+4 ranks by default); so ``diloco-int4`` at 4 ranks may differ in a handful of values by such a step
+(``QUANTIZED_FLIPS``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from gradpress.tools.workloads.replicas import train_replicas
 CONFIG = DemoConfig(task="digits", steps=12, start_iter=3, evals=3, batch_size=8)
 METHODS = ["localsgd:2", "diloco:2", "diloco-int4:2"]
 RTOL, ATOL = 1e-5, 1e-6
+#: Quantized methods on 4 ranks: at most this many values of a tensor (or a thousandth of them) beyond
+#: the tolerance, each by at most ``FLIP_STEP`` (a few grid steps of int4 on these weights).
+QUANTIZED_FLIPS, FLIP_STEP = 4, 1e-3
 TEST_SAMPLES = 300  # digits' test set: one sample more or less right moves the accuracy by 1/300
 
 _RUNS: dict[tuple[str, str, int], tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
@@ -81,7 +88,16 @@ def _untimed(curve: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in point.items() if k != "time_s"} for point in curve]
 
 
-def _assert_states_agree(simulated: dict[str, Any], real: dict[str, Any], exact: bool) -> None:
+def _assert_close_but_flips(sim: torch.Tensor, real: torch.Tensor, path: str) -> None:
+    """Within the tolerance but for at most ``QUANTIZED_FLIPS`` values (or a thousandth), each by one grid step."""
+    gap = (sim.double() - real.double()).abs()
+    beyond = gap > ATOL + RTOL * real.double().abs()
+    assert int(beyond.sum()) <= max(QUANTIZED_FLIPS, real.numel() // 1000), (path, int(beyond.sum()))
+    assert gap.numel() == 0 or float(gap.max()) <= FLIP_STEP, (path, float(gap.max()))
+
+
+def _assert_states_agree(simulated: dict[str, Any], real: dict[str, Any], exact: bool,
+                         quantized: bool = False) -> None:
     sim, gloo = _leaves({k: simulated[k] for k in ("model", "optimizer", "data")}), \
         _leaves({k: real[k] for k in ("model", "optimizer", "data")})
     assert sim.keys() == gloo.keys()
@@ -89,6 +105,8 @@ def _assert_states_agree(simulated: dict[str, Any], real: dict[str, Any], exact:
         if isinstance(value, torch.Tensor):
             if exact or not value.is_floating_point():
                 assert torch.equal(sim[path], value), path
+            elif quantized:
+                _assert_close_but_flips(sim[path], value, path)
             else:
                 torch.testing.assert_close(sim[path], value, rtol=RTOL, atol=ATOL, msg=path)
         elif isinstance(value, float) and not exact:
@@ -125,7 +143,7 @@ def test_simulated_replicas_equal_gloo_replicas(spec, world_size, tmp_path_facto
                 assert (a["train_loss"] is None) == (b["train_loss"] is None)
                 if a["train_loss"] is not None:
                     assert math.isclose(a["train_loss"], b["train_loss"], rel_tol=RTOL)
-        _assert_states_agree(simulated_saved[rank], real_saved[rank], exact)
+        _assert_states_agree(simulated_saved[rank], real_saved[rank], exact, quantized="int" in spec)
     # The replicas end on one model, as real workers do.
     assert len({r["digest"] for r in simulated}) == 1
 

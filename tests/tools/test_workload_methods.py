@@ -12,7 +12,7 @@ from gradpress.tools.workloads import METHOD_KINDS, METHOD_REGISTRY, DemoConfig,
 from gradpress.tools.workloads.methods import Method, bytes_schedule, method_kind, wire_bytes
 
 ALL = ["allreduce", "fp16", "bf16", "powersgd", "multi", "localsgd", "diloco", "streaming", "diloco-int8",
-       "diloco-int4", "sparseloco"]
+       "diloco-int4", "sparseloco", "streaming-int4"]
 
 
 def test_method_kinds_is_the_registry_in_words() -> None:
@@ -29,8 +29,8 @@ def test_unknown_method_errors_name_every_kind_and_how_to_give_a_number() -> Non
         parse_methods("allreduce,topk", [1])
     assert str(error.value) == (
         "unknown method 'topk'; valid methods: allreduce, fp16, bf16, powersgd, multi, localsgd, diloco, streaming, "
-        "diloco-int8, diloco-int4, sparseloco (powersgd and multi also as powersgd:R; localsgd, diloco, streaming, "
-        "diloco-int8, diloco-int4, sparseloco as localsgd:H)")
+        "diloco-int8, diloco-int4, sparseloco, streaming-int4 (powersgd and multi also as powersgd:R; localsgd, "
+        "diloco, streaming, diloco-int8, diloco-int4, sparseloco, streaming-int4 as localsgd:H)")
     with pytest.raises(ValueError, match="^unknown method 'topk'; valid methods: allreduce, fp16, "):
         method_kind("topk")
     with pytest.raises(ValueError, match="unknown method 'topk'"):

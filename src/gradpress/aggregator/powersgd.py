@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..checkpoint import (check_placement, check_saved_options, per_rank_state, placement, read_per_rank,
                           reject_gathered)
-from ..comm import broadcast_parameters, check_process_group, make_communicator
+from ..comm import broadcast_parameters, check_process_group, link_bytes, make_communicator
 from ..diagnostics import (ApproximationSummary, captured_energies, parameter_names, relative_errors,
                            should_measure, summarize)
 from ..policy import RankPolicy, RankRules
@@ -174,6 +174,15 @@ class PowerSGD(Aggregator):
     @total_bytes_sent.setter
     def total_bytes_sent(self, value: int) -> None:
         self._session.bytes_sent = int(value)
+
+    @property
+    def total_link_bytes(self) -> float:
+        """What this rank's link carried for :attr:`total_bytes_sent`, ring-equivalent: ``2 (W - 1) / W``
+        of it (every collective is an allreduce; ``W`` the size of ``process_group`` now, a checkpoint of
+        another world size being refused). The wire's 64-byte padding of each factor is sent and not
+        counted, here as there."""
+        world = placement(self.process_group)["world_size"]
+        return link_bytes("allreduce", self.total_bytes_sent, world)
 
     @property
     def session(self) -> EngineSession:

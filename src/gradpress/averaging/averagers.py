@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..checkpoint import dcp_saved_keys, per_rank_state, placement, read_per_rank, reject_gathered
 from ..validation import check_int
-from ..comm import all_gather_ints, average_tensors_, is_member
+from ..comm import all_gather_ints, average_tensors_, is_member, link_bytes
 from .islands import check_islands
 from .saved import Kind, check_kind, kind_from_keys, kind_from_state
 from .shards import Spec, as_sharded, check_same_layout, from_saved, layout_key, local_views
@@ -28,7 +28,14 @@ class ModelAverager(ABC):
 
     Parameters of ``fully_shard`` (FSDP2/HSDP DTensors) are averaged shard by shard: each rank its
     local shard with the ranks of ``process_group`` that hold the same shard in the other islands
-    (:mod:`gradpress.averaging.shards`); ``bytes_sent`` counts this rank's bytes.
+    (:mod:`gradpress.averaging.shards`).
+
+    Two byte counters, this rank's: ``bytes_sent``, the payload it handed to its collectives (what it
+    always counted), and ``link_bytes``, what its link carried for them at the world size each was sent
+    at, ring-equivalent (:func:`gradpress.comm.link_bytes`: an allreduce of ``S`` bytes ``2 (W - 1) / W ·
+    S``, an all-gather of ``P`` ``(W - 1) · P``, an all-to-all of ``S`` ``(W - 1) / W · S``, the anchor's
+    broadcast ``S``). Compare methods by ``link_bytes``: an all-gathered payload reads small in
+    ``bytes_sent`` at every ``W``.
 
     ``state_dict()`` is laid out for ``torch.distributed.checkpoint`` (and ``torch.save``): values
     identical on every rank (counters) and sharded ones (DiLoCo's anchor and outer momentum, as
@@ -43,6 +50,7 @@ class ModelAverager(ABC):
         self.average_buffers = bool(average_buffers)
         self.step = 0
         self.bytes_sent = 0
+        self.link_bytes = 0.0
         self.num_averages = 0
         self._params: list[Tensor] = []       # what was averaged last (parameters, DTensors or not)
         self._names: list[str | None] = []    # their names, where what was given names them
@@ -116,7 +124,8 @@ class ModelAverager(ABC):
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's whole state as one plain dict (the layout of earlier versions)."""
-        return {"step": self.step, "bytes_sent": self.bytes_sent, "num_averages": self.num_averages}
+        return {"step": self.step, "bytes_sent": self.bytes_sent, "link_bytes": self.link_bytes,
+                "num_averages": self.num_averages}
 
     def _shared_state(self) -> dict[str, Any]:
         """What is identical on every rank, or sharded: saved once by ``torch.distributed.checkpoint``."""
@@ -124,7 +133,8 @@ class ModelAverager(ABC):
 
     def _own_state(self) -> dict[str, Any]:
         """This rank's own values (the per-rank entry)."""
-        own: dict[str, Any] = {"bytes_sent": self.bytes_sent, "placement": placement(self.process_group)}
+        own: dict[str, Any] = {"bytes_sent": self.bytes_sent, "link_bytes": self.link_bytes,
+                               "placement": placement(self.process_group)}
         views, specs = local_views(self._params)
         if any(s is not None for s in specs):
             own["sharded"] = True  # what this rank saved is its own shards: no other rank's
@@ -200,6 +210,7 @@ class ModelAverager(ABC):
         self.step = int(state["step"])
         self.num_averages = int(state.get("num_averages", 0))
         self.bytes_sent = 0 if own is None else int(own.get("bytes_sent", 0))
+        self.link_bytes = 0.0 if own is None else float(own.get("link_bytes", 0.0))
 
     def _restore_parameters(self, saved: list[Tensor]) -> None:
         """Write a checkpoint's parameters of this rank into the parameters, now if this averager knows
@@ -207,6 +218,11 @@ class ModelAverager(ABC):
         self._pending = list(saved)
         if self._params:
             self._write_pending()
+
+    def _count_exact(self, sent: int, process_group: dist.ProcessGroup | None) -> None:
+        """Count an exact average (one allreduce) of ``sent`` payload bytes over ``process_group``."""
+        self.bytes_sent += sent
+        self.link_bytes += link_bytes("allreduce", sent, dist.get_world_size(process_group)) if sent else 0.0
 
     def _write_pending(self) -> None:
         saved, self._pending = self._pending, None
@@ -258,7 +274,7 @@ class PeriodicModelAverager(ModelAverager):
         return self.step <= self.warmup_steps or self.is_averaging_step(self.step - 1)
 
     def _average(self, tensors: list[Tensor]) -> None:
-        self.bytes_sent += average_tensors_(tensors, self.process_group, issuer=self._issuer())
+        self._count_exact(average_tensors_(tensors, self.process_group, issuer=self._issuer()), self.process_group)
         self.num_averages += 1
 
 
@@ -353,7 +369,7 @@ class HierarchicalModelAverager(ModelAverager):
         remembered = self._remember(params)
         if found is not None and is_member(found[1]):
             tensors = self._local(remembered, found[1])[0]
-            self.bytes_sent += average_tensors_(tensors, found[1], issuer=self._issuer())
+            self._count_exact(average_tensors_(tensors, found[1], issuer=self._issuer()), found[1])
             self.num_averages += 1
         self.step += 1
 

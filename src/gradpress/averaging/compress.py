@@ -27,6 +27,13 @@ Top-k keeps the ``k`` largest magnitudes of each chunk (SparseLoCo) and sends ea
 the grid ``{-s, -s/3, s/3, s}`` with ``s`` the chunk's largest magnitude: error at most ``s / 3``
 (nearest) or ``2s / 3`` (stochastic) per kept value; the others are left to error feedback.
 
+Two-shot reduction (:mod:`gradpress.averaging.twoshot`) cuts a vector into regions of whole chunks and
+sends each region's payload to its owner: :meth:`Compressor.encode_regions` gives the payloads of every
+region at once, row ``r`` holding exactly ``encode(x[start_r:end_r])`` (zero-padded to the longest row), the
+values rounded as one ``encode(x)`` would round them (stochastic rounding draws its noise for the whole
+vector once). A compressor whose chunks are encoded independently of each other (``two_shot = True``:
+the three here) can be decoded by an owner, summed and encoded again.
+
 A non-finite input value makes its chunk's scale non-finite, so every rank decodes a non-finite value
 there and the averager skips that fragment's outer step (rather than sending garbage codes).
 """
@@ -34,6 +41,7 @@ there and the averager skips that fragment's outer step (rather than sending gar
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -42,7 +50,10 @@ from torch import Tensor
 
 from ..validation import check_int
 
-__all__ = ["Compressor", "QuantizeInt4", "QuantizeInt8", "TopK", "rounding_generator"]
+__all__ = ["Compressor", "QuantizeInt4", "QuantizeInt8", "RegionGroup", "TopK", "rounding_generator"]
+
+#: A run of consecutive regions of one length: ``(first region, count, first value, length)``.
+RegionGroup = tuple[int, int, int, int]
 
 _ROUNDINGS = ("nearest", "stochastic")
 
@@ -102,6 +113,9 @@ class Compressor(ABC):
     chunk_size: int
     rounding: str
     seed: int
+    #: Whether its chunks are encoded independently (a region of whole chunks encodes as the same chunks
+    #: of the whole vector do), so that a two-shot reduction may decode, sum and encode again.
+    two_shot: ClassVar[bool] = False
 
     @abstractmethod
     def payload_bytes(self, numel: int) -> int:
@@ -117,6 +131,19 @@ class Compressor(ABC):
     def decode(self, payloads: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
         """``(W, numel)`` values in ``dtype`` from ``(W, payload_bytes(numel))`` payloads."""
 
+    def encode_regions(self, x: Tensor, groups: Sequence[RegionGroup], regions: int, row_bytes: int,
+                       generator: torch.Generator | None = None) -> Tensor:
+        """``(regions, row_bytes)`` ``uint8``: row ``r`` is the payload of region ``r`` of ``x`` (see the
+        module docstring), zero-padded; ``groups`` cover the regions in order. This default encodes each
+        region on its own (the generator's draws follow one another); the compressors here encode the
+        whole vector once and cut the rows out of it."""
+        out = torch.zeros((regions, row_bytes), dtype=torch.uint8, device=x.device)
+        for first, count, start, length in groups:
+            for k in range(count):
+                payload = self.encode(x[start + k * length: start + (k + 1) * length], generator)
+                out[first + k, :payload.numel()] = payload
+        return out
+
 
 @dataclass(frozen=True)
 class _Quantize(Compressor):
@@ -124,6 +151,7 @@ class _Quantize(Compressor):
     rounding: str = "nearest"
     seed: int = 0
     bits: ClassVar[int] = 8
+    two_shot: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -155,17 +183,33 @@ class _Quantize(Compressor):
         codes = _round(ratio, self.rounding, generator).clamp_(-self.levels, self.levels)
         return codes.to(torch.int8).view(-1)[:n], scales
 
+    def _pack(self, codes: Tensor) -> Tensor:
+        """Codes ``(..., L)`` as their value bytes ``(..., value_bytes(L))``."""
+        if self.bits == 8:
+            return codes.view(torch.uint8)
+        nibbles = (codes + 8).to(torch.uint8)  # 4 bits: code + 8 in [1, 15], two per byte (low nibble first)
+        if nibbles.shape[-1] % 2:
+            nibbles = torch.cat([nibbles, nibbles.new_zeros((*nibbles.shape[:-1], 1))], dim=-1)
+        pairs = nibbles.view(*nibbles.shape[:-1], -1, 2)
+        return pairs[..., 0] | (pairs[..., 1] << 4)
+
     def encode(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
         codes, scales = self.quantize(x, generator)
-        if self.bits == 8:
-            values = codes.view(torch.uint8)
-        else:  # 4 bits: code + 8 in [1, 15], two per byte (low nibble first)
-            nibbles = (codes + 8).to(torch.uint8)
-            if nibbles.numel() % 2:
-                nibbles = torch.cat([nibbles, nibbles.new_zeros(1)])
-            pairs = nibbles.view(-1, 2)
-            values = pairs[:, 0] | (pairs[:, 1] << 4)
-        return torch.cat([values, _bytes_of(scales)])
+        return torch.cat([self._pack(codes), _bytes_of(scales)])
+
+    def encode_regions(self, x: Tensor, groups: Sequence[RegionGroup], regions: int, row_bytes: int,
+                       generator: torch.Generator | None = None) -> Tensor:
+        codes, scales = self.quantize(x, generator)  # one draw of the noise for the whole vector
+        out = torch.zeros((regions, row_bytes), dtype=torch.uint8, device=x.device)
+        for first, count, start, length in groups:
+            if length == 0:
+                continue
+            chunks = -(-length // self.chunk_size)
+            values = self._pack(codes[start: start + count * length].view(count, length))
+            scale_bytes = scales[start // self.chunk_size: start // self.chunk_size + count * chunks]
+            row = torch.cat([values, scale_bytes.view(count, chunks).view(torch.uint8)], dim=1)
+            out[first: first + count, :row.shape[1]] = row
+        return out
 
     def decode(self, payloads: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
         world = payloads.shape[0]
@@ -234,6 +278,7 @@ class TopK(Compressor):
     rounding: str = "nearest"
     seed: int = 0
     error_decay: float = 1.0
+    two_shot: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_int("chunk_size", self.chunk_size, 1, 2 ** 31 - 1, owner="TopK")
@@ -268,7 +313,9 @@ class TopK(Compressor):
         index_bytes = 2 if self.index_dtype == torch.int16 else 4
         return code_bytes + 4 * num_chunks + index_bytes * kept
 
-    def encode(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    def select(self, x: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``(codes, scales, index)`` per chunk of ``x``: ``(nc, k)`` 2-bit codes (``uint8``), ``nc`` fp32
+        scales and ``(nc, k)`` indices within the chunk (``index_dtype``)."""
         chunks = _chunks(x.reshape(-1), self.chunk_size)
         index = chunks.abs().topk(self.k_per_chunk, dim=1).indices
         kept = chunks.gather(1, index)
@@ -277,12 +324,36 @@ class TopK(Compressor):
         step = (scales.to(x.dtype) * (2.0 / 3.0)).unsqueeze(1)  # grid {-1.5, -0.5, 0.5, 1.5} · step
         ratio = torch.where(step > 0, kept / step, torch.zeros_like(kept)) + 1.5
         ratio = torch.nan_to_num(ratio, nan=0.0, posinf=0.0, neginf=0.0)
-        codes = _round(ratio, self.rounding, generator).clamp_(0, 3).to(torch.uint8).view(-1)
-        if codes.numel() % 4:
-            codes = torch.cat([codes, codes.new_zeros(4 - codes.numel() % 4)])
-        quads = codes.view(-1, 4)
-        packed = quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
-        return torch.cat([packed, _bytes_of(scales), _bytes_of(index.to(self.index_dtype))])
+        codes = _round(ratio, self.rounding, generator).clamp_(0, 3).to(torch.uint8)
+        return codes, scales, index.to(self.index_dtype)
+
+    @staticmethod
+    def _pack(codes: Tensor) -> Tensor:
+        """2-bit codes ``(..., K)`` four per byte: ``(..., ceil(K / 4))``."""
+        if codes.shape[-1] % 4:
+            codes = torch.cat([codes, codes.new_zeros((*codes.shape[:-1], 4 - codes.shape[-1] % 4))], dim=-1)
+        quads = codes.view(*codes.shape[:-1], -1, 4)
+        return quads[..., 0] | (quads[..., 1] << 2) | (quads[..., 2] << 4) | (quads[..., 3] << 6)
+
+    def encode(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        codes, scales, index = self.select(x, generator)
+        return torch.cat([self._pack(codes.view(-1)), _bytes_of(scales), _bytes_of(index)])
+
+    def encode_regions(self, x: Tensor, groups: Sequence[RegionGroup], regions: int, row_bytes: int,
+                       generator: torch.Generator | None = None) -> Tensor:
+        codes, scales, index = self.select(x, generator)  # one draw of the noise for the whole vector
+        out = torch.zeros((regions, row_bytes), dtype=torch.uint8, device=x.device)
+        k = self.k_per_chunk
+        for first, count, start, length in groups:
+            if length == 0:
+                continue
+            chunks = -(-length // self.chunk_size)
+            c0, c1 = start // self.chunk_size, start // self.chunk_size + count * chunks
+            row = torch.cat([self._pack(codes[c0:c1].reshape(count, chunks * k)),
+                             scales[c0:c1].view(count, chunks).view(torch.uint8),
+                             index[c0:c1].reshape(count, chunks * k).view(torch.uint8)], dim=1)
+            out[first: first + count, :row.shape[1]] = row
+        return out
 
     def decode(self, payloads: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
         world = payloads.shape[0]

@@ -16,12 +16,12 @@ from torch import Tensor, nn
 
 from ..checkpoint import check_placement, placement
 from ..validation import check_number
-from ..comm import broadcast_parameters, is_distributed, is_member
+from ..comm import broadcast_parameters, is_distributed, is_member, link_bytes
 from .averagers import PeriodicModelAverager, sharded_copies
 from .saved import Kind
 from .shards import Spec, as_sharded, from_saved, local_views
 from .tensors import Params
-from .transport import Exact, Link, OuterTransport, transport_for
+from .transport import Exact, Link, OuterTransport, OwnerResidual, transport_for
 
 __all__ = ["OuterOptimizerAverager", "OuterStep"]
 
@@ -147,7 +147,14 @@ class OuterOptimizerAverager(PeriodicModelAverager):
     transports :class:`gradpress.StreamingDiLoCoAverager` takes (:func:`~gradpress.averaging.transport.transport_for`):
     ``None``, ``"fp16"``, ``"bf16"`` (cast Δ for the allreduce), a :class:`gradpress.Config` to send Δ
     through PowerSGD (with its own error feedback), a ``QuantizeInt8``/``QuantizeInt4``/``TopK``
-    compressor (all-gathered payloads, a per-rank residual as error feedback) or an ``OuterTransport``.
+    compressor (a per-rank residual as error feedback) or an ``OuterTransport``. ``schedule``: how a
+    compressor's payloads travel (:mod:`gradpress.averaging.twoshot`): ``"all-gather"`` (each rank's link
+    carries ``(W - 1)`` payloads), ``"two-shot"`` (an all-to-all of regions to their owners, who requantize
+    the mean with their own residual, then an all-gather: ``2 (W - 1) / W`` of the padded payload, one
+    more rounding) or ``"auto"`` (the default: two-shot for int8/int4 from 3 ranks, all-gather
+    otherwise; top-k two-shot is another algorithm, the update staying at density d instead of the
+    union of the ranks' supports, and is taken only when asked for). Other compressions are all-reduced
+    and take ``"auto"`` only; a bad value raises ``ValueError`` here, naming the allowed ones.
 
     A non-finite averaged Δ (a rank's parameters overflowed to inf/NaN since the last synchronization;
     the mean carries it to every rank) is never applied: the outer step is skipped, ``x`` and the outer
@@ -164,15 +171,18 @@ class OuterOptimizerAverager(PeriodicModelAverager):
 
     def __init__(self, period: int, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None, *,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
-                 compression: Any = None, average_buffers: bool = False, first_sync: str = "outer") -> None:
+                 compression: Any = None, average_buffers: bool = False, first_sync: str = "outer",
+                 schedule: str = "auto") -> None:
         super().__init__(period, warmup_steps, process_group, average_buffers=average_buffers)
         self.outer_lr, self.outer_momentum, self.nesterov = OuterStep.check_options(outer_lr, outer_momentum, nesterov)
-        self._transport = transport_for(compression)  # ValueError listing the accepted values
+        self._transport = transport_for(compression, schedule)  # ValueError listing the accepted values
         self.first_sync = check_first_sync(first_sync)
         self.compression = compression
+        self.schedule = schedule
         self._outer: OuterStep | None = None
         self._bound: OuterTransport | None = None  # the transport bound to the anchor (PowerSGD's memory)
         self._residual: Tensor | None = None       # a compressor's error feedback, this rank's
+        self._owner = OwnerResidual()              # two-shot: this rank's error feedback as an owner
         self.num_skipped = 0
 
     def anchor_parameters(self, params: Params) -> None:
@@ -192,6 +202,7 @@ class OuterOptimizerAverager(PeriodicModelAverager):
     def _take_anchor(self, tensors: list[Tensor]) -> None:
         anchor, sent = take_anchor(self._local(tensors)[0], self.process_group)
         self.bytes_sent += sent
+        self.link_bytes += link_bytes("broadcast", sent, dist.get_world_size(self.process_group)) if sent else 0.0
         self._start(OuterStep(anchor, self.outer_lr, self.outer_momentum, self.nesterov))
 
     def average_parameters(self, params: Params) -> None:
@@ -247,14 +258,21 @@ class OuterOptimizerAverager(PeriodicModelAverager):
             link = Link(self.process_group, dist.get_rank(self.process_group) if distributed else 0, world,
                         sync=self.num_averages + self.num_skipped, issuer=self._issuer())
             sent = self._bound.send(self._outer.anchor, tensors, self._residual, link)
+            if sent.needs_progress:  # two-shot: the owner's reduction, then the all-gather
+                self._bound.progress(sent, self._outer.anchor, self._owner.usable(link, type(self).__name__), link)
+            elif sent.schedule == "all-gather":
+                self._owner.drop(type(self).__name__, "the sync is all-gathered")
             deltas, flag = self._bound.mean(sent, self._outer.anchor)
             # An exact average counts the bytes that cross the link (none alone, as average_tensors_);
             # the other transports what they hand to their collectives, as the streaming averager does.
             self.bytes_sent += 0 if world == 1 and isinstance(self._transport, Exact) else sent.bytes_sent
+            self.link_bytes += sent.link_bytes
             # The averaged deltas are the same on every rank, so every rank takes the same branch.
             finite = bool(flag)
             if finite and sent.residual is not None:
                 self._residual = sent.residual
+            if finite:
+                self._owner.take(sent)
         if finite:
             self._outer.step(deltas)
         with torch.no_grad():
@@ -274,6 +292,7 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         self._outer = outer
         self._bound = self._transport.bind(outer.anchor, self.process_group)
         self._residual = None
+        self._owner = OwnerResidual()
 
     def in_sync(self) -> bool:
         # A synchronization, applied or skipped, leaves every rank at the anchor.
@@ -297,6 +316,7 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         if self._residual is not None:
             own["residual"] = self._residual.clone()
             own["placement"] = placement(self.process_group)
+        own.update(self._owner.state_dict())
         return own
 
     def _kind(self) -> Kind:
@@ -309,6 +329,8 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         if own.get("residual") is not None:
             parts.append(f"the error-feedback residual of its compressed outer gradients "
                          f"(compression={self.compression!r})")
+        if own.get("owner_residual") is not None:
+            parts.append("its owner residual of two-shot syncs")
         return parts
 
     def _shared_state(self) -> dict[str, Any]:
@@ -354,6 +376,8 @@ class OuterOptimizerAverager(PeriodicModelAverager):
             self._bound.load_state_dict(own["powersgd"])  # placement checked above
         if own is not None and own.get("residual") is not None:
             self._residual = own["residual"].to(outer.anchor[0].device, copy=True)  # saved on the CPU
+        if own is not None:
+            self._owner.load(own, placement(self.process_group), outer.anchor[0].device, type(self).__name__)
 
 
 def anchored_state_dict(model: nn.Module, tensors: list[Tensor], anchors: list[Tensor | None],

@@ -12,21 +12,28 @@ Modules: ``errors`` (:class:`CollectiveError` and how a collective is described)
 engine's communicators), ``collectives`` (every ``torch.distributed`` collective, and
 :class:`Work`), ``average`` (exact averages of tensor lists: :func:`average_tensors_`,
 :func:`start_average` and its :class:`PendingAverage`, :func:`average_task`), ``parameters``
-(:func:`broadcast_parameters`).
+(:func:`broadcast_parameters`), ``link`` (:func:`link_bytes`: what one rank's link carries for a collective,
+ring-equivalent), ``exchange`` (:class:`GroupExchange`: the all-gather and all-to-all of compressed payloads
+behind one small interface, :class:`PayloadExchange`).
 """
 
 from .collectives import (Work, all_gather_async, all_gather_ints, all_gather_objects, all_reduce, all_reduce_async,
-                          barrier, broadcast, broadcast_async, gather_objects, is_distributed, is_member,
+                          all_to_all_async, barrier, broadcast, broadcast_async, gather_objects, is_distributed,
+                          is_member,
                           reduce_scatter_async, scatter_objects)
 from .communicator import LocalCommunicator, ProcessGroupCommunicator, make_communicator
 from .average import PendingAverage, average_task, average_tensors_, device_groups, start_average
+from .exchange import GroupExchange, PayloadExchange
+from .link import link_bytes
 from .errors import CollectiveError, check_process_group, collective_error, describe_collective
 from .parameters import broadcast_parameters, flat_groups
 
-__all__ = ["CollectiveError", "LocalCommunicator", "PendingAverage", "ProcessGroupCommunicator", "Work",
-           "all_gather_async", "all_gather_ints", "all_gather_objects", "all_reduce", "all_reduce_async",
+__all__ = ["CollectiveError", "GroupExchange", "LocalCommunicator", "PayloadExchange", "PendingAverage",
+           "ProcessGroupCommunicator", "Work", "all_gather_async", "all_gather_ints", "all_gather_objects",
+           "all_reduce",
+           "all_reduce_async", "all_to_all_async",
            "average_task",
            "average_tensors_", "barrier", "broadcast", "broadcast_async", "broadcast_parameters",
            "check_process_group", "collective_error", "describe_collective", "device_groups", "flat_groups",
-           "gather_objects", "is_distributed", "is_member", "make_communicator", "reduce_scatter_async",
+           "gather_objects", "is_distributed", "is_member", "link_bytes", "make_communicator", "reduce_scatter_async",
            "scatter_objects", "start_average"]

@@ -15,7 +15,8 @@ from torch import Tensor
 from .errors import CollectiveError, collective_error, describe_collective
 
 __all__ = ["Work", "all_gather_async", "all_gather_ints", "all_gather_objects", "all_reduce", "all_reduce_async",
-           "barrier", "broadcast", "broadcast_async", "gather_objects", "is_distributed", "is_member",
+           "all_to_all_async", "barrier", "broadcast", "broadcast_async", "gather_objects", "is_distributed",
+           "is_member",
            "reduce_scatter_async", "require_member", "scatter_objects", "start_described"]
 
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
@@ -160,12 +161,22 @@ def _describe_broadcast(tensor: Tensor, src: int, process_group: dist.ProcessGro
 
 
 def all_gather_async(out: Tensor, tensor: Tensor, process_group: dist.ProcessGroup | None = None,
-                     issuer: str = "gradpress", what: str | None = None) -> Work:
+                     issuer: str = "gradpress", what: str | Callable[[], str] | None = None) -> Work:
     """Start gathering every rank's ``tensor`` into ``out`` (``world_size * tensor.numel()`` values,
     in rank order)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # name since torch 2.13
     described = what or (lambda: describe_collective("all-gather", tensor, dist.get_world_size(process_group), issuer))
     return Work(start_described(described, gather, out, tensor, group=process_group), out, described)
+
+
+def all_to_all_async(out: Tensor, tensor: Tensor, process_group: dist.ProcessGroup | None = None,
+                     issuer: str = "gradpress", what: str | Callable[[], str] | None = None) -> Work:
+    """Start an all-to-all of equal splits: ``tensor`` (flat, ``world_size`` equal pieces) sends piece ``r``
+    to rank ``r``; ``out`` (the same size) receives rank ``r``'s piece for this rank at position ``r``."""
+    described = what or (lambda: describe_collective("all-to-all", tensor, dist.get_world_size(process_group),
+                                                     issuer))
+    return Work(start_described(described, dist.all_to_all_single, out, tensor, group=process_group), out,
+                described)
 
 
 def reduce_scatter_async(out: Tensor, tensor: Tensor, process_group: dist.ProcessGroup | None = None,

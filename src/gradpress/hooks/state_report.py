@@ -11,6 +11,8 @@ from typing import Any, Protocol
 
 from torch import Tensor, nn
 
+from ..checkpoint import placement
+from ..comm import link_bytes
 from ..powersgd.memory import Segment
 from ..diagnostics import ApproximationSummary, captured_energies, relative_errors, should_measure, summarize
 
@@ -103,6 +105,22 @@ class StateReport:
         counted, here or in :meth:`compression_stats`."""
         before, after = self.total_bytes_before_compression, self.total_bytes_after_compression
         return (before / after if after > 0 else 0, before, after)
+
+    def link_bytes_stats(self) -> tuple[int, int, float]:
+        """``(world size, bytes after, bytes on one rank's link)``: :meth:`bytes_stats`'s bytes after (the
+        payload this rank handed to its allreduces) beside what its link carried for them, ring-equivalent:
+        ``2 (W - 1) / W`` of the payload (:func:`gradpress.comm.link_bytes`), ``W`` the size of
+        ``process_group`` now (a checkpoint of another world size is refused, so every counted byte was
+        sent at it). Each factor starts on its own 64-byte line of the wire, and the padding, zero, is
+        sent and not counted here or in :meth:`bytes_stats` (none at ranks that are multiples of 16 in
+        fp32); neither are the fp16 wire's scale maxima nor the global-residual sketch.
+
+        >>> PowerSGDState(None).link_bytes_stats()   # doctest: +SKIP
+        (8, 0, 0.0)
+        """
+        world = placement(getattr(self, "process_group", None))["world_size"]
+        after = self.total_bytes_after_compression  # type: ignore[attr-defined]
+        return world, after, link_bytes("allreduce", after, world)
 
     def last_step_bytes_stats(self) -> tuple[float, int, int]:
         """``(rate, bytes before, bytes after)`` of the last iteration that compressed: the per-step

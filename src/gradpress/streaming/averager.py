@@ -16,7 +16,7 @@ from ..averaging.outer import anchored_state_dict, check_first_sync, no_anchor_m
 from ..averaging.tensors import Params
 from ..averaging.transport import Link, OuterTransport, transport_for
 from ..validation import check_int, check_number
-from ..comm import average_tensors_, is_member
+from ..comm import average_tensors_, is_member, link_bytes
 from .fragments import FragmentSpec, explicit_layout, fragment_members, fragment_offsets, split_by_size
 from .state import Fragment, FragmentCheckpoint, InFlight
 
@@ -93,20 +93,29 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
     * a :class:`gradpress.Config`: PowerSGD per fragment (its error memory per rank), blocking at the send
       step, the result applied ``τ`` steps later;
     * a :class:`QuantizeInt8`, :class:`QuantizeInt4` or :class:`TopK`: ``e = δ + residual`` (fp32, or
-      fp64 for fp64 parameters) is encoded, the payloads are **all-gathered** (one ``uint8`` collective
-      per sync), every rank decodes every payload with its sender's scales and sums in fp32/fp64, then
-      divides by the world size; ``residual ← e - decode(own payload)`` (error feedback: over time
-      nothing is lost). All-gather rather than all-reduce because summing int8/int4 codes in their own
-      type overflows and codes with per-rank scales cannot be added at all; an all-reduce in a wider
-      type would need a shared scale (one more collective, and a coarser grid for every rank) and would
-      send the wider type. The all-gather is exact, and each rank hands the collective exactly its own
-      payload: ``bytes_sent`` grows by ``compression.payload_bytes(n)`` per sync, whatever the world
-      size. (On a ring, an all-gather moves ``(W-1)·L`` bytes per rank against ``2(W-1)/W · 4n`` for an
-      fp32 all-reduce: int8 wins for ``W < 8``, int4 for ``W < 16``, top-k at 1 % density far beyond.)
+      fp64 for fp64 parameters) is encoded and ``residual ← e - decode(own payload)`` (error feedback:
+      over time nothing is lost). Codes with per-rank scales cannot be summed as they are, so the
+      payloads travel by ``schedule`` (:mod:`gradpress.averaging.twoshot`):
 
-    ``bytes_sent`` counts the bytes this rank hands to collectives (at the send step);
-    ``fragment_bytes_sent`` splits it by fragment. ``num_averages`` counts fragment syncs applied
-    (plain or outer).
+      - ``"all-gather"``: one ``uint8`` all-gather; every rank decodes every payload with its sender's
+        scales, sums in fp32/fp64 in rank order and divides by the world size. Exact, but each rank's
+        link carries ``(W - 1)`` payloads: against ``2 (W - 1) / W · 4n`` for an fp32 all-reduce, int8
+        pays below 8 ranks, int4 below 16.
+      - ``"two-shot"``: the fragment is cut into ``W`` regions of whole chunks; an all-to-all hands each
+        region's payloads to its owner rank, which decodes them, sums in rank order, divides by ``W``,
+        adds its *owner residual*, encodes again (keeping what that missed as its owner residual) and
+        all-gathers its row: ``2 (W - 1) / W`` of the padded payload per rank, as an all-reduce, for one
+        more rounding carried by the owner's error feedback. The all-gather is issued at step
+        ``s + (τ + 1) // 2`` (``s`` the send step), so both phases overlap inner steps when ``τ >= 2``.
+        Owner residuals are dropped (logged) when the rank or the world size changes.
+      - ``"auto"`` (the default): two-shot for int8/int4 from 3 ranks, all-gather otherwise. Top-k
+        two-shot is another algorithm (the owner keeps the top k of each chunk of the mean, so the update
+        stays at density d instead of the union of the ranks' supports): taken only when asked for.
+
+    ``bytes_sent`` counts the payload bytes this rank hands to collectives (at the steps it issues them);
+    ``link_bytes`` what its link carries for them, ring-equivalent at the world size of each sync
+    (:func:`gradpress.comm.link_bytes`); ``fragment_bytes_sent`` and ``fragment_link_bytes`` split them by
+    fragment. ``num_averages`` counts fragment syncs applied (plain or outer).
 
     **Non-finite outer gradients** never reach the anchor: when ``Δ`` of a fragment holds a NaN or an
     infinity (decided on every rank from the same collective result, on the device, no host sync), its
@@ -140,6 +149,8 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
         outer_lr, outer_momentum, nesterov: the outer SGD (as :class:`OuterOptimizerAverager`).
         compression: ``None``, ``"fp16"``, ``"bf16"``, a :class:`~gradpress.streaming.Compressor`, a
             :class:`gradpress.Config` or an ``OuterTransport``.
+        schedule: ``"auto"`` (default), ``"all-gather"`` or ``"two-shot"``: how a compressor's payloads
+            travel, see above (other compressions are all-reduced and take ``"auto"`` only).
         average_buffers: also synchronize floating-point buffers.
 
     Example::
@@ -159,7 +170,8 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
                  *, num_fragments: int | None = None, fragments: Sequence[FragmentSpec] | None = None,
                  fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, compression: Compression = None,
-                 average_buffers: bool = False, fragment_phase: str = "start", first_sync: str = "outer") -> None:
+                 average_buffers: bool = False, fragment_phase: str = "start", first_sync: str = "outer",
+                 schedule: str = "auto") -> None:
         super().__init__(process_group, average_buffers)
         self.sync_every = check_int("sync_every", sync_every, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
@@ -181,8 +193,9 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
         self.fragment_update_alpha = check_number("fragment_update_alpha", fragment_update_alpha,
                                                    lambda v: 0 <= v <= 1, "in [0, 1]")
         self.outer_lr, self.outer_momentum, self.nesterov = OuterStep.check_options(outer_lr, outer_momentum, nesterov)
-        self._transport = transport_for(compression)  # ValueError listing the accepted values
+        self._transport = transport_for(compression, schedule)  # ValueError listing the accepted values
         self.compression = compression
+        self.schedule = schedule
         self.first_sync = check_first_sync(first_sync)
         self.fragment_phase = fragment_phase
         offsets = fragment_offsets(sync_every, self.num_fragments, fragment_phase, self.fragment_sync_delay)
@@ -205,6 +218,11 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
     def fragment_bytes_sent(self) -> list[int]:
         """Bytes handed to collectives so far, per fragment."""
         return [fr.bytes_sent for fr in self._fragments]
+
+    @property
+    def fragment_link_bytes(self) -> list[float]:
+        """Bytes this rank's link carried so far (ring-equivalent), per fragment."""
+        return [fr.link_bytes for fr in self._fragments]
 
     @property
     def fragment_layout(self) -> list[int] | None:
@@ -264,10 +282,12 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
         self._bind(tensors)
         views = self._local(tensors)[0]
         anchor, sent = take_anchor(views, self.process_group)
+        world = dist.get_world_size(self.process_group) if sent else 1
         for fr in self._fragments:
             self._set_anchor(fr, [anchor[i] for i in fr.positions])
             if sent:
-                self._count(fr, sum(anchor[i].numel() * anchor[i].element_size() for i in fr.positions))
+                size = sum(anchor[i].numel() * anchor[i].element_size() for i in fr.positions)
+                self._count(fr, size, link_bytes("broadcast", size, world))
 
     def average_parameters(self, params: Params) -> None:
         """Send the fragment scheduled at this step and apply the updates due now (see the class
@@ -280,12 +300,14 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
         if takes_anchor(self, from_average=True):
             self._take_anchor(tensors)
         sent = self.fragment_sent_at(self.step)
-        due = [p for p in self._in_flight if p.due == self.step] if self._in_flight else []
+        due = [p for p in self._in_flight if self.step in (p.due, p.progress_at)] if self._in_flight else []
         if sent is not None or due:
             self._bind(tensors)  # by the parameters' global sizes: the same layout on every shard
             views = self._local(tensors)[0]
             if sent is not None:
                 self._send(self._fragments[sent], views)
+            for pending in [p for p in self._in_flight if p.progress_at == self.step]:
+                self._progress(pending)  # two-shot's all-gather, in the order the syncs were sent
             for pending in [p for p in self._in_flight if p.due == self.step]:
                 self._apply(pending, views)
         self.step += 1
@@ -329,26 +351,49 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
             with torch.no_grad():
                 bytes_sent = average_tensors_(members, self.process_group, issuer=self._issuer())
                 self._set_anchor(fr, [t.clone() for t in members])
-            self._count(fr, bytes_sent)
+            world = dist.get_world_size(self.process_group) if bytes_sent else 1
+            self._count(fr, bytes_sent, link_bytes("allreduce", bytes_sent, world))
             self.num_averages += 1
             return
         assert fr.anchor is not None and fr.transport is not None
-        rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
-        link = Link(self.process_group, rank, world, fr.index, fr.syncs, self._issuer(),
-                    lambda op, sent: self._describe_sync(fr, op, sent, world))
+        link = self._link(fr, fr.syncs)
         sent = fr.transport.send(fr.anchor, members, fr.residual, link)
+        if sent.schedule == "all-gather":
+            fr.owner.drop(f"{type(self).__name__}, fragment {fr.index}", "the sync is all-gathered")
+        self._count(fr, sent.bytes_sent, sent.link_bytes)
+        delay = self.fragment_sync_delay
+        self._in_flight.append(InFlight(fr.index, self.step + delay, sent, fr.syncs, self.step + (delay + 1) // 2))
         fr.syncs += 1
-        self._count(fr, sent.bytes_sent)
-        self._in_flight.append(InFlight(fr.index, self.step + self.fragment_sync_delay, sent))
+
+    def _link(self, fr: Fragment, sync: int) -> Link:
+        """Where sync ``sync`` of fragment ``fr`` goes (this rank, the world size, its seeds)."""
+        rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
+        return Link(self.process_group, rank, world, fr.index, sync, self._issuer(),
+                    lambda op, sent: self._describe_sync(fr, op, sent, world))
+
+    def _progress(self, pending: InFlight) -> None:
+        """Issue the remaining phase of ``pending`` (two-shot's all-gather), at its step on every rank."""
+        sent = pending.sent
+        if not sent.needs_progress:
+            return
+        fr = self._fragments[pending.fragment]
+        assert fr.anchor is not None and fr.transport is not None
+        link = self._link(fr, pending.sync)
+        before = sent.bytes_sent, sent.link_bytes
+        fr.transport.progress(sent, fr.anchor, fr.owner.usable(link, f"{type(self).__name__}, fragment {fr.index}"),
+                              link)
+        self._count(fr, sent.bytes_sent - before[0], sent.link_bytes - before[1])
 
     def _describe_sync(self, fr: Fragment, op: str, sent: int, world: int) -> str:
         """The collective of one sync, as a :class:`gradpress.comm.CollectiveError` names it."""
         return (f"{op} of fragment {fr.index}'s outer gradient ({sent:,} bytes per rank) over {world} ranks in "
                 f"{self._issuer()}")
 
-    def _count(self, fr: Fragment, sent: int) -> None:
+    def _count(self, fr: Fragment, sent: int, link: float) -> None:
         fr.bytes_sent += sent
         self.bytes_sent += sent
+        fr.link_bytes += link
+        self.link_bytes += link
 
     def _set_anchor(self, fr: Fragment, anchor: list[Tensor]) -> None:
         """Start fragment ``fr``'s outer step from ``anchor`` and bind the transport to it."""
@@ -359,6 +404,7 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
         fr = self._fragments[pending.fragment]
         members = self._members(fr, tensors)
         assert fr.anchor is not None and fr.outer is not None and fr.transport is not None
+        self._progress(pending)  # nothing left to issue unless a caller skipped its step
         means, finite = fr.transport.mean(pending.sent, fr.anchor)
         # A non-finite Δ must not move the anchor nor the momentum: decided on the device.
         fr.outer.step(means, finite)
@@ -373,6 +419,7 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
             if residual is not None:
                 old_residual = fr.residual if fr.residual is not None else torch.zeros_like(residual)
                 fr.residual = torch.where(finite.to(old_residual.device), residual, old_residual)
+            fr.owner.take(pending.sent, finite)
         self._in_flight.remove(pending)
         self.num_averages += 1
 

@@ -14,7 +14,7 @@ from ..averaging import ModelAverager, OuterStep
 from ..averaging.outer import outer_template, restore_outer
 from ..averaging.saved import Kind
 from ..averaging.shards import local_views, on_device_of
-from ..averaging.transport import OuterTransport, Sent
+from ..averaging.transport import OuterTransport, OwnerResidual, Sent
 from ..checkpoint import check_placement, placement
 
 __all__ = ["Fragment", "FragmentCheckpoint", "InFlight"]
@@ -23,9 +23,10 @@ __all__ = ["Fragment", "FragmentCheckpoint", "InFlight"]
 class Fragment:
     """Per-fragment state: its outer step (the anchor: global parameters at its last sync, identical on
     every rank; and the outer optimizer's momentum), the transport bound to that anchor, this rank's
-    error-feedback residual, and counters."""
+    error-feedback residual and, under two-shot, its owner residual, and counters."""
 
-    __slots__ = ("index", "offset", "positions", "outer", "transport", "residual", "syncs", "bytes_sent")
+    __slots__ = ("index", "offset", "positions", "outer", "transport", "residual", "owner", "syncs", "bytes_sent",
+                 "link_bytes")
 
     def __init__(self, index: int, offset: int) -> None:
         self.index = index
@@ -34,8 +35,10 @@ class Fragment:
         self.outer: OuterStep | None = None
         self.transport: OuterTransport | None = None
         self.residual: Tensor | None = None
+        self.owner = OwnerResidual()
         self.syncs = 0          # outer syncs started: seeds the stochastic rounding
         self.bytes_sent = 0
+        self.link_bytes = 0.0
 
     @property
     def anchor(self) -> list[Tensor] | None:
@@ -45,14 +48,18 @@ class Fragment:
 class InFlight:
     """An outer gradient sent and not yet applied: what its transport has in flight (``sent``: the
     collectives' handles, their output buffers, and the residual this rank keeps if the result is
-    finite), and the step at which it is applied."""
+    finite), the step at which it is applied (``due``), the fragment's sync count when it was sent
+    (``sync``: it seeds the owner's rounding) and the step that issues its second phase, if it has one
+    (``progress_at``, at most ``due``)."""
 
-    __slots__ = ("fragment", "due", "sent")
+    __slots__ = ("fragment", "due", "sent", "sync", "progress_at")
 
-    def __init__(self, fragment: int, due: int, sent: Sent) -> None:
+    def __init__(self, fragment: int, due: int, sent: Sent, sync: int = 0, progress_at: int | None = None) -> None:
         self.fragment = fragment
         self.due = due
         self.sent = sent
+        self.sync = sync
+        self.progress_at = due if progress_at is None else progress_at
 
 
 class FragmentCheckpoint(ModelAverager):
@@ -83,17 +90,22 @@ class FragmentCheckpoint(ModelAverager):
         return {"residual": None if fr.residual is None else fr.residual.clone(),
                 **({} if fr.transport is None or fr.transport.state_dict() is None
                    else {"powersgd": fr.transport.state_dict()}),
-                "bytes_sent": fr.bytes_sent}
+                **fr.owner.state_dict(), "bytes_sent": fr.bytes_sent, "link_bytes": fr.link_bytes}
 
     def _in_flight_state(self) -> list[dict[str, Any]]:
         in_flight = []
         for pending in self._in_flight:
             sent = pending.sent
             sent.wait()
+            two_shot = {} if sent.schedule != "two-shot" else {
+                "schedule": sent.schedule, "phase": sent.phase, "owner": list(sent.owner or ()),
+                "sync": pending.sync, "progress_at": pending.progress_at,
+                "owner_residual": None if sent.owner_residual is None else sent.owner_residual.clone()}
             in_flight.append({"fragment": pending.fragment, "due": pending.due,
                               "buffers": [b.clone() for b in sent.buffers],
                               "residual": None if sent.residual is None else sent.residual.clone(),
-                              **({} if sent.finite is None else {"finite": sent.finite.clone()})})
+                              **({} if sent.finite is None else {"finite": sent.finite.clone()}),
+                              **({} if sent.schedule is None else {"schedule": sent.schedule}), **two_shot})
         return in_flight
 
     def _shared_state(self) -> dict[str, Any]:
@@ -123,6 +135,8 @@ class FragmentCheckpoint(ModelAverager):
         for f, item in enumerate(own.get("fragments") or []):
             if item.get("residual") is not None:
                 parts.append(f"fragment {f}'s error-feedback residual (compression={self.compression!r})")
+            if item.get("owner_residual") is not None:
+                parts.append(f"fragment {f}'s owner residual of two-shot syncs")
             if "powersgd" in item:
                 parts.append(f"fragment {f}'s PowerSGD error memory (compression=Config(...))")
         for pending in own.get("in_flight") or []:
@@ -167,9 +181,27 @@ class FragmentCheckpoint(ModelAverager):
             fr.residual = None if ours is None else on_device_of(ours["residual"], fr.anchor)
             fr.syncs = int(item["syncs"])
             fr.bytes_sent = 0 if ours is None else int(ours["bytes_sent"])
-        self._in_flight = [
-            InFlight(int(p["fragment"]), int(p["due"]),
-                      Sent([], [on_device_of(b, fr.anchor) for b in p["buffers"]],
-                           on_device_of(p["residual"], fr.anchor), finite=on_device_of(p.get("finite"), fr.anchor)))
-            for p in in_flight for fr in [self._fragments[int(p["fragment"])]]]
+            fr.link_bytes = 0.0 if ours is None else float(ours.get("link_bytes", 0.0))
+            fr.owner = OwnerResidual()
+            if ours is not None and fr.anchor is not None:
+                fr.owner.load(ours, placement(self.process_group), fr.anchor[0].device,
+                              f"{type(self).__name__}, fragment {fr.index}")
+        here = placement(self.process_group)
+        self._in_flight = []
+        for p in in_flight:
+            fr = self._fragments[int(p["fragment"])]
+            owner = tuple(int(v) for v in p["owner"]) if p.get("owner") else None
+            if p.get("schedule") == "two-shot" and owner != (here["rank"], here["world_size"]):
+                sender = f"rank {owner[0]} of {owner[1]}" if owner else "another rank"
+                raise ValueError(f"{type(self).__name__}.load_state_dict: fragment {fr.index}'s two-shot sync in "
+                                 f"flight was sent as {sender}; its all-to-all delivered that rank's region and "
+                                 f"cannot be finished as rank {here['rank']} of {here['world_size']}: load each "
+                                 "rank's own state, or on_world_size_change='fresh' on another world size (updates in "
+                                 "flight dropped)")
+            sent = Sent([], [on_device_of(b, fr.anchor) for b in p["buffers"]], on_device_of(p["residual"], fr.anchor),
+                        finite=on_device_of(p.get("finite"), fr.anchor), schedule=p.get("schedule"),
+                        phase=int(p.get("phase", 1)), owner_residual=on_device_of(p.get("owner_residual"), fr.anchor),
+                        owner=owner)  # type: ignore[arg-type]
+            self._in_flight.append(InFlight(int(p["fragment"]), int(p["due"]), sent, int(p.get("sync", 0)),
+                                            p.get("progress_at")))
 

@@ -16,10 +16,11 @@ import torch.distributed as dist
 
 from ... import comm
 from ..cli.table import format_table
-from ..bytes import allreduce_bytes, powersgd_bytes
+from ...comm import link_bytes
+from ..bytes import allreduce_bytes, diloco_links, powersgd_bytes, reported_worlds
 from ..quality_map import RULE, Advice, advise, recipe_options
 from ..workloads.tasks import TASKS
-from .advice import (Prediction, candidate_methods, model_width, predict, recipe_rule, recommend,
+from .advice import (Method, Prediction, candidate_methods, model_width, predict, recipe_rule, recommend,
                      recommended_powersgd)
 from .compute import hook_compute_ms, step_ms
 from .correctness import run_correctness
@@ -46,7 +47,7 @@ def collect(model: str, device: torch.device, given_step_ms: float | None = None
             hooks: Mapping[str, Callable[..., Any]] | None = None, local_world_size: int | None = None,
             sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 5, powersgd_ranks: Sequence[int] = (4,),
             local_sgd_period: int = 8, diloco_period: int = 64, optimizer: str | None = None,
-            tokens_per_step: int | None = None) -> dict[str, Any]:
+            tokens_per_step: int | None = None, world_size: int | None = None) -> dict[str, Any]:
     """Run every part of the check on every rank of the default group; the same report on every rank.
 
     ``model``: as ``--model`` (``ValueError`` naming it if invalid, raised before any collective).
@@ -58,6 +59,8 @@ def collect(model: str, device: torch.device, given_step_ms: float | None = None
     recommended. Without an optimizer or a batch the rank is the measured recipes' rule, said so.
     ``given_step_ms``: the compute step when the model has no example batch (``--step-ms``); a measured
     step wins over it. ``hooks`` / ``local_world_size``: see :func:`~gradpress.tools.check.correctness.run_correctness`.
+    ``world_size``: the world size of ``report["link_bytes"]`` (default: the launched group's), what one
+    rank's link carries per step for each method (:func:`link_bytes_table`), also at W = 8, 64, 512.
     """
     module, batch, loss = load_model(model, device)
     world = dist.get_world_size()
@@ -99,9 +102,27 @@ def collect(model: str, device: torch.device, given_step_ms: float | None = None
     rows = _mark_measured_behind(rows, report["quality"])
     best, reason = recommend(rows)
     report["predictions"] = [row.to_dict() for row in rows]
+    report["link_bytes"] = link_bytes_table(shapes, methods, world if world_size is None else world_size,
+                                            diloco_period)
     report["recommendation"] = {"method": best.name, "config": best.config, "reason": reason}
     report["ok"] = all(item.ok for item in items)
     return report
+
+
+def link_bytes_table(shapes: Sequence[Sequence[int]], methods: Sequence[Method], world_size: int,
+                     diloco_period: int = 64) -> dict[str, Any]:
+    """What one rank's link carries per step (ring-equivalent, :func:`gradpress.comm.link_bytes`) for each of
+    ``methods`` (every one all-reduces its ``bytes_per_step``: ``2 (W - 1) / W`` of it) and for DiLoCo every
+    ``diloco_period`` steps with int8/int4 outer gradients all-gathered or in two shots
+    (:func:`gradpress.tools.bytes.diloco_links`), at ``world_size`` and W = 8, 64, 512: ``{"world_size",
+    "world_sizes", "methods": {name: [bytes per W]}}``."""
+    worlds = reported_worlds(world_size)
+    table = {m.name: [link_bytes("allreduce", m.bytes_per_step, w) for w in worlds] for m in methods}
+    fp32 = [torch.float32] * len(shapes)
+    for name, values in diloco_links(shapes, fp32, worlds).items():
+        if name != "exact":  # the exact DiLoCo is among the methods
+            table[f"diloco-h{diloco_period} {name}"] = [v / diloco_period for v in values]
+    return {"world_size": worlds[0], "world_sizes": worlds, "methods": table}
 
 
 def batch_tokens(batch: Any) -> int:
@@ -204,6 +225,17 @@ def _rank_line(info: dict[str, Any]) -> str:
             f"{info['allreduce_bytes_per_step'] / 1e6:.3g} MB on this model")
 
 
+def _link_table_lines(links: dict[str, Any], given: int | None) -> list[str]:
+    worlds = links["world_sizes"]
+    rows = [[name, *(f"{b / 1e6:.3g}" for b in values)] for name, values in links["methods"].items()]
+    source = f"--world-size {given}" if given is not None else "the launched ranks"
+    return ["  link MB per step by world size (what one rank's link carries, ring-equivalent: an allreduce "
+            "2(W-1)/W of its payload, an all-gather W-1 payloads, two-shot 2(W-1)/W of its padded payload; "
+            f"W = {links['world_size']} from {source})",
+            *("  " + line for line in format_table(["method", *(f"W = {w}" for w in worlds)], rows,
+                                                   "<" + ">" * len(worlds)))]
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as printed by ``gradpress check``."""
     lines = [f"gradpress check: {report['world_size']} ranks, {report['backend']}, {report['device']}", "",
@@ -220,11 +252,18 @@ def format_report(report: dict[str, Any]) -> str:
     lines += ["", f"model {report['model']}: {info['parameters']:,} parameters in {info['tensors']} tensors; "
                   f"compute step {info['step_ms']:.3g} ms ({info['step_source']})",
               _rank_line(info)]
-    rows = [[p["name"], f"{p['bytes_per_step'] / 1e6:.3g}", f"{p['step_ms']:.3g}", f"{p['hook_ms']:.3g}",
+    links = report.get("link_bytes")
+    given = links["world_size"] if links and links["world_size"] != report["world_size"] else None
+    ring_factor = 2 * (report["world_size"] - 1) / report["world_size"]  # every candidate all-reduces
+    rows = [[p["name"], f"{p['bytes_per_step'] / 1e6:.3g}", f"{ring_factor * p['bytes_per_step'] / 1e6:.3g}",
+             f"{p['step_ms']:.3g}", f"{p['hook_ms']:.3g}",
              f"{p['comm_ms']:.3g}", f"{p['predicted_ms']:.3g}",
              p.get("note", "")] for p in report["predictions"]]
     lines += ["  " + line for line in format_table(
-        ["method", "MB/step", "step ms", "hook ms", "link ms", "predicted ms", "note"], rows, "<>>>>><")]
+        ["method", "MB/step", "link MB/step", "step ms", "hook ms", "link ms", "predicted ms", "note"], rows,
+        "<>>>>>><")]
+    if links:
+        lines += ["", *_link_table_lines(links, given)]
     q = report.get("quality", {})
     if q:
         head = "quality map" + (f" ({q['optimizer']}, {q['tokens_per_step']:,} tokens/step from {q['tokens_source']})"

@@ -55,6 +55,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--tokens-per-step", type=int_at_least(1), default=None, metavar="N",
                         help=TOKENS_PER_STEP_HELP)
     parser.add_argument("--iters", type=int_at_least(1), default=5, metavar="N", help="timed allreduces per size")
+    parser.add_argument("--world-size", type=int_at_least(1), default=None, metavar="W",
+                        help="the world size of the link-bytes table (what one rank's link carries per step, "
+                             "ring-equivalent; W = 8, 64 and 512 are printed too; default: the launched ranks)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON (rank 0)")
     parser.set_defaults(func=run)
     return parser
@@ -107,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
             report = collect(args.model, device, args.step_ms, local_world_size=int(local) if local else None,
                              iters=args.iters, powersgd_ranks=args.powersgd_ranks,
                              local_sgd_period=args.local_sgd_period, diloco_period=args.diloco_period,
-                             optimizer=args.optimizer, tokens_per_step=args.tokens_per_step)
+                             optimizer=args.optimizer, tokens_per_step=args.tokens_per_step,
+                             world_size=args.world_size)
         except ValueError as exc:
             print(f"gradpress check: error: {exc}", file=sys.stderr)
             return 2

@@ -18,6 +18,12 @@ floats at the wire's precision, ``--bytes-per-weight`` (2: fp16, or bf16 for bf1
 ``PowerSGDState.bytes_stats()`` counts them (:func:`~gradpress.tools.bytes.powersgd_bytes`), so the
 compression ratio is the state's.
 
+Beside that payload, what one worker's **link** carries per step (ring-equivalent,
+:func:`gradpress.comm.link_bytes`: an allreduce moves ``2 (W - 1) / W`` of its payload) at the world size
+``--world-size`` (default: torchrun's ``WORLD_SIZE`` when launched by it, else ``--workers``) and at
+W = 8, 64 and 512; and per synchronization of DiLoCo's outer gradient, exact and int8/int4 all-gathered or
+in two shots (:func:`gradpress.tools.bytes.diloco_links`), where an all-gather's ``(W - 1)`` payloads show.
+
 With ``--workers-per-node L`` it also shows the bytes that cross nodes per step, flat (every rank sends
 its whole plan) vs :func:`gradpress.hierarchical_wrapper` (each local rank sends the plan of its share,
 split by :func:`~gradpress.hooks.hierarchical.assign_shares`, the wrapper's own function).
@@ -38,7 +44,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..bytes import allreduce_bytes, powersgd_bytes
+import os
+
+from ...comm import link_bytes
+from ..bytes import allreduce_bytes, diloco_links, powersgd_bytes, reported_worlds
 from ..check.loader import load_model, valid_models
 from ...hooks.hierarchical import assign_shares
 from ...powersgd import make_plan
@@ -143,9 +152,14 @@ def hierarchical_traffic(shapes: list[tuple[int, ...]], rank: int, min_compressi
                        "numel": sum(plan.tensors[i].numel for i in share), "bytes_per_step": share_bytes[-1]})
     flat = sent(list(range(len(shapes))))
     busiest = {k: max(b[k] for b in share_bytes) for k in flat}
+    nodes = workers // workers_per_node
     return {
-        "workers_per_node": workers_per_node, "nodes": workers // workers_per_node, "shares": shares,
+        "workers_per_node": workers_per_node, "nodes": nodes, "shares": shares,
         "per_rank": {"flat": flat, "hierarchical_busiest": busiest},
+        # What each rank's link carries, ring-equivalent: flat, an allreduce over every worker; the
+        # hierarchical wrapper's inter-node step, an allreduce over the nodes.
+        "per_rank_link": {"flat": {k: link_bytes("allreduce", v, workers) for k, v in flat.items()},
+                          "hierarchical_busiest": {k: link_bytes("allreduce", v, nodes) for k, v in busiest.items()}},
         "per_node": {"flat": {k: v * workers_per_node for k, v in flat.items()},
                      "hierarchical": {k: sum(b[k] for b in share_bytes) for k in flat}},
     }
@@ -153,7 +167,7 @@ def hierarchical_traffic(shapes: list[tuple[int, ...]], rank: int, min_compressi
 
 def compression_report(model: nn.Module, name: str, rank: int, min_compression_rate: float = 2.0,
                        setting: Setting = GENERIC_SETTING, bytes_per_weight: int = 4,
-                       workers_per_node: int | None = None) -> dict[str, Any]:
+                       workers_per_node: int | None = None, world_size: int | None = None) -> dict[str, Any]:
     """The plan of ``model``'s trainable parameters at ``rank``, as a JSON-ready dict.
 
     ``layers``: one entry per parameter (``name``, ``shape``, ``matrix`` ``[n, m]``, effective ``rank``
@@ -164,7 +178,11 @@ def compression_report(model: nn.Module, name: str, rank: int, min_compression_r
     bytes: ``PowerSGDState.bytes_stats()``'s rate) and ``floats_compression_ratio``
     (``compression_stats()``'s). ``epoch``: the setting and its
     ``steps``. ``workers_per_node``: also ``hierarchical``, the inter-node bytes of
-    :func:`hierarchical_traffic` for ``setting.workers``. Raises ``ValueError`` if the model has no
+    :func:`hierarchical_traffic` for ``setting.workers``. ``link``: what one worker's link carries, at
+    ``world_size`` (default ``setting.workers``) and W = 8, 64, 512 (``world_sizes``): ``per_step``
+    (``allreduce`` and ``powersgd``, ``2 (W - 1) / W`` of their bytes per step) and ``diloco_sync`` (one
+    synchronization of the whole model: ``exact``, ``int8``/``int4`` ``all-gather`` and ``two-shot``).
+    Raises ``ValueError`` if the model has no
     trainable parameter, the setting gives no full step per epoch or ``workers_per_node`` does not split
     the workers into at least 2 nodes.
     """
@@ -205,6 +223,12 @@ def compression_report(model: nn.Module, name: str, rank: int, min_compression_r
             "floats_compression_ratio": counts.numel_rate,
         },
     }
+    worlds = reported_worlds(setting.workers if world_size is None else world_size)
+    report["link"] = {
+        "world_size": worlds[0], "world_sizes": worlds,
+        "per_step": {"allreduce": [allreduce.link_bytes(w) for w in worlds],
+                     "powersgd": [counts.link_bytes(w) for w in worlds]},
+        "diloco_sync": diloco_links(shapes, dtypes, worlds)}
     if hierarchical is not None:
         report["hierarchical"] = hierarchical
     return report
@@ -247,9 +271,23 @@ def format_report(report: dict[str, Any]) -> str:
          [f"bytes per step ({_precision(report)})", f"{nbytes['allreduce']:,}", f"{nbytes['powersgd']:,}"],
          [f"MB per epoch ({e['steps']:,} steps, MB = 2^20 B)", f"{mib['allreduce']:,.1f}", f"{mib['powersgd']:,.1f}"],
          ["compression ratio", "1x", f"{t['compression_ratio']:,.1f}x"]], "<>>")
+    if "link" in report:
+        lines += ["", *_format_link(report["link"], report["rank"])]
     if "hierarchical" in report:
         lines += ["", *_format_hierarchical(report["hierarchical"], report["rank"], e["workers"])]
     return "\n".join(lines)
+
+
+def _format_link(link: dict[str, Any], rank: int) -> list[str]:
+    worlds = link["world_sizes"]
+    rows = [["per step: allreduce", *(f"{b:,.0f}" for b in link["per_step"]["allreduce"])],
+            [f"per step: PowerSGD r={rank}", *(f"{b:,.0f}" for b in link["per_step"]["powersgd"])]]
+    rows += [[f"per DiLoCo sync: {name}", *(f"{b:,.0f}" for b in values)]
+             for name, values in link["diloco_sync"].items()]
+    return [f"bytes on one worker's link (ring-equivalent: an allreduce 2(W-1)/W of its payload, an all-gather "
+            f"W-1 payloads, two-shot 2(W-1)/W of its padded payload), W = {link['world_size']} (--world-size) "
+            "and 8, 64, 512", "",
+            *format_table(["on the link", *(f"W = {w}" for w in worlds)], rows, "<" + ">" * len(worlds))]
 
 
 def _format_hierarchical(h: dict[str, Any], rank: int, workers: int) -> list[str]:
@@ -264,6 +302,12 @@ def _format_hierarchical(h: dict[str, Any], rank: int, workers: int) -> list[str
              for s in h["shares"]]
     rows += [row("hierarchical: each node", h["per_node"]["hierarchical"]),
              ["hierarchical / flat, busiest rank", *(f"{busiest[k] / flat[k]:.2f}x" for k in flat)]]
+    links = h.get("per_rank_link")
+    if links is not None:
+        rows += [[f"on the link: flat, each rank (allreduce over {workers} workers)",
+                  *(f"{v:,.0f}" for v in links["flat"].values())],
+                 [f"on the link: hierarchical, busiest rank (its inter-node allreduce over {h['nodes']} nodes)",
+                  *(f"{v:,.0f}" for v in links["hierarchical_busiest"].values())]]
     return [f"inter-node traffic, {workers} workers = {h['nodes']} nodes x {size}: flat = every rank sends its "
             "whole plan across nodes; hierarchical = gradpress.hierarchical_wrapper, local rank j sends its share's",
             "", *format_table(["inter-node bytes per step", "allreduce", f"PowerSGD r={rank}"], rows, "<>>"),
@@ -306,6 +350,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         help="also show the bytes that cross nodes per step with --workers split into nodes of L, "
                              "flat vs gradpress.hierarchical_wrapper (integer >= 1 dividing --workers into at "
                              "least 2 nodes)")
+    parser.add_argument("--world-size", type=int_at_least(1), default=None, metavar="W",
+                        help="the world size of the link bytes (what one worker's link carries, ring-equivalent; "
+                             "W = 8, 64 and 512 are printed too; default: WORLD_SIZE when launched by torchrun, "
+                             "else --workers)")
     parser.add_argument("--json", action="store_true", help="print a JSON document instead of the tables")
     parser.set_defaults(func=run)
     return parser
@@ -338,8 +386,10 @@ def run(args: argparse.Namespace) -> int:
                       default.dataset_size if args.dataset_size is None else args.dataset_size,
                       default.source if given == (None, None, None) else f"command line; defaults: {default.source}")
     try:
+        launched = os.environ.get("WORLD_SIZE")
+        world = args.world_size if args.world_size is not None else int(launched) if launched else None
         report = compression_report(model, args.model, args.rank, args.min_compression_rate, setting,
-                                    args.bytes_per_weight, args.workers_per_node)
+                                    args.bytes_per_weight, args.workers_per_node, world)
     except ValueError as exc:
         return _fail(str(exc))
     print(json.dumps(report, indent=2) if args.json else format_report(report))

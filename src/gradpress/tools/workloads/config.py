@@ -60,6 +60,8 @@ class DemoConfig:
     transformers: betas ``ADAMW_BETAS``, weight decay ``weight_decay`` on matrices only (biases, norms and
     other vectors none), the learning rate rising linearly over the first tenth of the run to ``lr``
     (default ``ADAMW_LR``), then a cosine decay to ``ADAMW_MIN_LR_FRACTION`` of it (:meth:`lr_at`).
+    ``schedule``: how the compressed DiLoCo methods' payloads travel (the averagers' ``schedule=``:
+    ``"auto"``, two-shot for int8/int4 from 3 workers; ``"all-gather"``; ``"two-shot"``, top-k too).
     """
 
     task: str = "digits"
@@ -82,8 +84,11 @@ class DemoConfig:
     clip_before_averaging: bool = False
     optimizer: str = "sgd"
     weight_decay: float = 0.1
+    schedule: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.schedule not in ("auto", "all-gather", "two-shot"):
+            raise ValueError(f"schedule must be one of ('auto', 'all-gather', 'two-shot'), got {self.schedule!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if isinstance(self.weight_decay, bool) or not isinstance(self.weight_decay, (int, float)) \

@@ -24,12 +24,14 @@ from ...hooks import (PostLocalSGDState, PowerSGDState, allreduce_hook, bf16_com
                      post_localSGD_hook, powerSGD_hook)
 from ...powersgd import Plan
 from ...streaming import StreamingDiLoCoAverager
+from ...comm import link_bytes
 from .. import bytes as model_bytes
 from .config import DemoConfig
+from .traffic import FragmentTraffic, allreduce_payload, at_anchor_step, gradients
 
 __all__ = ["DEFAULT_PERIOD", "METHOD_KINDS", "METHOD_REGISTRY", "RECOMMENDED", "SPARSELOCO", "STREAMING_ALPHA",
-           "STREAMING_DELAY", "STREAMING_FRAGMENTS", "Method", "MethodKind", "bytes_schedule", "method_kind",
-           "parse_methods", "warm_up_wire", "wire_bytes"]
+           "STREAMING_DELAY", "STREAMING_FRAGMENTS", "Method", "MethodKind", "bytes_schedule", "link_schedule",
+           "method_kind", "parse_methods", "warm_up_wire", "wire_bytes"]
 
 #: Fragments, overlap (inner steps) and local share of ``streaming``: (F, tau, alpha), F and tau capped by H.
 STREAMING_FRAGMENTS, STREAMING_DELAY, STREAMING_ALPHA = 4, 1, 0.5
@@ -69,10 +71,15 @@ class Method:
 
 #: ``(method, config) -> (state, hook)``: what the training loop registers on DDP.
 HookBuilder = Callable[[Method, DemoConfig], tuple[Any, Any]]
-#: ``(method, plan, config) -> bytes``: payload bytes one worker hands to its collectives at each step.
-PayloadFn = Callable[[Method, Plan, DemoConfig], list[int]]
-#: ``(method, plan, config) -> bytes`` of one complete model synchronisation.
-SyncBytesFn = Callable[[Method, Plan, DemoConfig], int]
+#: ``(method, plan, config, world size) -> bytes``: payload bytes one worker hands to its collectives at
+#: each step (the world size decides a compressed sync's schedule; ``None``: the all-gather's payload).
+PayloadFn = Callable[[Method, Plan, DemoConfig, "int | None"], list[int]]
+#: ``(method, plan, config, world size) -> bytes`` of one complete model synchronisation.
+SyncBytesFn = Callable[[Method, Plan, DemoConfig, "int | None"], int]
+#: ``(method, plan, config, world size) -> bytes`` one worker's link carries at each step (ring-equivalent).
+LinkFn = Callable[[Method, Plan, DemoConfig, int], list[float]]
+#: ``(method, plan, config, world size) -> bytes`` one worker's link carries for one complete synchronisation.
+SyncLinkFn = Callable[[Method, Plan, DemoConfig, int], float]
 #: ``(method, config, number of parameter tensors) -> averager`` wrapped around the optimizer.
 AveragerBuilder = Callable[[Method, DemoConfig, int], ModelAverager]
 
@@ -84,8 +91,9 @@ class MethodKind:
     ``argument``: what ``kind:N`` sets: ``"rank"`` (PowerSGD's rank; without ``:N`` the kind runs once
     per given rank), ``"period"`` (the averaging period H; :data:`DEFAULT_PERIOD` without ``:N``) or
     ``None`` (nothing; ``kind:N`` is an error). ``hook``: builds ``(state, hook)`` for DDP. ``payload``:
-    the bytes sent at each step (:func:`bytes_schedule`). ``averager``: builds the model averager that
-    wraps the optimizer (``None``: gradients are averaged by the hook only). ``sync_bytes``: for the
+    the bytes sent at each step (:func:`bytes_schedule`); ``link``: what one worker's link carries at
+    each step (:func:`link_schedule`; by default the allreduce of the payload). ``averager``: builds the
+    model averager that wraps the optimizer (``None``: gradients are averaged by the hook only). ``sync_bytes``: for the
     averaging kinds, the bytes of one complete model synchronisation after warm-up (the report's
     bytes/step is this over the period). ``alternating``: the compressed steps send different amounts
     (the report gives their mean, not the last step's). ``final_average``: always end on a plain average
@@ -101,6 +109,8 @@ class MethodKind:
     payload: PayloadFn
     averager: AveragerBuilder | None = None
     sync_bytes: SyncBytesFn | None = None
+    link: LinkFn | None = None
+    sync_link: SyncLinkFn | None = None
     alternating: bool = False
     final_average: bool = False
     anchored: bool = False
@@ -111,14 +121,19 @@ class MethodKind:
         take a rank or a period)."""
         return self.argument is not None
 
-    def bytes_per_step(self, method: Method, plan: Plan, config: DemoConfig, wire: Sequence[int],
-                       world_size: int) -> float:
+    def bytes_per_step(self, method: Method, plan: Plan, config: DemoConfig, wire: Sequence[float],
+                       world_size: int, link: bool = False) -> float:
         """What one worker sends per step once the method runs, from ``wire`` (its bytes at each step:
-        the payload, or zeros with one worker): the last step's; the mean after warm-up for an
-        ``alternating`` kind; a synchronisation's bytes over the period for an averaging kind on
-        several workers."""
+        the payload, or zeros with one worker; with ``link``, what its link carries): the last step's; the
+        mean after warm-up for an ``alternating`` kind; a synchronisation's bytes over the period for an
+        averaging kind on several workers."""
         if self.sync_bytes is not None and world_size > 1:
-            return self.sync_bytes(method, plan, config) / (method.period or 1)
+            if link and self.sync_link is not None:
+                return self.sync_link(method, plan, config, world_size) / (method.period or 1)
+            if link:  # an averaging kind of one allreduce per synchronisation
+                return link_bytes("allreduce", self.sync_bytes(method, plan, config, world_size), world_size) / (
+                    method.period or 1)
+            return self.sync_bytes(method, plan, config, world_size) / (method.period or 1)
         tail = wire[config.start_iter:]
         return sum(tail) / len(tail) if self.alternating and tail else wire[-1]
 
@@ -180,11 +195,22 @@ def _streaming_averager(method: Method, config: DemoConfig, num_tensors: int) ->
         outer_lr=config.outer_lr, outer_momentum=config.outer_momentum)
 
 
+def _streaming_int4_averager(method: Method, config: DemoConfig, num_tensors: int) -> StreamingDiLoCoAverager:
+    """``streaming``'s fragments, overlap and mixing, with int4 outer gradients (``config.schedule``)."""
+    period = method.period or 1
+    return StreamingDiLoCoAverager(
+        period, warmup_steps=config.start_iter, num_fragments=min(STREAMING_FRAGMENTS, period, num_tensors),
+        fragment_sync_delay=min(STREAMING_DELAY, period - 1), fragment_update_alpha=STREAMING_ALPHA,
+        outer_lr=config.outer_lr, outer_momentum=config.outer_momentum, compression=QuantizeInt4(),
+        schedule=config.schedule)
+
+
 def _quantized_averager(compressor: Callable[[], Any]) -> AveragerBuilder:
     """DiLoCo (one fragment, no overlap) with the outer gradient compressed by ``compressor()``."""
     def build(method: Method, config: DemoConfig, num_tensors: int) -> StreamingDiLoCoAverager:
         return StreamingDiLoCoAverager(method.period or 1, warmup_steps=config.start_iter, outer_lr=config.outer_lr,
-                                       outer_momentum=config.outer_momentum, compression=compressor())
+                                       outer_momentum=config.outer_momentum, compression=compressor(),
+                                       schedule=config.schedule)
     return build
 
 
@@ -193,24 +219,18 @@ def _sparseloco_averager(method: Method, config: DemoConfig, num_tensors: int) -
     return StreamingDiLoCoAverager(method.period or 1, warmup_steps=config.start_iter,
                                    outer_lr=SPARSELOCO["outer_lr"], outer_momentum=0.0,
                                    compression=TopK(density=SPARSELOCO["density"],
-                                                    error_decay=SPARSELOCO["error_decay"]))
+                                                    error_decay=SPARSELOCO["error_decay"]),
+                                   schedule=config.schedule)
 
 
 # --- payloads -------------------------------------------------------------------------------------------
 
-def _gradients(plan: Plan) -> tuple[list[tuple[int, ...]], list[torch.dtype]]:
-    """The demo's gradients: the plan's shapes, fp32."""
-    return [t.shape for t in plan.tensors], [torch.float32] * len(plan.tensors)
-
-
-def _allreduce(plan: Plan, wire_dtype: torch.dtype | None = None) -> int:
-    """Bytes of one exact average of the gradients (:func:`gradpress.tools.bytes.allreduce_bytes`)."""
-    return model_bytes.allreduce_bytes(*_gradients(plan), wire_dtype).bytes_sent
+_gradients, _allreduce = gradients, allreduce_payload
 
 
 def _every_step(wire_dtype: torch.dtype | None) -> PayloadFn:
     """Every gradient element at every step: allreduce (fp32), fp16 and bf16 (the hooks' cast dtype)."""
-    def payload(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
+    def payload(method: Method, plan: Plan, config: DemoConfig, world_size: int | None = None) -> list[int]:
         return [_allreduce(plan, wire_dtype)] * config.steps
     return payload
 
@@ -229,14 +249,14 @@ def warm_up_wire(config: DemoConfig) -> torch.dtype | None:
     return torch.float16 if (config.powersgd_options or {}).get("warm_up_bytes_per_weight") == 2 else None
 
 
-def _powersgd_payload(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
+def _powersgd_payload(method: Method, plan: Plan, config: DemoConfig, world_size: int | None = None) -> list[int]:
     """The warm-up's exact average until ``start_iter`` (:func:`warm_up_wire`), then ``(n + m) r`` per
     compressed matrix and the rest as is."""
     warm, compressed = _allreduce(plan, warm_up_wire(config)), _compressed(method, plan, config, None, 0)
     return [warm if step < config.start_iter else compressed for step in range(config.steps)]
 
 
-def _multi_payload(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
+def _multi_payload(method: Method, plan: Plan, config: DemoConfig, world_size: int | None = None) -> list[int]:
     """The warm-up's exact average until ``start_iter`` (:func:`warm_up_wire`), then one factor per step
     (alternately ``n r`` and ``m r``)."""
     warm = _allreduce(plan, warm_up_wire(config))
@@ -244,14 +264,23 @@ def _multi_payload(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
             for step in range(config.steps)]
 
 
-def _periodic_payload(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
+def _periodic_payload(method: Method, plan: Plan, config: DemoConfig, world_size: int | None = None) -> list[int]:
     """Every element on the synchronous steps and on each averaging step (every ``period`` steps from
     ``start_iter``), nothing on the others; DiLoCo's anchor at the last warm-up step."""
+    return _with_anchor(_periodic_without_anchor(method, plan, config), method, plan, config)
+
+
+def _periodic_without_anchor(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
     period = method.period or 1
     warm, sync = _allreduce(plan), _whole_model(method, plan, config)
-    out = [warm if step < config.start_iter else sync if (step - config.start_iter) % period == 0 else 0
-           for step in range(config.steps)]
-    return _with_anchor(out, method, plan, config)
+    return [warm if step < config.start_iter else sync if (step - config.start_iter) % period == 0 else 0
+            for step in range(config.steps)]
+
+
+def _periodic_link(method: Method, plan: Plan, config: DemoConfig, world_size: int) -> list[float]:
+    """:func:`_periodic_payload`'s allreduces on one worker's link, and DiLoCo's anchor broadcast."""
+    out = [link_bytes("allreduce", b, world_size) for b in _periodic_without_anchor(method, plan, config)]
+    return _with_anchor_link(out, method, plan, config, world_size)
 
 
 def anchor_bytes(method: Method, plan: Plan, config: DemoConfig) -> int:
@@ -261,53 +290,26 @@ def anchor_bytes(method: Method, plan: Plan, config: DemoConfig) -> int:
 
 def _with_anchor(out: list[int], method: Method, plan: Plan, config: DemoConfig) -> list[int]:
     """``out`` with the anchor's broadcast added at the last warm-up step (step 0 without warm-up)."""
-    if out:
-        out[min(len(out) - 1, max(0, config.start_iter - 1))] += anchor_bytes(method, plan, config)
-    return out
+    return at_anchor_step(out, config, anchor_bytes(method, plan, config))
 
 
-def _whole_model(method: Method, plan: Plan, config: DemoConfig) -> int:
+def _with_anchor_link(out: list[float], method: Method, plan: Plan, config: DemoConfig,
+                      world_size: int) -> list[float]:
+    """``out`` with the anchor's broadcast on one worker's link added where :func:`_with_anchor` adds it."""
+    return at_anchor_step(out, config, link_bytes("broadcast", anchor_bytes(method, plan, config), world_size))
+
+
+def _whole_model(method: Method, plan: Plan, config: DemoConfig, world_size: int | None = None) -> int:
     """One synchronization of local SGD or DiLoCo: every parameter, exactly."""
     return sum(model_bytes.sync_bytes(*_gradients(plan)))
 
 
-def _fragment_payloads(method: Method, plan: Plan, config: DemoConfig
-                       ) -> tuple[StreamingDiLoCoAverager, list[int], list[int]]:
-    """``(averager, numel of each fragment, bytes of each fragment's outer sync)`` of a
-    kind whose averager is a :class:`StreamingDiLoCoAverager`."""
-    build = METHOD_REGISTRY[method.kind].averager
-    assert build is not None
-    averager = build(method, config, len(plan.tensors))
-    assert isinstance(averager, StreamingDiLoCoAverager)
-    shapes, dtypes = _gradients(plan)
-    parts = model_bytes.fragments(shapes, dtypes, averager.num_fragments)
-    numel = [sum(plan.tensors[i].numel for i in part) for part in parts]
-    steady = model_bytes.sync_bytes(shapes, dtypes, averager.compression, averager.num_fragments)
-    return averager, numel, steady
-
-
-def _fragment_payload(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
-    """fp32 gradients until ``start_iter``, the anchor at its last step, then at each fragment's sync step
-    its payload (every sync, the first included, is an outer step)."""
-    averager, _, steady = _fragment_payloads(method, plan, config)
-    out = []
-    for step in range(config.steps):
-        fragment = averager.fragment_sent_at(step)  # the averager's step numbering is the 0-based step
-        if step < config.start_iter:
-            out.append(_allreduce(plan))
-        else:
-            out.append(0 if fragment is None else steady[fragment])
-    return _with_anchor(out, method, plan, config)
-
-
-def _fragment_sync_bytes(method: Method, plan: Plan, config: DemoConfig) -> int:
-    return sum(_fragment_payloads(method, plan, config)[2])
-
-
 def _streamed(name: str, description: str, averager: AveragerBuilder, final_average: bool = False) -> MethodKind:
     """An averaging kind whose averager is a :class:`StreamingDiLoCoAverager` (fragments, compression)."""
-    return MethodKind(name, description, "period", hook=_post_local, payload=_fragment_payload,
-                      averager=averager, sync_bytes=_fragment_sync_bytes, final_average=final_average, anchored=True)
+    traffic = FragmentTraffic(averager)
+    return MethodKind(name, description, "period", hook=_post_local, payload=traffic.payload,
+                      averager=averager, sync_bytes=traffic.sync_bytes, link=traffic.link,
+                      sync_link=traffic.sync_link, final_average=final_average, anchored=True)
 
 
 #: Every method kind, in the order ``--help`` lists them.
@@ -324,11 +326,12 @@ METHOD_REGISTRY: dict[str, MethodKind] = {kind.name: kind for kind in (
                "rank", hook=_powersgd(1), payload=_multi_payload, alternating=True),
     MethodKind("localsgd", "post-local SGD: synchronous until --start-iter, then local steps and model averaging "
                "every H steps (localsgd:H, default 8)", "period",
-               hook=_post_local, payload=_periodic_payload, averager=_periodic_averager, sync_bytes=_whole_model),
+               hook=_post_local, payload=_periodic_payload, averager=_periodic_averager, sync_bytes=_whole_model,
+               link=_periodic_link),
     MethodKind("diloco", "like localsgd, but every H steps the averaged change goes through an outer Nesterov "
                "optimizer (DiLoCo; outer lr 0.7, momentum 0.5)", "period",
                hook=_post_local, payload=_periodic_payload, averager=_outer_averager, sync_bytes=_whole_model,
-               anchored=True),
+               link=_periodic_link, anchored=True),
     # Its fragments are never all in step at once: the run always ends on a plain average.
     _streamed("streaming", "streaming DiLoCo: diloco with the model in 4 fragments synchronised in turn (one every "
               "H/4 steps, a quarter of the bytes each time), each sync overlapped with the next inner step",
@@ -339,6 +342,8 @@ METHOD_REGISTRY: dict[str, MethodKind] = {kind.name: kind for kind in (
               _quantized_averager(QuantizeInt4)),
     _streamed("sparseloco", "diloco with a sparse outer gradient: top 3% of each chunk, 2-bit values, error "
               "feedback in place of the outer momentum (SparseLoCo)", _sparseloco_averager),
+    _streamed("streaming-int4", "streaming with the outer gradient quantized to int4 (two-shot from 3 workers by "
+              "default, --schedule)", _streaming_int4_averager, final_average=True),
 )}
 
 #: Method kinds: what each sends per step (``powersgd`` and ``multi`` take a rank).
@@ -394,9 +399,11 @@ def parse_methods(text: str | Sequence[str], ranks: Sequence[int]) -> list[Metho
     return out
 
 
-def bytes_schedule(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
+def bytes_schedule(method: Method, plan: Plan, config: DemoConfig, world_size: int | None = None) -> list[int]:
     """Payload bytes one worker hands to its collectives at each step (1-based index - 1), from the plan.
-    (With one worker the collectives have no peer: nothing is sent, whatever the payload.)
+    (With one worker the collectives have no peer: nothing is sent, whatever the payload.) ``world_size``:
+    the workers, which decide a compressed DiLoCo sync's schedule (``None``: the all-gather's payload,
+    what this counted before the schedules existed).
 
     fp32 gradients: allreduce 4 bytes per element, fp16/bf16 2; PowerSGD sends every element (fp32)
     for ``start_iter`` steps, then ``(n + m) r`` per compressed matrix (classic), or one factor per step
@@ -405,4 +412,16 @@ def bytes_schedule(method: Method, plan: Plan, config: DemoConfig) -> list[int]:
     on the synchronous steps and on each averaging step (every ``period`` steps from ``start_iter``),
     nothing on the others; the streamed kinds each fragment's payload at its sync steps.
     """
-    return method_kind(method.kind).payload(method, plan, config)
+    return method_kind(method.kind).payload(method, plan, config, world_size)
+
+
+def link_schedule(method: Method, plan: Plan, config: DemoConfig, world_size: int) -> list[float]:
+    """What one worker's link carries at each step over ``world_size`` workers, ring-equivalent
+    (:func:`gradpress.comm.link_bytes`): the allreduce of :func:`bytes_schedule`'s payload for the
+    gradient methods and PowerSGD; the model averagers' syncs by their collective (allreduce, an
+    all-gathered or two-shot compressed outer gradient) and DiLoCo's anchor broadcast. Nothing with one
+    worker."""
+    kind = method_kind(method.kind)
+    if kind.link is not None:
+        return kind.link(method, plan, config, world_size)
+    return [link_bytes("allreduce", b, world_size) for b in bytes_schedule(method, plan, config, world_size)]

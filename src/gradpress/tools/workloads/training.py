@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import signal
 import time
@@ -30,7 +31,7 @@ from ...hooks import PowerSGDState
 from ...powersgd import make_plan
 from . import checkpoints
 from .config import ADAMW_BETAS, DemoConfig
-from .methods import Method, anchor_bytes, bytes_schedule, method_kind, warm_up_wire
+from .methods import Method, anchor_bytes, bytes_schedule, link_schedule, method_kind, warm_up_wire
 from .tasks import get_task
 
 __all__ = ["ProgressFn", "make_optimizer", "param_checksum", "train"]
@@ -209,14 +210,15 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
                                       else kind.averager(method, config, len(plan.tensors)))
     if averager is not None:
         optimizer = PostLocalSGDOptimizer(optimizer, averager)
-    payload = bytes_schedule(method, plan, config)
+    payload = bytes_schedule(method, plan, config, world_size)
     # What crosses the wire: a collective over one worker sends nothing.
     schedule = payload if world_size > 1 else [0] * len(payload)
+    links = link_schedule(method, plan, config, world_size)  # what one worker's link carries (0 alone)
 
     eval_steps = {max(1, round(config.steps * (i + 1) / config.evals)) for i in range(config.evals)}
     order_gen = torch.Generator().manual_seed(30_000 + 1_000 * config.seed + rank)
     order = torch.randperm(len(y_local), generator=order_gen)
-    cursor, running, running_n, sent = 0, 0.0, 0, 0
+    cursor, running, running_n, sent, carried = 0, 0.0, 0, 0, 0.0
     curve: list[dict[str, Any]] = []
     train_time = 0.0
     first_step = 1
@@ -239,6 +241,7 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
             torch.cuda.set_rng_state(saved["rng"]["cuda"], device)
         progress = saved["progress"]
         running, running_n, sent = progress["running"], progress["running_n"], progress["sent"]
+        carried = progress.get("link", 0.0)
         curve, train_time = progress["curve"], progress["train_time"]
         first_step = resume_step + 1
     else:
@@ -267,10 +270,11 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
         train_time += time.perf_counter() - start
         running_n += 1
         sent += schedule[step - 1]
+        carried += links[step - 1]
         if step in eval_steps:
             test_loss, metric = _evaluate(task, model, x_test, y_test, device)
             curve.append({"step": step, "train_loss": running / running_n, "test_loss": test_loss,
-                          "metric": metric, "bytes": sent, "time_s": train_time,
+                          "metric": metric, "bytes": sent, "link_bytes": carried, "time_s": train_time,
                           "approximation_error": _approximation_error(state),
                           "global_residual": _global_residual(state)})
             if on_progress is not None and rank == 0:
@@ -283,8 +287,8 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
                 "data": {"order": order, "cursor": cursor, "generator": order_gen.get_state()},
                 "rng": {"torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
-                "progress": {"running": running, "running_n": running_n, "sent": sent, "curve": curve,
-                             "train_time": train_time},
+                "progress": {"running": running, "running_n": running_n, "sent": sent, "link": carried,
+                             "curve": curve, "train_time": train_time},
             })
             # Every rank holds this step: the older files are no longer needed.
             comm.barrier(issuer="the demo's checkpoint")
@@ -297,18 +301,22 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
         # final_average: streaming's fragments are never all in step at once).
         if payload[-1] == 0 or kind.final_average:
             start = time.perf_counter()
-            sent += comm.average_tensors_(tensors_to_average(model.parameters()))
+            final = comm.average_tensors_(tensors_to_average(model.parameters()))
+            sent += final
+            carried += comm.link_bytes("allreduce", final, world_size)
             train_time += time.perf_counter() - start  # part of making the model: counted as training
             syncs += 1
             test_loss, metric = _evaluate(task, model, x_test, y_test, device)
             curve.append({**curve[-1], "test_loss": test_loss, "metric": metric, "bytes": sent,
-                          "time_s": train_time})
+                          "link_bytes": carried, "time_s": train_time})
     times = torch.tensor([train_time], dtype=torch.float64, device=device)
     comm.all_reduce(times, issuer="the demo's timing", op="max")
     checksum, digest = param_checksum(model)
     tail = schedule[config.start_iter:]
     steady = kind.bytes_per_step(method, plan, config, schedule, world_size)
+    steady_link = kind.bytes_per_step(method, plan, config, links, world_size, link=True)
     allreduce_step = 4 * plan.numel if world_size > 1 else 0
+    allreduce_link = comm.link_bytes("allreduce", 4 * plan.numel, world_size)
     result: dict[str, Any] = {
         "method": method.spec,
         "label": method.label,
@@ -330,6 +338,13 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
         "bytes_warm_up": sum(schedule[:config.start_iter]),
         "bytes_allreduce_total": allreduce_step * config.steps,
         "total_ratio": allreduce_step * config.steps / sent if sent else None,
+        # What one worker's link carries (ring-equivalent, at this world size), beside the payload above:
+        # the figure to compare methods by (an all-gathered payload reads small at every world size).
+        "link_bytes_per_step": steady_link,
+        "link_bytes_allreduce_per_step": allreduce_link,
+        "link_compression_ratio": allreduce_link / steady_link if steady_link else None,
+        "link_bytes_total": carried,
+        "link_total_ratio": allreduce_link * config.steps / carried if carried else None,
         "synchronizations": syncs,
         # Mean over the run's measurements of this worker's overall approximation error (PowerSGD only).
         "approximation_error": _mean([p["approximation_error"] for p in curve
@@ -349,8 +364,14 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
         # The averagers count bytes sent, so nothing with one worker.
         # Its bytes: the syncs after warm-up, and DiLoCo's anchor (broadcast at the last warm-up step).
         anchor = anchor_bytes(method, plan, config) if world_size > 1 and config.start_iter >= 1 else 0
+        anchor_link = comm.link_bytes("broadcast", anchor, world_size)
+        # (The demo's compressed kinds sync with no delay: a two-shot sync's all-gather is issued, and
+        # counted, at its send step, where the model counts it.)
+        link_ok = math.isclose(averager.link_bytes, sum(links[config.start_iter:]) + anchor_link, rel_tol=1e-9,
+                               abs_tol=1e-6)
         result["counted"] = {"averages": averager.num_averages, "bytes_averaged": averager.bytes_sent,
-                             "ok": averager.bytes_sent == sum(tail) + anchor}
+                             "link_bytes": averager.link_bytes,
+                             "ok": averager.bytes_sent == sum(tail) + anchor and link_ok}
     elif isinstance(state, PowerSGDState):
         # PowerSGDState counts the payload it hands to the collectives, whatever the world size.
         # With warm_up_bytes_per_weight=2 it counts the warm-up too: its bytes are given apart, and
@@ -360,7 +381,7 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
         warm = sum(payload[:config.start_iter]) if warm_up_wire(config) is not None else 0
         _, before, after = state.bytes_stats()
         result["counted"] = {"compressed_steps": compressed, "bytes_before": before, "bytes_after": after - warm,
-                             "bytes_warm_up": warm,
+                             "bytes_warm_up": warm, "link_bytes_after": state.link_bytes_stats()[2],
                              "ok": after == sum(payload[config.start_iter:]) + warm
                              and before == 4 * plan.numel * counted_steps}
     return result

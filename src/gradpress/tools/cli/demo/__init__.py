@@ -191,7 +191,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         help="folder for demo.json, demo.md and demo.png (created; default: %(default)s)")
     parser.add_argument("--bandwidth", type=parse_bandwidth, default=None, metavar="RATE",
                         help="also report each method's MODELLED time on a link of this rate, e.g. 1gbit, "
-                             "100mbit, 10Gbit/s, 125MB/s: measured time + 2(n-1)/n x bytes sent / rate")
+                             "100mbit, 10Gbit/s, 125MB/s: measured time + each worker's link bytes / rate "
+                             "(ring-equivalent: 2(n-1)/n of an allreduced payload)")
+    parser.add_argument("--schedule", choices=("auto", "all-gather", "two-shot"), default=_DEFAULTS.schedule,
+                        help="how the compressed DiLoCo methods' payloads travel (the averagers' schedule=): auto "
+                             "(two-shot for int8/int4 from 3 workers), all-gather or two-shot (default: %(default)s)")
     parser.add_argument("--warm-up-beta", type=_beta, default=None, metavar="BETA",
                         help="PowerSGDState(warm_up_beta_factor=BETA) for the PowerSGD methods (in (0, 1])")
     parser.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
@@ -409,7 +413,7 @@ def run(args: argparse.Namespace) -> int:
     config = DemoConfig(task=task.name, steps=args.steps, start_iter=start_iter, seed=args.seed, lr=resolved.lr,
                         evals=min(15, args.steps), warm_up_beta=args.warm_up_beta,
                         powersgd_options=resolved.powersgd_options, optimizer=args.optimizer,
-                        batch_size=args.batch_size)
+                        batch_size=args.batch_size, schedule=args.schedule)
     if resolved.recommended is not None and resolved.recommended["start"] is not None:
         warning = early_start_warning(config.start_iter, config.lr_warmup_steps(), config.optimizer)
         if warning is not None:

@@ -41,8 +41,9 @@ def summarize(results: dict[str, list[dict[str, Any]]], config: DemoConfig, work
     header repeats it.
 
     With ``bandwidth`` (bytes/s), each method gets ``modelled_time_s``: its measured training time plus
-    ``2 (n - 1) / n * bytes_total / bandwidth``, the time a ring allreduce of its payload takes on a link
-    of that rate (no latency, no overlap with computation).
+    ``link_bytes_total / bandwidth``, the time its collectives take on a link of that rate (what one
+    worker's link carries, ring-equivalent: ``2 (n - 1) / n`` of an allreduced payload, ``n - 1`` times an
+    all-gathered one; no latency, no overlap with computation).
     """
     task = get_task(config.task)
     ring = 2 * (workers - 1) / workers
@@ -52,7 +53,9 @@ def summarize(results: dict[str, list[dict[str, Any]]], config: DemoConfig, work
         entry["checksums"] = [r["checksum"] for r in per_rank]
         entry["ranks_agree"] = len({r["digest"] for r in per_rank}) == 1
         if bandwidth is not None:
-            entry["modelled_time_s"] = entry["wall_time_s"] + ring * entry["bytes_total"] / bandwidth
+            carried = entry.get("link_bytes_total")  # results of earlier versions: an allreduce of the payload
+            entry["modelled_time_s"] = entry["wall_time_s"] + (ring * entry["bytes_total"] if carried is None
+                                                               else carried) / bandwidth
         entry["settled"] = settled(entry["curve"], task.metric)
         methods[spec] = entry
     first = next(iter(results.values()))[0]
@@ -116,8 +119,8 @@ def table(summary: dict[str, Any], markdown: bool = False) -> list[str]:
     metric = summary["metric_name"]
     bandwidth = summary["bandwidth_bytes_per_s"]
     header = ["method", "test acc" if metric == "accuracy" else "test ppl", "test loss", "train loss",
-              "bytes/step", "compression", "total MB", "total ratio", "syncs", "approx err", "global res", "time (s)",
-              "ms/step"]
+              "bytes/step", "compression", "link B/step", "link fewer", "total MB", "total ratio", "syncs",
+              "approx err", "global res", "time (s)", "ms/step"]
     if bandwidth is not None:
         header.append(f"@{format_rate(bandwidth)} (s)*")
     rows = [header]
@@ -127,7 +130,9 @@ def table(summary: dict[str, Any], markdown: bool = False) -> list[str]:
         error = m.get("approximation_error")
         residual = m.get("global_residual")
         row = [m["label"], score, f"{m['test_loss']:.4f}", f"{m['train_loss']:.4f}",
-               _format_bytes(m["bytes_per_step"]), _ratio(m["compression_ratio"]), f"{m['bytes_total'] / 1e6:.3g}",
+               _format_bytes(m["bytes_per_step"]), _ratio(m["compression_ratio"]),
+               "-" if m.get("link_bytes_per_step") is None else _format_bytes(m["link_bytes_per_step"]),
+               _ratio(m.get("link_compression_ratio")), f"{m['bytes_total'] / 1e6:.3g}",
                _ratio(m["total_ratio"]), str(m["synchronizations"]), "-" if error is None else f"{error:.2f}",
                "-" if residual is None else f"{residual:.2f}",
                f"{m['wall_time_s']:.1f}", f"{1000 * m['time_per_step_s']:.1f}"]
@@ -154,9 +159,14 @@ def notes(summary: dict[str, Any]) -> list[str]:
          if metric == "accuracy" else
          "test ppl: held-out perplexity per character after the last step (lower is better)"),
         "test loss: mean cross-entropy on the test set; train loss: mean over the last logged interval",
-        f"bytes/step: what each worker sends per step once the method runs, after the first {start} steps "
-        "(PowerSGD: plain allreduce until then; local SGD and DiLoCo: synchronous until then, then one model "
-        "average every H steps, shown per step); compression: allreduce's bytes/step / this method's",
+        f"bytes/step: the payload each worker hands to its collectives per step once the method runs, after the "
+        f"first {start} steps (PowerSGD: plain allreduce until then; local SGD and DiLoCo: synchronous until then, "
+        "then one model average every H steps, shown per step); compression: allreduce's bytes/step / this "
+        "method's",
+        f"link B/step: what each worker's link carries per step for those collectives at {n} workers "
+        "(ring-equivalent: an allreduce 2(n-1)/n of its payload, an all-gathered compressed outer gradient n-1 "
+        "payloads, a two-shot one 2(n-1)/n of its padded payload); link fewer: allreduce's link B/step / this "
+        "method's, the ratio to compare methods by",
         f"total MB: what each worker sent over the whole run (MB = 10^6 bytes), the first {start} steps "
         "included, and for local SGD and DiLoCo a final average; total ratio: allreduce's total / this "
         "method's, what the run saved; syncs: steps with communication",
@@ -185,8 +195,8 @@ def notes(summary: dict[str, Any]) -> list[str]:
                      "ratios are n/a; run --workers 2 or more to compare the methods' traffic")
     bandwidth = summary["bandwidth_bytes_per_s"]
     if bandwidth is not None:
-        lines.append(f"* MODELLED, not measured: time here + 2(n-1)/n x bytes sent / rate, for n={n} workers "
-                     f"on a {format_rate(bandwidth)} link (ring allreduce, no latency, no overlap)")
+        lines.append(f"* MODELLED, not measured: time here + each worker's link bytes / rate, for n={n} workers "
+                     f"on a {format_rate(bandwidth)} link (ring-equivalent, no latency, no overlap)")
     methods = summary["methods"]
     counted = [m for m in methods.values() if "counted" in m]
     if counted:
