@@ -191,3 +191,17 @@ def test_a_caller_inside_a_process_group_is_refused(tmp_path):
             train_replicas(parse_methods("diloco:2", [1])[0], CONFIG, 2)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_the_byte_model_cuts_fragments_from_the_averaged_list_under_adamw():
+    """AdamW's groups hand the averager the matrices, then the vectors: its fragments (and a two-shot
+    sync's regions and padding) are cut from that order, and the counted bytes must equal the model's."""
+    config = DemoConfig(task="digits", steps=12, start_iter=3, evals=1, batch_size=8, optimizer="adamw")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = train_replicas(parse_methods("streaming-int4:4", [1])[0], config, 4)
+    finally:
+        torch.set_num_threads(threads)
+    assert results[0]["counted"]["averages"] > 0
+    assert all(r["counted"]["ok"] for r in results), results[0]["counted"]

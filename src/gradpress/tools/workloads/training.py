@@ -210,6 +210,10 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
                                       else kind.averager(method, config, len(plan.tensors)))
     if averager is not None:
         optimizer = PostLocalSGDOptimizer(optimizer, averager)
+        # The averager is handed the optimizer's parameters (AdamW's: the matrices, then the vectors), and
+        # its fragments, hence a sync's regions and padding, are cut from that list: so is the byte model's.
+        plan = make_plan([p.shape for group in optimizer.param_groups for p in group["params"]],
+                         method.rank or 1, config.min_compression_rate)
     payload = bytes_schedule(method, plan, config, world_size)
     # What crosses the wire: a collective over one worker sends nothing.
     schedule = payload if world_size > 1 else [0] * len(payload)
