@@ -345,6 +345,23 @@ def numerics_table(result: dict[str, Any]) -> list[str]:
 
 # -- quality ---------------------------------------------------------------------------------------------
 
+def _link_per_step(run: dict[str, Any]) -> float:
+    """What one replica's link carries per step once ``run`` (a replica_study JSON) syncs, from the byte model
+    at the run's configuration and world size: the runs' own figure, for runs the model already counted right
+    (it cuts the fragments from the averager's parameter list, AdamW's groups included)."""
+    from gradpress.powersgd import make_plan
+    from gradpress.tools.workloads import DemoConfig, get_task, parse_methods
+    from gradpress.tools.workloads.methods import method_kind
+    from gradpress.tools.workloads.training import make_optimizer
+
+    config = DemoConfig(**run["config"])
+    method = parse_methods(run["method"], [1])[0]
+    optimizer = make_optimizer(list(get_task(config.task).model(config.seed).parameters()), config)
+    plan = make_plan([p.shape for group in optimizer.param_groups for p in group["params"]], method.rank or 1,
+                     config.min_compression_rate)
+    return method_kind(method.kind).bytes_per_step(method, plan, config, [], run["workers"], link=True)
+
+
 def quality_part(args: argparse.Namespace) -> dict[str, Any]:
     runs = {}
     for path in sorted(Path(args.out).glob("*.json")):
@@ -361,8 +378,7 @@ def quality_part(args: argparse.Namespace) -> dict[str, Any]:
                      "replicas": two_shot["workers"], "method": two_shot["method"],
                      "steps": two_shot["config"]["steps"], "ppl_all_gather": twin["ppl_end"],
                      "ppl_two_shot": two_shot["ppl_end"], "vs_all_gather": two_shot["ppl_end"] / twin["ppl_end"] - 1,
-                     "link_all_gather": twin.get("link_bytes_per_step"),
-                     "link_two_shot": two_shot.get("link_bytes_per_step"),
+                     "link_all_gather": _link_per_step(twin), "link_two_shot": _link_per_step(two_shot),
                      "link_allreduce": two_shot.get("link_bytes_allreduce_per_step"),
                      "commands": [twin["command"], two_shot["command"]]})
     return {"out": args.out, "rows": rows}
