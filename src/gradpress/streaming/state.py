@@ -49,10 +49,10 @@ class InFlight:
     """An outer gradient sent and not yet applied: what its transport has in flight (``sent``: the
     collectives' handles, their output buffers, and the residual this rank keeps if the result is
     finite), the step at which it is applied (``due``), the fragment's sync count when it was sent
-    (``sync``: it seeds the owner's rounding) and the step that issues its second phase, if it has one
-    (``progress_at``, at most ``due``)."""
+    (``sync``: it seeds the owner's rounding), the step that issues its second phase, if it has one
+    (``progress_at``, at most ``due``), and under a sync group whether one of its collectives failed."""
 
-    __slots__ = ("fragment", "due", "sent", "sync", "progress_at")
+    __slots__ = ("fragment", "due", "sent", "sync", "progress_at", "failed")
 
     def __init__(self, fragment: int, due: int, sent: Sent, sync: int = 0, progress_at: int | None = None) -> None:
         self.fragment = fragment
@@ -60,6 +60,8 @@ class InFlight:
         self.sent = sent
         self.sync = sync
         self.progress_at = due if progress_at is None else progress_at
+        #: Under a sync group: a collective of this sync failed (it will not be applied).
+        self.failed = False
 
 
 class FragmentCheckpoint(ModelAverager):
