@@ -67,5 +67,6 @@ _MEMBERS = ("rank", "world", "process_group", "begin", "exchange", "failed", "re
 
 
 def is_sync_group(value: object) -> bool:
-    """Whether ``value`` has every member of :class:`SyncGroup`."""
-    return all(hasattr(value, name) for name in _MEMBERS)
+    """Whether ``value`` has every member of :class:`SyncGroup` (looked up without reading a property:
+    a group's ``rank`` may only be known once a quorum has formed)."""
+    return all(hasattr(type(value), name) or name in getattr(value, "__dict__", {}) for name in _MEMBERS)

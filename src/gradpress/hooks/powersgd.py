@@ -371,6 +371,12 @@ class PowerSGDState(StateBuckets, StateReport, StateCheckpoint):
         if factor is not None and not isinstance(self._bucket_memory, dict):
             self._bucket_memory.scale_errors(factor)
 
+    @property
+    def communicator(self) -> Communicator | None:
+        """What the hook averages over: the ``communicator`` given at construction, or the process group's
+        once the first bucket made it (``None`` before)."""
+        return self._comm
+
     # --- internals used by the hooks ------------------------------------------------------------------
     def _communicator(self) -> Communicator:
         if self._comm is None:

@@ -88,6 +88,26 @@ class FragmentCheckpoint(ModelAverager):
         state["in_flight"] = self._in_flight_state()
         return state
 
+    def global_state_dict(self) -> dict[str, Any]:
+        """What every replica holds alike, as copies: the step, ``num_averages``, the fragment layout and
+        each fragment's anchor, outer momentum and sync count. What a fault-tolerant group copies to a
+        joining replica when it heals it (:meth:`load_global_state_dict` there); the rest of the state is
+        this replica's own (residuals, owner residuals, byte counters, updates in flight) and starts from
+        zero on the joiner: copying a peer's residual would apply that peer's unsent mass twice."""
+        return {"step": self.step, "num_averages": self.num_averages, "compression": repr(self.compression),
+                "layout": None if self._layout is None else list(self._layout),
+                "fragments": [{**(fr.outer.state_dict() if fr.outer is not None else {"anchor": None, "outer": None}),
+                               "syncs": fr.syncs} for fr in self._fragments]}
+
+    def load_global_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take a peer's :meth:`global_state_dict` (a replica healed by its group): the shared values are
+        copied, this replica's own start from zero (no residual, no owner residual, nothing in flight, byte
+        counters at 0). ``ValueError`` for a state of another compression or fragment count."""
+        if state.get("compression") != repr(self.compression):
+            raise ValueError(f"{type(self).__name__}.load_global_state_dict: the state was saved with compression="
+                             f"{state.get('compression')}, this averager has compression={self.compression!r}")
+        self._load(state, None, True)
+
     def _own_fragment(self, fr: Fragment) -> dict[str, Any]:
         return {"residual": None if fr.residual is None else fr.residual.clone(),
                 **({} if fr.transport is None or fr.transport.state_dict() is None
