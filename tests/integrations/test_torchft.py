@@ -393,7 +393,8 @@ def test_torchft_objects_where_a_process_group_is_expected_and_the_reverse(light
             with pytest.raises(TypeError, match="communicator.*FaultTolerantGroup"):
                 gradpress.PowerSGD(params, gradpress.Config(rank=2), communicator=torchft_object)
             with pytest.raises(TypeError, match="sync_group.*FaultTolerantGroup"):
-                gradpress.StreamingDiLoCoAverager(sync_every=4, fragment_phase="end", sync_group=torchft_object)
+                gradpress.StreamingDiLoCoAverager(sync_every=4, fragment_phase="end", sync_group=torchft_object,
+                                                  compression=gradpress.QuantizeInt4())
         # the reverse: a process group (or anything else) where the Manager is expected
         for not_a_manager in (pg, object()):
             with pytest.raises(TypeError, match="FaultTolerantGroup's manager must be a torchft.Manager"):
@@ -401,6 +402,10 @@ def test_torchft_objects_where_a_process_group_is_expected_and_the_reverse(light
         group = FaultTolerantGroup(manager)
         with pytest.raises(ValueError, match="fragment_phase must be 'end'"):
             gradpress.StreamingDiLoCoAverager(sync_every=4, sync_group=group)
+        for untested in (None, "fp16"):
+            with pytest.raises(ValueError, match="compression must be QuantizeInt8.*under a sync_group"):
+                gradpress.StreamingDiLoCoAverager(sync_every=4, fragment_phase="end", compression=untested,
+                                                  sync_group=group)
         with pytest.raises(ValueError, match="not supported under a sync_group"):
             gradpress.StreamingDiLoCoAverager(sync_every=4, fragment_phase="end", compression=gradpress.Config(rank=1),
                                               sync_group=group)

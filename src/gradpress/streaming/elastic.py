@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from torch import Tensor
 
 from ..aggregator import Config
+from ..averaging.compress import Compressor
 from ..averaging.syncgroup import SyncGroup, is_sync_group
 from ..averaging.transport import OuterTransport
 from ..comm import CollectiveError
@@ -53,7 +54,13 @@ def check_sync_group(sync_group: Any, *, process_group: Any, sync_every: int, nu
     if isinstance(compression, Config):
         raise ValueError("compression=Config(...) (PowerSGD outer gradients) is not supported under a "
                          "sync_group: its warm-start factors are global state that a healed joiner would not "
-                         "get; use None, 'fp16', 'bf16', QuantizeInt8(), QuantizeInt4() or TopK(...)")
+                         "get; use QuantizeInt8(), QuantizeInt4() or TopK(...)")
+    if not isinstance(compression, Compressor):
+        # The all-reduced outer gradients (None, 'fp16', 'bf16') go through torch.distributed's functions,
+        # which ask the default group for this rank's place in torchft's group: not tested, so refused.
+        raise ValueError(f"compression must be QuantizeInt8(), QuantizeInt4() or TopK(...) under a sync_group (their "
+                         f"payloads travel through the group's exchange, ranked by the group), got {compression!r}; "
+                         "for uncompressed DiLoCo on torchft use torchft's own DiLoCo")
 
 
 def round_start(committed: int, sync_every: int, num_fragments: int) -> int:
