@@ -15,6 +15,10 @@ Oracles:
   replica joins: right after its quorum its global state (step, layout, anchors, outer momentum, sync
   counts) equals its peers' bitwise and it holds no residual; after every later sync all members' global
   states are bitwise equal.
+* The membership replay: the quorums the torchft run recorded, replayed for its replicas as threads of
+  one process (:mod:`gradpress.tools.workloads.membership`), give bitwise the same global state and
+  parameters after every committed sync (the payloads' exchange is data movement only; every sum and
+  rounding is gradpress's own in both).
 * Bad input: torchft's ``Manager`` or process group given where a process group is expected, and the
   reverse, raise ``TypeError`` naming the argument before anything is sent.
 """
@@ -252,23 +256,47 @@ class _Recording(FaultTolerantGroup):
         self.after_quorum.append((self.committed(), self.world, self.averager.global_state_dict(), holds))
 
 
-def _streaming_replica(name: str, lighthouse: str, role: str, barrier: Any) -> dict[str, Any]:
-    manager = _manager(name, lighthouse, 2)
-    group = _Recording(manager)
-    group.after_quorum = []
+def _diloco(group: Any) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """The replica's model, inner optimizer and averager: the same under torchft and in the replay."""
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
     averager = gradpress.StreamingDiLoCoAverager(sync_every=4, num_fragments=2, fragment_sync_delay=1,
                                                  fragment_phase="end", compression=gradpress.QuantizeInt4(),
                                                  sync_group=group)
-    group.averager = averager
     group.register("model", model)
     group.register("diloco", averager)
     averager.anchor_parameters(list(model.parameters()))
+    return model, inner, averager
+
+
+def _inner_step(name: str, local_step: int, model: nn.Module, inner: torch.optim.Optimizer) -> None:
+    x, y = _batch(name, local_step)
+    nn.functional.mse_loss(model(x), y).backward()
+    inner.step()
+    inner.zero_grad()
+
+
+def _after_sync(averager: Any, model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """What is compared after each committed sync: the global state's tensors (the same on every member)
+    and this replica's parameters (the other fragment's are its own)."""
+    return _tensors(averager.global_state_dict()["fragments"]), [p.detach().clone() for p in model.parameters()]
+
+
+def _records(group: Any) -> list[tuple[int, int, int, bool | None]]:
+    commits = list(group.commits)
+    return [(c, r, w, commits[i] if i < len(commits) else None) for i, (c, r, w) in enumerate(group.quorums)]
+
+
+def _streaming_replica(name: str, lighthouse: str, role: str, barrier: Any, results: Any) -> dict[str, Any]:
+    manager = _manager(name, lighthouse, 2)
+    group = _Recording(manager)
+    group.after_quorum = []
+    model, inner, averager = _diloco(group)
+    group.averager = averager
     if barrier is not None:  # the first three are heartbeating before any asks for a quorum: all in the first
         barrier.wait(timeout=TIMEOUT)
     syncs: list[dict[str, Any]] = []        # per sync: committed before, world, fragment, committed or not
-    applied: dict[int, list[torch.Tensor]] = {}   # committed count -> global state's tensors after it
+    applied: dict[int, Any] = {}            # committed count -> global state's tensors and parameters after it
     failed_check: dict[str, Any] = {}
     snapshot = None
     join_at: int | None = 0 if role == "join" else None
@@ -278,13 +306,15 @@ def _streaming_replica(name: str, lighthouse: str, role: str, barrier: Any) -> d
     while time.monotonic() < deadline:
         step = averager.step
         if role == "leave" and syncs and syncs[-1]["committed_before"] == KILL_AT and averager.in_flight:
+            payload = io.BytesIO()
+            torch.save({"records": _records(group)}, payload)   # what it took part in, for the replay
+            results.put((name, True, payload.getvalue()))
+            results.close()
+            results.join_thread()
             time.sleep(1.0)      # its all-to-all has completed on every member: die before the all-gather
             os._exit(0)
-        x, y = _batch(name, local_step)
+        _inner_step(name, local_step, model, inner)
         local_step += 1
-        nn.functional.mse_loss(model(x), y).backward()
-        inner.step()
-        inner.zero_grad()
         sends = averager.fragment_sent_at(step) is not None
         if sends and group.committed() == KILL_AT and role == "stay" and snapshot is None:
             snapshot = _tensors(averager.local_state_dict()["fragments"])
@@ -301,7 +331,7 @@ def _streaming_replica(name: str, lighthouse: str, role: str, barrier: Any) -> d
         if group.last_commit is not None and syncs and syncs[-1]["commit"] is None:
             syncs[-1]["commit"] = group.last_commit
             if group.last_commit:
-                applied[group.committed()] = _tensors(averager.global_state_dict()["fragments"])
+                applied[group.committed()] = _after_sync(averager, model)
             elif not seen_failure:
                 seen_failure = True
                 fr = syncs[-1]["fragment"]
@@ -324,7 +354,7 @@ def _streaming_replica(name: str, lighthouse: str, role: str, barrier: Any) -> d
     manager.shutdown(wait=False)
     return {"syncs": syncs, "applied": applied, "after_quorum": group.after_quorum, "failed": failed_check,
             "join_at": join_at, "healed_bytes": list(group.healed_bytes), "quorum_seconds": list(group.quorum_seconds),
-            "final": [p.detach().clone() for p in model.parameters()]}
+            "records": _records(group)}
 
 
 def test_streaming_diloco_int4_survives_a_peer_lost_mid_sync_and_heals_a_joiner(lighthouse):
@@ -333,12 +363,12 @@ def test_streaming_diloco_int4_survives_a_peer_lost_mid_sync_and_heals_a_joiner(
     try:
         barrier = replicas.ctx.Barrier(3)
         for name, role in (("a0", "stay"), ("b1", "stay"), ("c2", "leave")):
-            replicas.start(_streaming_replica, name, lighthouse.address(), role, barrier)
+            replicas.start(_streaming_replica, name, lighthouse.address(), role, barrier, replicas.results)
         replicas.processes["c2"].join(timeout=TIMEOUT)
         assert replicas.processes["c2"].exitcode == 0
         left = time.monotonic()
-        replicas.start(_streaming_replica, "d3", lighthouse.address(), "join", None)
-        results = replicas.collect({"a0", "b1", "d3"}, start + TIMEOUT)
+        replicas.start(_streaming_replica, "d3", lighthouse.address(), "join", None, replicas.results)
+        results = replicas.collect({"a0", "b1", "c2", "d3"}, start + TIMEOUT)
     finally:
         replicas.close()
     a, b, d = results["a0"], results["b1"], results["d3"]
@@ -363,15 +393,64 @@ def test_streaming_diloco_int4_survives_a_peer_lost_mid_sync_and_heals_a_joiner(
     assert d["healed_bytes"] and d["healed_bytes"][0] > 0
     # every member applies the same updates: global states bitwise equal after each common sync
     for m, tensors in a["applied"].items():
-        assert m not in b["applied"] or _same(tensors, b["applied"][m]), m
-        assert m not in d["applied"] or _same(tensors, d["applied"][m]), m
+        assert m not in b["applied"] or _same(tensors[0], b["applied"][m][0]), m
+        assert m not in d["applied"] or _same(tensors[0], d["applied"][m][0]), m
     assert len(set(a["applied"]) & set(d["applied"])) >= AFTER_JOIN - 1
-    # the fragments' parameters are the anchors after the last sync on every member
     assert all(s["commit"] for s in d["syncs"])
+    # the oracle for membership: the recorded quorums replayed in one process give bitwise the same global
+    # state and parameters after every committed sync, on every replica
+    replayed = _replay({name: out["records"] for name, out in results.items()})
+    for name in ("a0", "b1", "d3"):
+        ours = results[name]["applied"]
+        assert set(ours) <= set(replayed[name]), (name, sorted(ours), sorted(replayed[name]))
+        for m, (global_state, params) in sorted(ours.items()):
+            assert _same(global_state, replayed[name][m][0]) and _same(params, replayed[name][m][1]), (name, m)
     wait = [s for s in a["quorum_seconds"]]
     print(f"\ntorchft streaming: join {time.monotonic() - left:.1f} s after the leave; healing "
           f"{d['healed_bytes']} bytes; quorum waits max {max(wait):.2f} s, joiner's first "
           f"{d['quorum_seconds'][0]:.2f} s; total {time.monotonic() - start:.1f} s")
+
+
+def _replay(records: dict[str, list[tuple[int, int, int, bool | None]]]) -> dict[str, dict[int, Any]]:
+    """Every replica of the torchft run again, as threads of this process, in its recorded quorums."""
+    import threading
+
+    from gradpress.tools.workloads.membership import Departed, Membership, schedule_from_records
+
+    membership = Membership(schedule_from_records(records), timeout_s=60.0)
+    applied: dict[str, dict[int, Any]] = {name: {} for name in records}
+    errors: list[BaseException] = []
+
+    built = {}
+    for name in records:  # here, one after the other: _model() seeds torch's global generator
+        group = membership.group(name)
+        built[name] = (group, *_diloco(group))
+
+    def replica(name: str) -> None:
+        try:
+            group, model, inner, averager = built[name]
+            local_step = 0
+            while True:
+                _inner_step(name, local_step, model, inner)
+                local_step += 1
+                try:
+                    averager.average_parameters(model.parameters())
+                except Departed:
+                    return
+                if group.last_commit:
+                    applied[name][group.committed()] = _after_sync(averager, model)
+                    group.last_commit = None
+        except BaseException as error:  # noqa: BLE001 - raised below, in the test's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=replica, args=(name,), daemon=True) for name in records]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=TIMEOUT)
+    assert not errors, errors
+    assert not any(thread.is_alive() for thread in threads)
+    return applied
 
 
 # -- (d) bad input ------------------------------------------------------------------------------------

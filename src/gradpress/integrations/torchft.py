@@ -72,8 +72,9 @@ class FaultTolerantGroup:
     torchft's own ``DiLoCo`` requires. Its process group reports rank 0 on every replica group: the rank
     and the number of members come from the Manager (``participating_rank()``, ``num_participants()``).
 
-    Records, per :meth:`begin`: :attr:`quorums` (``(committed, rank, world)``, what the replica simulator
-    replays), :attr:`quorum_seconds` (the wait for each quorum, healing included), and per heal
+    Records, per :meth:`begin`: :attr:`quorums` (``(committed, rank, world)``) and per :meth:`commit`
+    :attr:`commits` (what :mod:`gradpress.tools.workloads.membership` replays), :attr:`quorum_seconds`
+    (the wait for each quorum, healing included), and per heal
     :attr:`healed_bytes` (the bytes of the registered state this replica received).
 
     Example::
@@ -106,6 +107,7 @@ class FaultTolerantGroup:
         self.manager = manager
         self.last_commit: bool | None = None
         self.quorums: list[tuple[int, int, int]] = []
+        self.commits: list[bool] = []
         self.quorum_seconds: list[float] = []
         self.healed_bytes: list[int] = []
 
@@ -155,6 +157,7 @@ class FaultTolerantGroup:
     def commit(self) -> bool:
         """``manager.should_commit()``, asked once per step (every member votes); kept in :attr:`last_commit`."""
         self.last_commit = bool(self.manager.should_commit())
+        self.commits.append(self.last_commit)
         return self.last_commit
 
     def committed(self) -> int:
