@@ -8,6 +8,11 @@ Oracles:
   the same buffers, and a sum of two floats does not depend on the order (at 2 replicas; beyond, gloo's
   ring could add in another order), for the aggregator and for the DDP hook (:func:`fault_tolerant_ddp`
   against plain DDP).
+* PowerSGD (the aggregator, momentum SGD) with 3 replica groups: one is lost after a step's quorum,
+  before its first all-reduce; that step does not commit on the others (no optimizer step; error memory,
+  factors and parameters bitwise as before) and is taken again. A replica joins: right after its quorum
+  its global PowerSGD state (factors, counters) equals its peer's and its error memory is zero; after
+  every later step all replicas' parameters are bitwise equal (the same all-reduced update everywhere).
 * Streaming DiLoCo int4 (two fragments, ``τ = 1``: the two-shot all-to-all at the send step, the
   all-gather one step later) with 3 replica groups: one dies between the two phases; the sync is not
   committed on the others, every averager tensor is bitwise as before it, the fragment's parameters are
@@ -221,6 +226,96 @@ def test_powersgd_over_torchft_equals_the_process_group_run(lighthouse):
         assert not all(torch.equal(a, b) for a, b in zip(out["ft"], _model().parameters()))
     for a, b in zip(results["r0"]["ft"], results["r1"]["ft"]):
         assert torch.equal(a, b)
+
+
+# -- PowerSGD: a peer lost mid-step, a joiner healed ------------------------------------------------------
+
+LOSE_AT = 3            # the step (committed count) whose peer dies after the quorum, before sending
+
+
+def _elastic_powersgd_replica(name: str, lighthouse: str, role: str, barrier: Any, results: Any) -> dict[str, Any]:
+    from gradpress.integrations.torchft import powersgd_global_state
+
+    manager = _manager(name, lighthouse, 2)
+    group = FaultTolerantGroup(manager)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    agg = gradpress.PowerSGD(model.parameters(), gradpress.Config(rank=2, start_compressing_after_num_steps=1,
+                                                                  random_seed=3), communicator=group.communicator())
+    for key, obj in (("model", model), ("optimizer", opt), ("powersgd", agg)):
+        group.register(key, obj)
+    if barrier is not None:
+        barrier.wait(timeout=TIMEOUT)
+    steps: list[dict[str, Any]] = []
+    lost: dict[str, Any] = {}
+    join_at = None
+    deadline = time.monotonic() + 100
+    while time.monotonic() < deadline:
+        group.begin()
+        committed, _, world = group.quorums[-1]
+        if role == "leave" and committed == LOSE_AT:
+            payload = io.BytesIO()
+            torch.save({}, payload)
+            results.put((name, True, payload.getvalue()))
+            results.close()
+            results.join_thread()
+            os._exit(0)   # in the quorum, gone before its first all-reduce
+        if join_at is None and (role == "join" or (lost and world == 3)):
+            join_at = committed
+        healed = powersgd_global_state(agg) if join_at == committed else None
+        local = agg.local_state_dict()["memory"]
+        before = _tensors(local) + [p.detach().clone() for p in model.parameters()]
+        x, y = _batch(name, len(steps))
+        nn.functional.mse_loss(model(x), y).backward()
+        stepped = gradpress.optimizer_step(opt, agg)
+        assert stepped == group.last_commit
+        steps.append({"committed": committed, "world": world, "stepped": stepped, "healed": healed,
+                      "errors_zero": all(e["error"] is None for e in local.values()),
+                      "params": [p.detach().clone() for p in model.parameters()]})
+        if not stepped and not lost:
+            lost = {"committed": committed, "world": world,
+                    "unchanged": _same(before, _tensors(agg.local_state_dict()["memory"]) +
+                                       [p.detach().clone() for p in model.parameters()])}
+        if join_at is not None and group.committed() >= join_at + 3:
+            break
+    else:
+        raise AssertionError(f"{name}: ran out of time: {[(s['committed'], s['world'], s['stepped']) for s in steps]}")
+    manager.shutdown(wait=False)
+    return {"steps": steps, "lost": lost, "join_at": join_at, "healed_bytes": list(group.healed_bytes)}
+
+
+def test_powersgd_over_torchft_loses_a_peer_mid_step_and_heals_a_joiner(lighthouse):
+    replicas = Replicas()
+    start = time.monotonic()
+    try:
+        barrier = replicas.ctx.Barrier(3)
+        for name, role in (("p0", "stay"), ("q1", "stay"), ("s2", "leave")):
+            replicas.start(_elastic_powersgd_replica, name, lighthouse.address(), role, barrier, replicas.results)
+        replicas.processes["s2"].join(timeout=TIMEOUT)
+        replicas.start(_elastic_powersgd_replica, "t3", lighthouse.address(), "join", None, replicas.results)
+        results = replicas.collect({"p0", "q1", "s2", "t3"}, start + TIMEOUT)
+    finally:
+        replicas.close()
+    p, q, t = results["p0"], results["q1"], results["t3"]
+    for out in (p, q):
+        # the step whose peer was lost did not commit: no optimizer step, error memory and factors as before
+        assert out["lost"] == {"committed": LOSE_AT, "world": 3, "unchanged": True}, out["lost"]
+        assert [s["stepped"] for s in out["steps"]].count(False) == 1
+        retry = out["steps"][[s["stepped"] for s in out["steps"]].index(False) + 1]
+        assert retry["committed"] == LOSE_AT and retry["stepped"]          # ... and the step was taken again
+    # the joiner: its global state (factors, counters) is its peers' at that quorum, its error memory zero
+    assert p["join_at"] == q["join_at"] == t["join_at"] is not None and t["healed_bytes"]
+    joined, peer = t["steps"][0], next(s for s in p["steps"] if s["committed"] == t["join_at"] and s["stepped"])
+    assert joined["errors_zero"] and not peer["errors_zero"]
+    theirs, ours = peer["healed"], joined["healed"]
+    assert theirs["step_counter"] == ours["step_counter"]
+    assert _same(_tensors(theirs["memory"]), _tensors(ours["memory"]))
+    # every replica applies the same averaged gradient: parameters bitwise equal after every common step
+    for s in p["steps"]:
+        for other in (q, t):
+            same_step = [o for o in other["steps"] if o["committed"] == s["committed"] and o["stepped"]]
+            assert not s["stepped"] or all(_same(s["params"], o["params"]) for o in same_step), s["committed"]
+    assert len([s for s in t["steps"] if s["stepped"]]) >= 3
 
 
 # -- (b, c) streaming DiLoCo int4: a peer dies between the two phases, a replica joins -------------------
