@@ -50,7 +50,8 @@ from gradpress.integrations.torchft import FaultTolerantGroup, fault_tolerant_dd
 from gradpress.tools.cli.demo.supervisor import context  # noqa: E402
 from gradpress.tools.processes import free_port  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("torchft")]
+# the runs of replica groups are slow (each a few seconds of processes); the bad-input tests are quick
+pytestmark = [pytest.mark.xdist_group("torchft")]
 
 TIMEOUT = 150.0          # per run, on a loaded 2-core machine; a healthy run takes a few seconds
 QUORUM = timedelta(seconds=60)
@@ -208,6 +209,7 @@ def _powersgd_replica(name: str, lighthouse: str, port: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_powersgd_over_torchft_equals_the_process_group_run(lighthouse):
     replicas = Replicas()
     port = free_port()
@@ -284,6 +286,7 @@ def _elastic_powersgd_replica(name: str, lighthouse: str, role: str, barrier: An
     return {"steps": steps, "lost": lost, "join_at": join_at, "healed_bytes": list(group.healed_bytes)}
 
 
+@pytest.mark.slow
 def test_powersgd_over_torchft_loses_a_peer_mid_step_and_heals_a_joiner(lighthouse):
     replicas = Replicas()
     start = time.monotonic()
@@ -452,6 +455,7 @@ def _streaming_replica(name: str, lighthouse: str, role: str, barrier: Any, resu
             "records": _records(group)}
 
 
+@pytest.mark.slow
 def test_streaming_diloco_int4_survives_a_peer_lost_mid_sync_and_heals_a_joiner(lighthouse):
     replicas = Replicas()
     start = time.monotonic()
