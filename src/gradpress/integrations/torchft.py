@@ -83,7 +83,8 @@ class FaultTolerantGroup:
         aggregator = gradpress.PowerSGD(model.parameters(), gradpress.Config(rank=4),
                                         communicator=group.communicator())
         group.register("model", model)
-        group.register("powersgd", aggregator)
+        group.register("optimizer", optimizer)
+        group.register("powersgd", aggregator)  # factors and counters; the error memory stays local
         for batch in data:
             group.begin()                      # the step's quorum (a joiner is healed here)
             loss(model, batch).backward()
