@@ -61,8 +61,9 @@ def replica(args: argparse.Namespace) -> None:
     averager.anchor_parameters(list(model.parameters()))
     data = torch.Generator().manual_seed(1000 + args.replica)
     quorums = 0
+    joined_at: int | None = None
     loss = torch.tensor(float("nan"))
-    marker = os.path.join(args.log_dir, "joined")       # the joiner's sign that it is in (the incumbents wait for it)
+    marker = os.path.join(args.log_dir, "joined")       # the joiner's sign that it is in (--await-joiner waits for it)
     while True:
         x = torch.randn(32, 32, generator=data)
         loss = nn.functional.mse_loss(model(x), teacher(x).detach())
@@ -74,7 +75,9 @@ def replica(args: argparse.Namespace) -> None:
         if len(group.quorums) > quorums:
             quorums = len(group.quorums)
             if quorums == 1 and args.joiner:
-                open(marker, "w").close()
+                joined_at = group.committed()
+                with open(marker, "w") as f:               # everyone trains on 4 syncs with the joiner
+                    f.write(str(joined_at))
             if quorums == 1 and group.healed_bytes:
                 print(f"replica {args.replica}: healed from a peer at sync {group.committed()}: "
                       f"{sum(group.healed_bytes):,} bytes, quorum wait {group.quorum_seconds[0]:.2f} s", flush=True)
@@ -86,7 +89,11 @@ def replica(args: argparse.Namespace) -> None:
                   flush=True)
             group.last_commit = None
             # stop between syncs (nothing in flight), once the joiner is in
-            if group.committed() >= args.syncs and (args.joiner or os.path.exists(marker)):
+            if joined_at is None and args.await_joiner and os.path.exists(marker):
+                with open(marker) as f:
+                    joined_at = int(f.read() or 0)
+            if group.committed() >= max(args.syncs, (joined_at or 0) + 4) and \
+                    (not args.await_joiner or joined_at is not None):
                 break
     state = averager.global_state_dict()
     digest = sum(float(t.double().sum()) for f in state["fragments"] for t in f["anchor"])
@@ -99,7 +106,7 @@ def _launch(index: int, lighthouse: str, syncs: int, step_seconds: float, log_di
     env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "RUST_LOG": "error"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                os.path.abspath(__file__), "--replica", str(index), "--syncs", str(syncs), "--step-seconds",
-               str(step_seconds), "--log-dir", log_dir] + (["--joiner"] if index == 3 else [])
+               str(step_seconds), "--log-dir", log_dir] + (["--joiner"] if index == 3 else ["--await-joiner"])
     stderr = open(os.path.join(log_dir, f"replica_{index}.log"), "w")   # torchft's and torchrun's logs
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
                             start_new_session=True)            # its own process group: killed with its worker
@@ -164,10 +171,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replica", type=int, default=None, help="run one replica group (under torchrun)")
     parser.add_argument("--syncs", type=int, default=40,
-                        help="committed syncs to train for (at least: the incumbents wait for the joiner)")
+                        help="committed syncs to train for (at least, with --await-joiner)")
     parser.add_argument("--step-seconds", type=float, default=0.05, help="sleep per inner step (its compute)")
     parser.add_argument("--kill-at", type=int, default=6, help="the driver kills replica 2 after this sync")
     parser.add_argument("--joiner", action="store_true", help="this replica group joins mid-run (the driver's 3)")
+    parser.add_argument("--await-joiner", action="store_true",
+                        help="train on past --syncs until the joiner is in (the driver's 0-2)")
     parser.add_argument("--log-dir", default=os.path.join(tempfile.gettempdir(), "torchft_diloco"),
                         help="where the driver writes each replica group's log")
     args = parser.parse_args()
