@@ -409,7 +409,8 @@ def _streaming_replica(name: str, lighthouse: str, role: str, barrier: Any, resu
             results.put((name, True, payload.getvalue()))
             results.close()
             results.join_thread()
-            time.sleep(1.0)      # its all-to-all has completed on every member: die before the all-gather
+            averager.local_state_dict()  # waits for the sync's all-to-all: done on every member; then die
+            time.sleep(0.2)              # ... before the all-gather
             os._exit(0)
         _inner_step(name, local_step, model, inner)
         local_step += 1
@@ -438,7 +439,8 @@ def _streaming_replica(name: str, lighthouse: str, role: str, barrier: Any, resu
                 anchor = averager.global_state_dict()["fragments"][fr]["anchor"]
                 failed_check = {"unchanged": snapshot is not None and
                                 _same(snapshot, _tensors(averager.local_state_dict()["fragments"])),
-                                "at_anchor": _same(members, anchor), "fragment": fr, "world": syncs[-1]["world"]}
+                                "at_anchor": _same(members, anchor), "fragment": fr, "world": syncs[-1]["world"],
+                                "error": str(manager.errored())}
             if not seen_failure and role == "stay":
                 time.sleep(0.01)
         if not seen_failure and role == "stay" and group.committed() > KILL_AT + 2:
@@ -477,6 +479,7 @@ def test_streaming_diloco_int4_survives_a_peer_lost_mid_sync_and_heals_a_joiner(
         assert len(failed) == 1 and failed[0]["committed_before"] == KILL_AT and failed[0]["world"] == 3, out["syncs"]
         assert all(s["world"] == 3 for s in out["syncs"][:KILL_AT]), out["syncs"]
         assert out["failed"]["unchanged"] and out["failed"]["at_anchor"], out["failed"]
+        assert out["failed"]["error"].startswith("all-gather of fragment"), out["failed"]  # the second phase
         # ... and it was retried: the next sync sends the same fragment, among the two left (and the joiner,
         # where it has come up by then: the quorum waits for a replica that heartbeats), and commits
         retry = out["syncs"][out["syncs"].index(failed[0]) + 1]
