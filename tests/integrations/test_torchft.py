@@ -8,9 +8,10 @@ Oracles:
   the same buffers, and a sum of two floats does not depend on the order (at 2 replicas; beyond, gloo's
   ring could add in another order), for the aggregator and for the DDP hook (:func:`fault_tolerant_ddp`
   against plain DDP).
-* PowerSGD (the aggregator, momentum SGD) with 3 replica groups: one is lost after a step's quorum,
-  before its first all-reduce; that step does not commit on the others (no optimizer step; error memory,
-  factors and parameters bitwise as before) and is taken again. A replica joins: right after its quorum
+* PowerSGD (the aggregator, and the DDP hook in :func:`fault_tolerant_ddp`; momentum SGD) with 3 replica
+  groups: one is lost after a step's quorum, before its first all-reduce; that step does not commit on
+  the others (no optimizer step; error memory, factors and parameters bitwise as before) and is taken
+  again. A replica joins: right after its quorum
   its global PowerSGD state (factors, counters) equals its peer's and its error memory is zero; after
   every later step all replicas' parameters are bitwise equal (the same all-reduced update everywhere).
 * Streaming DiLoCo int4 (two fragments, ``τ = 1``: the two-shot all-to-all at the send step, the
@@ -235,15 +236,22 @@ def test_powersgd_over_torchft_equals_the_process_group_run(lighthouse):
 LOSE_AT = 3            # the step (committed count) whose peer dies after the quorum, before sending
 
 
-def _elastic_powersgd_replica(name: str, lighthouse: str, role: str, barrier: Any, results: Any) -> dict[str, Any]:
+def _elastic_powersgd_replica(name: str, lighthouse: str, role: str, barrier: Any, results: Any,
+                              front: str) -> dict[str, Any]:
     from gradpress.integrations.torchft import powersgd_global_state
 
     manager = _manager(name, lighthouse, 2)
     group = FaultTolerantGroup(manager)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    agg = gradpress.PowerSGD(model.parameters(), gradpress.Config(rank=2, start_compressing_after_num_steps=1,
-                                                                  random_seed=3), communicator=group.communicator())
+    if front == "aggregator":
+        agg: Any = gradpress.PowerSGD(model.parameters(), gradpress.Config(
+            rank=2, start_compressing_after_num_steps=1, random_seed=3), communicator=group.communicator())
+        run = model
+    else:  # the DDP hook, in DDP built as torchft's
+        agg = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, random_seed=3,
+                                      communicator=group.communicator("powerSGD_hook"))
+        run = fault_tolerant_ddp(model, agg)
     for key, obj in (("model", model), ("optimizer", opt), ("powersgd", agg)):
         group.register(key, obj)
     if barrier is not None:
@@ -268,9 +276,15 @@ def _elastic_powersgd_replica(name: str, lighthouse: str, role: str, barrier: An
         local = agg.local_state_dict()["memory"]
         before = _tensors(local) + [p.detach().clone() for p in model.parameters()]
         x, y = _batch(name, len(steps))
-        nn.functional.mse_loss(model(x), y).backward()
-        stepped = gradpress.optimizer_step(opt, agg)
-        assert stepped == group.last_commit
+        nn.functional.mse_loss(run(x), y).backward()
+        if front == "aggregator":
+            stepped = gradpress.optimizer_step(opt, agg)
+            assert stepped == group.last_commit
+        else:
+            stepped = bool(group.last_commit)   # decided at the iteration's last bucket
+            if stepped:
+                opt.step()
+            opt.zero_grad()
         steps.append({"committed": committed, "world": world, "stepped": stepped, "healed": healed,
                       "errors_zero": all(e["error"] is None for e in local.values()),
                       "params": [p.detach().clone() for p in model.parameters()]})
@@ -287,15 +301,17 @@ def _elastic_powersgd_replica(name: str, lighthouse: str, role: str, barrier: An
 
 
 @pytest.mark.slow
-def test_powersgd_over_torchft_loses_a_peer_mid_step_and_heals_a_joiner(lighthouse):
+@pytest.mark.parametrize("front", ["aggregator", "ddp"])
+def test_powersgd_over_torchft_loses_a_peer_mid_step_and_heals_a_joiner(lighthouse, front):
     replicas = Replicas()
     start = time.monotonic()
     try:
         barrier = replicas.ctx.Barrier(3)
         for name, role in (("p0", "stay"), ("q1", "stay"), ("s2", "leave")):
-            replicas.start(_elastic_powersgd_replica, name, lighthouse.address(), role, barrier, replicas.results)
+            replicas.start(_elastic_powersgd_replica, name, lighthouse.address(), role, barrier, replicas.results,
+                           front)
         replicas.processes["s2"].join(timeout=TIMEOUT)
-        replicas.start(_elastic_powersgd_replica, "t3", lighthouse.address(), "join", None, replicas.results)
+        replicas.start(_elastic_powersgd_replica, "t3", lighthouse.address(), "join", None, replicas.results, front)
         results = replicas.collect({"p0", "q1", "s2", "t3"}, start + TIMEOUT)
     finally:
         replicas.close()
@@ -311,7 +327,8 @@ def test_powersgd_over_torchft_loses_a_peer_mid_step_and_heals_a_joiner(lighthou
     joined, peer = t["steps"][0], next(s for s in p["steps"] if s["committed"] == t["join_at"] and s["stepped"])
     assert joined["errors_zero"] and not peer["errors_zero"]
     theirs, ours = peer["healed"], joined["healed"]
-    assert theirs["step_counter"] == ours["step_counter"]
+    counter = "step_counter" if front == "aggregator" else "iter"
+    assert theirs[counter] == ours[counter]
     assert _same(_tensors(theirs["memory"]), _tensors(ours["memory"]))
     # every replica applies the same averaged gradient: parameters bitwise equal after every common step
     for s in p["steps"]:
