@@ -37,11 +37,20 @@ __all__ = ["Attempt", "Departed", "Membership", "MembershipGroup", "schedule_fro
 
 @dataclass(frozen=True)
 class Attempt:
-    """One sync attempt: the syncs committed before it, its members in rank order, and whether it committed."""
+    """One sync attempt: the syncs committed before it, its members in rank order, whether it committed,
+    and the quorum's size and the members' ranks as recorded (``None``: ``len(members)`` and their
+    positions; a member lost during an attempt that did not commit is counted there, not replayed)."""
 
     committed: int
     members: tuple[str, ...]
     commit: bool
+    world: int | None = None
+    ranks: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.commit and self.world not in (None, len(self.members)):
+            raise ValueError(f"Attempt: a committed attempt has every member of its quorum, got world={self.world} "
+                             f"for members {self.members}")
 
 
 class Departed(Exception):
@@ -70,8 +79,9 @@ def schedule_from_records(records: Mapping[str, Sequence[tuple[int, int, int, bo
             entry["ranks"][rank] = name
     schedule = []
     for (committed, _, _), entry in sorted(found.items()):
-        members = tuple(entry["ranks"][r] for r in sorted(entry["ranks"]))
-        schedule.append(Attempt(committed, members, bool(entry["commit"])))
+        ranks = tuple(sorted(entry["ranks"]))
+        members = tuple(entry["ranks"][r] for r in ranks)
+        schedule.append(Attempt(committed, members, bool(entry["commit"]), entry["world"], ranks))
     return schedule
 
 
@@ -173,11 +183,14 @@ class MembershipGroup:
 
     @property
     def rank(self) -> int:
-        return self.attempt.members.index(self.name)
+        attempt = self.attempt
+        position = attempt.members.index(self.name)
+        return position if attempt.ranks is None else attempt.ranks[position]
 
     @property
     def world(self) -> int:
-        return len(self.attempt.members)
+        attempt = self.attempt
+        return len(attempt.members) if attempt.world is None else attempt.world
 
     @property
     def process_group(self) -> Any:
