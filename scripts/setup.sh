@@ -162,11 +162,17 @@ if [ -n "$created" ]; then
 else
     say "using $where"
 fi
-say "installing torch==${TORCH_VERSION} and gradpress[dev,demo,integrations] (editable; dev brings pytest, ruff, mypy) with pip"
+# torchft (the [torchft] extra, its tests in tests/integrations/test_torchft.py) ships one wheel per Python
+# version; 0.2.0's is measured on CPython 3.11 (cp311 manylinux): elsewhere its tests skip, saying so.
+extras="dev,demo,integrations"
+if "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+    extras="$extras,torchft"
+fi
+say "installing torch==${TORCH_VERSION} and gradpress[$extras] (editable; dev brings pytest, ruff, mypy) with pip"
 pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
 pip_install "torch==${TORCH_VERSION}" || die "pip could not install torch==${TORCH_VERSION} into $ENV_DIR"
 # torch pinned again in the same command, so that no extra (Lightning, transformers) can move it.
-pip_install "torch==${TORCH_VERSION}" -e ".[dev,demo,integrations]" || die "pip could not install gradpress into $ENV_DIR"
+pip_install "torch==${TORCH_VERSION}" -e ".[$extras]" || die "pip could not install gradpress into $ENV_DIR"
 printf '%s\n' "$digest" > "$ENV_DIR/$STAMP_NAME"
 if [ "$ENV_DIR" != "$LOCAL_ENV" ] && command -v pyenv >/dev/null 2>&1; then
     pyenv rehash 2>/dev/null || true      # a pyenv-virtualenv env: shims for the new `gradpress` command

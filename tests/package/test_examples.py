@@ -214,3 +214,16 @@ def test_own_script_page_matches_the_example_and_the_formula() -> None:
     assert example_kib == pytest.approx(_state_bytes(_own_gpt(), rank=4) / 2**10, abs=5)
     gpt2_mib = float(re.search(r"GPT-2 small \(124M parameters, rank 4\) (\d+) MiB", prose).group(1))
     assert gpt2_mib == pytest.approx(_state_bytes(gradpress.tools.zoo.build_model("gpt2"), rank=4) / 2**20, abs=1)
+
+
+def test_torchft_example_heals_a_joiner_after_a_kill(tmp_path: Path) -> None:
+    """examples/torchft_diloco.py as its docstring runs it: a lighthouse, three replica groups under torchrun,
+    one killed with SIGKILL mid-run, a fourth joining: the survivors and the joiner end with the same global
+    state (the driver compares them and fails otherwise)."""
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install 'gradpress[torchft]')")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(EXAMPLE.parent / "torchft_diloco.py"), "--syncs", "10",
+                           "--log-dir", str(tmp_path)], capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "killed replica 2" in proc.stdout and "replica 3: healed from a peer" in proc.stdout
+    assert "global state identical on replicas 0, 1 and the joiner 3" in proc.stdout

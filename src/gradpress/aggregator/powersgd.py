@@ -14,13 +14,14 @@ from torch import Tensor
 
 from ..checkpoint import (check_placement, check_saved_options, per_rank_state, placement, read_per_rank,
                           reject_gathered)
-from ..comm import broadcast_parameters, check_process_group, link_bytes, make_communicator
+from ..comm import broadcast_parameters, check_communicator, check_process_group, link_bytes, make_communicator
 from ..diagnostics import (ApproximationSummary, captured_energies, parameter_names, relative_errors,
                            should_measure, summarize)
 from ..policy import RankPolicy, RankRules
 from ..powersgd.memory import work_dtype_for
 from ..powersgd.plan import Plan, make_plan
 from ..powersgd.session import EngineSession, MemoryReport
+from ..powersgd.transport import Communicator, decision_of
 from .config import Config
 from .exact import Aggregator, Contiguous, by_device_dtype, dense_gradients
 
@@ -74,6 +75,14 @@ class PowerSGD(Aggregator):
         config: a :class:`Config`.
         process_group: the group to average over (``None``: the default group, or one worker when
             ``torch.distributed`` is not initialised).
+        communicator: what to average over instead of ``process_group`` (which must then be ``None``): any
+            object with the engine's :class:`~gradpress.powersgd.transport.Communicator` methods, e.g.
+            ``gradpress.integrations.torchft.FaultTolerantGroup(manager).communicator()`` across torchft
+            replica groups. One that decides whether steps count
+            (:class:`~gradpress.powersgd.transport.StepDecision`) is asked once per :meth:`aggregate_`, after
+            its collectives and before anything is written: a step it refuses leaves the memory bitwise as
+            it was and :attr:`finite` ``False``. ``init_sync`` does not apply (that group brings its
+            replicas in line itself: torchft heals a joiner from a peer).
         comm_device: device the factors travel on (e.g. ``"cpu"`` for CUDA gradients over gloo).
         lr_scheduler: keep the error memory in update units, as ``PowerSGDState(lr_scheduler=...)``
             does: when ``lr_scheduler.get_last_lr()[0]`` goes from ``lr_old`` to ``lr_new`` between
@@ -93,10 +102,12 @@ class PowerSGD(Aggregator):
     def __init__(self, params: Iterable[Tensor] | Iterable[tuple[str, Tensor]], config: Config, *,
                  process_group: dist.ProcessGroup | None = None,
                  comm_device: torch.device | str | None = None,
-                 lr_scheduler: Any = None, init_sync: bool = True, rank_policy: RankRules | None = None) -> None:
+                 lr_scheduler: Any = None, init_sync: bool = True, rank_policy: RankRules | None = None,
+                 communicator: Communicator | None = None) -> None:
         if not isinstance(config, Config):
             raise TypeError(f"config must be a gradpress.Config, got {type(config).__name__}")
         check_process_group(process_group, "PowerSGD's process_group")
+        check_communicator(communicator, process_group, "PowerSGD")
         if lr_scheduler is not None and not callable(getattr(lr_scheduler, "get_last_lr", None)):
             raise TypeError(f"lr_scheduler must be None or have a get_last_lr() method (a "
                             f"torch.optim.lr_scheduler.LRScheduler), got {type(lr_scheduler).__name__}")
@@ -118,13 +129,14 @@ class PowerSGD(Aggregator):
         self.config = config
         self.process_group = process_group
         self.comm_device = comm_device
+        self.communicator = communicator
         self.step_counter = 0
         self.lr_scheduler = lr_scheduler
         self._session = EngineSession(config.engine_config())
         self._index = {id(p): i for i, p in enumerate(self.params)}
         if not isinstance(init_sync, bool):
             raise TypeError(f"init_sync must be True or False, got {init_sync!r}")
-        if init_sync:
+        if init_sync and communicator is None:
             broadcast_parameters(self.params, process_group)
 
     # --- compression figures ------------------------------------------------------------------------
@@ -181,7 +193,8 @@ class PowerSGD(Aggregator):
         of it (every collective is an allreduce; ``W`` the size of ``process_group`` now, a checkpoint of
         another world size being refused). The wire's 64-byte padding of each factor is sent and not
         counted, here as there."""
-        world = placement(self.process_group)["world_size"]
+        world = placement(self.process_group)["world_size"] if self.communicator is None else \
+            self.communicator.world_size
         return link_bytes("allreduce", self.total_bytes_sent, world)
 
     @property
@@ -237,7 +250,8 @@ class PowerSGD(Aggregator):
             if grad.shape != self.params[index].shape:
                 raise ValueError(f"gradient #{index} has shape {tuple(grad.shape)}, its parameter "
                                  f"{tuple(self.params[index].shape)}")
-        comm = make_communicator(self.process_group, self.comm_device, issuer="gradpress.PowerSGD.aggregate_")
+        comm = self.communicator or make_communicator(self.process_group, self.comm_device,
+                                                      issuer="gradpress.PowerSGD.aggregate_")
         compressed_step = self.step_counter - self.config.start_compressing_after_num_steps
         measure = should_measure(self.config.approximation_error_every_n_iters, compressed_step)
         global_residual = should_measure(self.config.global_residual_every_n_iters, compressed_step)
@@ -257,7 +271,7 @@ class PowerSGD(Aggregator):
                                             work_dtype_for(dtype), self._ranks_of(keys))
                 session.run(segment, context.tensors, comm, compressed_step, measure=measure,
                             global_residual=global_residual)
-            self.finite = session.finish()
+            self.finite = session.finish(decision_of(comm))
         except BaseException:
             session.discard()
             raise

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..checkpoint import dcp_saved_keys, per_rank_state, placement, read_per_rank, reject_gathered
 from ..validation import check_int
-from ..comm import all_gather_ints, average_tensors_, is_member, link_bytes
+from ..comm import all_gather_ints, average_tensors_, check_process_group, is_member, is_torchft_object, link_bytes
 from .islands import check_islands
 from .saved import Kind, check_kind, kind_from_keys, kind_from_state
 from .shards import Spec, as_sharded, check_same_layout, from_saved, layout_key, local_views
@@ -46,6 +46,8 @@ class ModelAverager(ABC):
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, average_buffers: bool = False) -> None:
+        if is_torchft_object(process_group):  # others pass through: a rank outside a subgroup holds a marker int
+            check_process_group(process_group, f"{type(self).__name__}'s process_group")
         self.process_group = process_group
         self.average_buffers = bool(average_buffers)
         self.step = 0

@@ -25,15 +25,14 @@ from .communicator import LocalCommunicator, ProcessGroupCommunicator, make_comm
 from .average import PendingAverage, average_task, average_tensors_, device_groups, start_average
 from .exchange import GroupExchange, PayloadExchange
 from .link import link_bytes
-from .errors import CollectiveError, check_process_group, collective_error, describe_collective
+from .errors import (TORCHFT_HINT, CollectiveError, check_communicator, check_process_group, collective_error,
+                     describe_collective, is_torchft_object)
 from .parameters import broadcast_parameters, flat_groups
 
 __all__ = ["CollectiveError", "GroupExchange", "LocalCommunicator", "PayloadExchange", "PendingAverage",
-           "ProcessGroupCommunicator", "Work", "all_gather_async", "all_gather_ints", "all_gather_objects",
-           "all_reduce",
-           "all_reduce_async", "all_to_all_async",
-           "average_task",
-           "average_tensors_", "barrier", "broadcast", "broadcast_async", "broadcast_parameters",
+           "ProcessGroupCommunicator", "TORCHFT_HINT", "Work", "all_gather_async", "all_gather_ints",
+           "all_gather_objects", "all_reduce", "all_reduce_async", "all_to_all_async", "average_task",
+           "average_tensors_", "barrier", "broadcast", "broadcast_async", "broadcast_parameters", "check_communicator",
            "check_process_group", "collective_error", "describe_collective", "device_groups", "flat_groups",
-           "gather_objects", "is_distributed", "is_member", "link_bytes", "make_communicator", "reduce_scatter_async",
-           "scatter_objects", "start_average"]
+           "gather_objects", "is_distributed", "is_member", "is_torchft_object", "link_bytes", "make_communicator",
+           "reduce_scatter_async", "scatter_objects", "start_average"]

@@ -161,11 +161,18 @@ def _describe_broadcast(tensor: Tensor, src: int, process_group: dist.ProcessGro
 
 
 def all_gather_async(out: Tensor, tensor: Tensor, process_group: dist.ProcessGroup | None = None,
-                     issuer: str = "gradpress", what: str | Callable[[], str] | None = None) -> Work:
+                     issuer: str = "gradpress", what: str | Callable[[], str] | None = None,
+                     as_list: bool = False) -> Work:
     """Start gathering every rank's ``tensor`` into ``out`` (``world_size * tensor.numel()`` values,
-    in rank order)."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # name since torch 2.13
+    in rank order). ``as_list``: through ``torch.distributed.all_gather`` into views of ``out`` (the same
+    bytes), for a process group that has no backend registered per device, which the single-tensor
+    all-gather looks up (torchft's reconfigurable groups)."""
     described = what or (lambda: describe_collective("all-gather", tensor, dist.get_world_size(process_group), issuer))
+    if as_list:
+        pieces = list(out.view(-1, tensor.numel()).unbind(0)) if tensor.numel() else \
+            [out[:0] for _ in range(dist.get_world_size(process_group))]
+        return Work(start_described(described, dist.all_gather, pieces, tensor, group=process_group), out, described)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # name since torch 2.13
     return Work(start_described(described, gather, out, tensor, group=process_group), out, described)
 
 

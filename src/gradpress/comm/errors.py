@@ -6,7 +6,14 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["CollectiveError", "check_process_group", "collective_error", "describe_collective"]
+__all__ = ["CollectiveError", "TORCHFT_HINT", "check_communicator", "check_process_group", "collective_error",
+           "describe_collective", "is_torchft_object"]
+
+#: What to use instead when a torchft object is given where a process group is expected.
+TORCHFT_HINT = ("a torchft Manager (and its process group, which reports rank 0 on every replica group) is "
+                "given to gradpress through gradpress.integrations.torchft: group = FaultTolerantGroup(manager), "
+                "then PowerSGDState(None, ..., communicator=group.communicator()), PowerSGD(params, config, "
+                "communicator=group.communicator()) or StreamingDiLoCoAverager(..., sync_group=group)")
 
 
 class CollectiveError(RuntimeError):
@@ -40,7 +47,38 @@ def check_process_group(value: object, where: str, hint: str = "") -> None:
     hook); without this check such a value only fails deep inside the first collective. ``hint`` is
     appended to the message (what the caller probably meant).
     """
+    if is_torchft_object(value):
+        raise TypeError(f"{where} must be None (the default group) or a torch.distributed.ProcessGroup, got "
+                        f"torchft's {type(value).__name__}: {TORCHFT_HINT}")
     if value is None or (dist.is_available() and isinstance(value, dist.ProcessGroup)):
         return
     raise TypeError(f"{where} must be None (the default group) or a torch.distributed.ProcessGroup, got "
                     f"{type(value).__name__} {value!r}" + (f"; {hint}" if hint else ""))
+
+
+def is_torchft_object(value: object) -> bool:
+    """Whether ``value`` is a torchft ``Manager`` or one of torchft's process groups (read from its class,
+    without importing torchft): neither is a process group gradpress can average over as it is."""
+    for cls in type(value).__mro__:
+        if cls.__module__.split(".")[0] == "torchft" and (cls.__name__ == "Manager" or "ProcessGroup" in cls.__name__):
+            return True
+    return False
+
+
+def check_communicator(communicator: object, process_group: object, owner: str) -> None:
+    """``communicator`` (``None`` or an object with the engine's communicator methods: ``world_size``,
+    ``allreduce_sum``, ``allreduce_max``) checked, and not given with a ``process_group``: ``TypeError``
+    naming ``owner``'s argument and what it takes."""
+    if communicator is None:
+        return
+    if is_torchft_object(communicator):
+        raise TypeError(f"{owner}'s communicator must be a gradpress communicator, got torchft's "
+                        f"{type(communicator).__name__}: {TORCHFT_HINT}")
+    missing = [name for name in ("world_size", "allreduce_sum", "allreduce_max") if not hasattr(communicator, name)]
+    if missing:
+        raise TypeError(f"{owner}'s communicator must have world_size, allreduce_sum and allreduce_max (the "
+                        f"Communicator protocol of gradpress.powersgd.transport), got {type(communicator).__name__} "
+                        f"without {', '.join(missing)}")
+    if process_group is not None:
+        raise TypeError(f"{owner}: give process_group or communicator, not both (the communicator decides "
+                        f"who takes part; got process_group={process_group!r})")

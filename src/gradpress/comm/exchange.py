@@ -43,19 +43,26 @@ class PayloadExchange(Protocol):
 
 class GroupExchange:
     """:class:`PayloadExchange` over ``process_group`` (``None``: the default group; without
-    ``torch.distributed``, one rank alone)."""
+    ``torch.distributed``, one rank alone).
 
-    __slots__ = ("process_group", "issuer", "rank", "world")
+    ``rank`` and ``world``: this rank's place among those taking part, where the group cannot say it
+    itself (torchft's process group reports rank 0 on every replica; its ``Manager`` knows the rank);
+    ``None`` asks ``torch.distributed``. ``gather_as_list``: all-gather through the list form (see
+    :func:`gradpress.comm.all_gather_async`)."""
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, issuer: str = "gradpress") -> None:
+    __slots__ = ("process_group", "issuer", "rank", "world", "gather_as_list")
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, issuer: str = "gradpress", *,
+                 rank: int | None = None, world: int | None = None, gather_as_list: bool = False) -> None:
         self.process_group = process_group
         self.issuer = issuer
         distributed = is_distributed()
-        self.rank = dist.get_rank(process_group) if distributed else 0
-        self.world = dist.get_world_size(process_group) if distributed else 1
+        self.rank = rank if rank is not None else dist.get_rank(process_group) if distributed else 0
+        self.world = world if world is not None else dist.get_world_size(process_group) if distributed else 1
+        self.gather_as_list = gather_as_list
 
     def all_gather(self, out: Tensor, tensor: Tensor, what: str | Callable[[], str]) -> Work:
-        return all_gather_async(out, tensor, self.process_group, self.issuer, what=what)
+        return all_gather_async(out, tensor, self.process_group, self.issuer, what=what, as_list=self.gather_as_list)
 
     def all_to_all(self, out: Tensor, tensor: Tensor, what: str | Callable[[], str]) -> Work:
         return all_to_all_async(out, tensor, self.process_group, self.issuer, what=what)

@@ -27,11 +27,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..adaptive import AdaptiveRank
-from ..comm import check_process_group, make_communicator
+from ..comm import check_communicator, check_process_group, make_communicator
 from ..policy import RankRules
 from ..powersgd.config import EngineConfig
 from ..powersgd.session import EngineSession, MemoryReport
-from ..powersgd.transport import Communicator
+from ..powersgd.transport import Communicator, decision_of
 from ..autorank import AutoRank
 from .auto_rank import auto_rank_decision
 from .iteration import StartedBuckets, WaitingBuckets
@@ -142,6 +142,12 @@ class PowerSGDState(StateBuckets, StateReport, StateCheckpoint):
             fp16), ``"fp16"`` or ``"bf16"`` (fp32's range, no scale, 8 bits of mantissa against 11).
         orthogonalization: ``"auto"`` (Householder on the CPU, Cholesky-QR elsewhere), ``"householder"``,
             ``"cholesky"``.
+        communicator: what the hook averages over instead of ``process_group`` (which must then be
+            ``None``): any object with the engine's :class:`~gradpress.powersgd.transport.Communicator`
+            methods, e.g. ``gradpress.integrations.torchft.FaultTolerantGroup(manager).communicator()``
+            across torchft replica groups. One that decides whether steps count
+            (:class:`~gradpress.powersgd.transport.StepDecision`) is asked at the iteration's last bucket,
+            before anything is written: a step it refuses leaves the memory bitwise as it was.
 
     Non-finite iterations (AMP): when anything the hook averaged in an iteration is inf/NaN (on any
     rank: the sum carries it to all), the error memory and warm-start factors of every bucket, on every
@@ -197,12 +203,14 @@ class PowerSGDState(StateBuckets, StateReport, StateCheckpoint):
         half_precision_wire: str = "auto",
         orthogonalization: str = "auto",
         overlap: str = "auto",
+        communicator: Communicator | None = None,
     ) -> None:
         check_process_group(process_group, "PowerSGDState's first argument, process_group",
                             "the signature is PowerSGDState(process_group, matrix_approximation_rank, "
                             f"start_powerSGD_iter, ...): for rank {process_group!r} write "
                             f"PowerSGDState(None, matrix_approximation_rank={process_group!r}, ...)"
                             if isinstance(process_group, int) and not isinstance(process_group, bool) else "")
+        check_communicator(communicator, process_group, "PowerSGDState")
         use_error_feedback = merged_error_feedback(use_error_feedback, error_feedback)
         check_lr_scheduler(lr_scheduler)
         check_schedule(start_powerSGD_iter, compression_stats_logging_frequency, approximation_error_every_n_iters,
@@ -228,7 +236,7 @@ class PowerSGDState(StateBuckets, StateReport, StateCheckpoint):
         # Per-bucket steps (commit_each_bucket) start only their first phase at submit; the last bucket
         # drains the rest, so the autograd thread never waits on the link mid-backward (docs/design.md#ordering).
         self._session = EngineSession(config, advance_on_submit=False)
-        self._comm: Communicator | None = None
+        self._comm: Communicator | None = communicator
         self.lr_scheduler = lr_scheduler
         self._lr_iter = -1  # the iteration at which the learning rate was last read
         self.approximation_error_every_n_iters = approximation_error_every_n_iters
@@ -301,7 +309,13 @@ class PowerSGDState(StateBuckets, StateReport, StateCheckpoint):
     def commit_each_bucket(self) -> None:
         """Write each bucket's output and memory as soon as its step ends, instead of all buckets of an
         iteration together at the last one. For wrappers that need each bucket's result at once (FSDP,
-        the interleaved ZeRO step); a non-finite bucket then keeps its own memory, not every bucket's."""
+        the interleaved ZeRO step); a non-finite bucket then keeps its own memory, not every bucket's.
+        ``ValueError`` with a communicator that decides whether steps count (it decides per iteration)."""
+        if decision_of(self._comm) is not None:
+            raise ValueError("PowerSGDState.commit_each_bucket(): this state's communicator decides whether each "
+                             "iteration counts (a fault-tolerant group), which needs every bucket committed "
+                             "together at the iteration's last one; FSDP and the interleaved ZeRO step are not "
+                             "supported with it")
         self._session.commit_each_bucket = True
 
     def drain(self) -> None:
@@ -357,6 +371,12 @@ class PowerSGDState(StateBuckets, StateReport, StateCheckpoint):
         factor = self._session.rescale_to_lr(self.lr_scheduler.get_last_lr()[0])
         if factor is not None and not isinstance(self._bucket_memory, dict):
             self._bucket_memory.scale_errors(factor)
+
+    @property
+    def communicator(self) -> Communicator | None:
+        """What the hook averages over: the ``communicator`` given at construction, or the process group's
+        once the first bucket made it (``None`` before)."""
+        return self._comm
 
     # --- internals used by the hooks ------------------------------------------------------------------
     def _communicator(self) -> Communicator:

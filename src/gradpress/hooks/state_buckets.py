@@ -18,7 +18,7 @@ from torch import Tensor
 from ..powersgd.memory import Segment
 from ..powersgd.seeding import RESIZE_DRAW
 from ..powersgd.session import EngineSession
-from ..powersgd.transport import Communicator
+from ..powersgd.transport import Communicator, decision_of
 from .auto_rank import decide_rank, measure_bucket
 from .iteration import StartedBuckets, WaitingBuckets, bucket_segment, overlap_pays
 from .parameters import ParameterKeys
@@ -89,7 +89,7 @@ class StateBuckets:
 
         start(on_done=done, on_fail=fut.set_exception)
         if bucket.is_last():
-            self._session.finish()
+            self._session.finish(decision_of(self._communicator()))
             adaptive = self._params.adaptive
             if compressed and adaptive is not None \
                     and (self.iter - self.start_powerSGD_iter + 1) % adaptive.every == 0:

@@ -13,6 +13,9 @@ Each submodule imports its framework when it is imported, never before: ``import
 * :mod:`gradpress.integrations.transformers`: ``register_comm_hook(trainer, state, hook)`` for the
   transformers ``Trainer``: a ``TrainerCallback`` that registers the hook on the DDP model and keeps
   each process's hook state in the Trainer's checkpoints.
+* :mod:`gradpress.integrations.torchft` (``pip install "gradpress[torchft]"``): ``FaultTolerantGroup``
+  over a torchft ``Manager``, for PowerSGD and streaming DiLoCo across replica groups that come and go
+  (``docs/torchft.md``).
 
 Hook state (PowerSGD's error memory and warm-start factors) belongs to one process: every integration
 saves it per rank and restores it on the rank that saved it (see each module for where it is stored).

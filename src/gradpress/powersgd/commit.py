@@ -69,6 +69,10 @@ class StepCommit:
         if finish is not None:
             self._finishes.append(finish)
 
+    def __len__(self) -> int:
+        """How many flags the step in progress has added (0: nothing to commit)."""
+        return len(self._flags)
+
     def discard(self) -> None:
         """Forget a step that failed midway: its segments keep their memory and factors as before it."""
         self._finishes, self._flags = [], []

@@ -38,7 +38,7 @@ from .pipeline import OrderedPipeline, Task
 from .seeding import upload
 from .step import StartedStep, average_step, compress_step, finish_power_steps, step_options, step_wire_dtype
 from .store import SegmentStore
-from .transport import Communicator
+from .transport import Communicator, StepDecision
 from .wire import wire_codec
 
 __all__ = ["EngineSession", "MemoryReport"]
@@ -245,13 +245,19 @@ class EngineSession:
             self.discard()
             raise
 
-    def finish(self) -> Tensor | None:
+    def finish(self, decision: StepDecision | None = None) -> Tensor | None:
         """End the optimizer step: run every task to its end, commit them together, run the waiting
-        completions. Returns the step's all-finite flag (``None``: nothing was committed)."""
+        completions. Returns the step's all-finite flag (``None``: nothing was committed).
+
+        ``decision`` (the communicator, where it decides whether steps count: a fault-tolerant group) is
+        asked once, after every collective has completed and before the commit; a step it refuses is
+        committed as a non-finite one (memory and factors bitwise as before, the flag ``False``)."""
         if self._step_bytes is not None:
             self.last_step_bytes, self._step_bytes = self._step_bytes, None
         try:
             self.pipeline.drain()
+            if decision is not None and len(self.commit):
+                self.commit.add(torch.tensor(bool(decision.decide_step())))
             finite = self.commit.apply()
         except BaseException:
             self.discard()

@@ -14,9 +14,10 @@ from ..averaging import OuterStep
 from ..averaging.compress import Compressor
 from ..averaging.outer import anchored_state_dict, check_first_sync, no_anchor_message, take_anchor, takes_anchor
 from ..averaging.tensors import Params
-from ..averaging.transport import Link, OuterTransport, transport_for
+from ..averaging.transport import Link, OuterTransport, Sent, transport_for
 from ..validation import check_int, check_number
 from ..comm import average_tensors_, is_member, link_bytes
+from .elastic import check_sync_group, guarded, means_if_committed, round_start
 from .fragments import FragmentSpec, explicit_layout, fragment_members, fragment_offsets, split_by_size
 from .state import Fragment, FragmentCheckpoint, InFlight
 
@@ -152,6 +153,16 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
         schedule: ``"auto"`` (default), ``"all-gather"`` or ``"two-shot"``: how a compressor's payloads
             travel, see above (other compressions are all-reduced and take ``"auto"`` only).
         average_buffers: also synchronize floating-point buffers.
+        sync_group: who takes part in each sync when that is decided per sync
+            (:class:`~gradpress.averaging.syncgroup.SyncGroup`: a torchft ``Manager`` through
+            ``gradpress.integrations.torchft.FaultTolerantGroup``, or the replica simulator's membership),
+            instead of ``process_group``. The schedule is then torchft's ``DiLoCo``'s: ``fragment_phase="end"``,
+            ``sync_every`` a multiple of ``F``, no warm-up; fragment ``m % F`` syncs in each round, ``m`` the
+            syncs committed so far, and the sync's stochastic rounding is seeded from ``m`` too; the anchor is
+            taken locally (the group heals a joiner from a peer). A sync that does not commit (a member lost,
+            too few members) leaves the anchor, the outer momentum, the residual and the owner residual bitwise
+            as they were, puts the fragment's parameters back to its anchor and is retried in the next round.
+            See ``docs/torchft.md``.
 
     Example::
 
@@ -171,8 +182,14 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
                  fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, compression: Compression = None,
                  average_buffers: bool = False, fragment_phase: str = "start", first_sync: str = "outer",
-                 schedule: str = "auto") -> None:
+                 schedule: str = "auto", sync_group: Any = None) -> None:
+        check_sync_group(sync_group, process_group=process_group, sync_every=sync_every,
+                         num_fragments=num_fragments if num_fragments is not None else
+                         len(fragments) if isinstance(fragments, Sequence) else 1,
+                         warmup_steps=warmup_steps, fragment_phase=fragment_phase, first_sync=first_sync,
+                         compression=compression)
         super().__init__(process_group, average_buffers)
+        self.sync_group = sync_group
         self.sync_every = check_int("sync_every", sync_every, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self._explicit: dict[int, int] | None = None
@@ -281,7 +298,10 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
     def _take_anchor(self, tensors: list[Tensor]) -> None:
         self._bind(tensors)
         views = self._local(tensors)[0]
-        anchor, sent = take_anchor(views, self.process_group)
+        if self.sync_group is not None:  # the group heals a joiner: every replica's anchor is its own start
+            anchor, sent = [v.detach().clone() for v in views], 0
+        else:
+            anchor, sent = take_anchor(views, self.process_group)
         world = dist.get_world_size(self.process_group) if sent else 1
         for fr in self._fragments:
             self._set_anchor(fr, [anchor[i] for i in fr.positions])
@@ -300,7 +320,12 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
         if takes_anchor(self, from_average=True):
             self._take_anchor(tensors)
         sent = self.fragment_sent_at(self.step)
+        group = self.sync_group
+        if sent is not None and group is not None:
+            group.begin()  # the sync's quorum: a joiner is healed here, its schedule read again below
+            sent = self.fragment_sent_at(self.step)
         due = [p for p in self._in_flight if self.step in (p.due, p.progress_at)] if self._in_flight else []
+        applied = False
         if sent is not None or due:
             self._bind(tensors)  # by the parameters' global sizes: the same layout on every shard
             views = self._local(tensors)[0]
@@ -310,7 +335,10 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
                 self._progress(pending)  # two-shot's all-gather, in the order the syncs were sent
             for pending in [p for p in self._in_flight if p.due == self.step]:
                 self._apply(pending, views)
+                applied = True
         self.step += 1
+        if applied and group is not None:  # the next round, keyed on the syncs committed (a failed one again)
+            self.step = round_start(group.committed(), self.sync_every, self.num_fragments)
 
     def _bind(self, tensors: list[Tensor]) -> None:
         if self._explicit is not None:
@@ -356,17 +384,29 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
             self.num_averages += 1
             return
         assert fr.anchor is not None and fr.transport is not None
-        link = self._link(fr, fr.syncs)
-        sent = fr.transport.send(fr.anchor, members, fr.residual, link)
+        group = self.sync_group
+        sync = fr.syncs if group is None else group.committed() // self.num_fragments
+        link = self._link(fr, sync)
+        delay = self.fragment_sync_delay
+        transport, anchor = fr.transport, fr.anchor
+        sent = guarded(group, lambda: transport.send(anchor, members, fr.residual, link))
+        failed = sent is None
+        sent = Sent([], []) if sent is None else sent
         if sent.schedule == "all-gather":
             fr.owner.drop(f"{type(self).__name__}, fragment {fr.index}", "the sync is all-gathered")
         self._count(fr, sent.bytes_sent, sent.link_bytes)
-        delay = self.fragment_sync_delay
-        self._in_flight.append(InFlight(fr.index, self.step + delay, sent, fr.syncs, self.step + (delay + 1) // 2))
-        fr.syncs += 1
+        pending = InFlight(fr.index, self.step + delay, sent, sync, self.step + (delay + 1) // 2)
+        pending.failed = failed
+        self._in_flight.append(pending)
+        fr.syncs = sync + 1
 
     def _link(self, fr: Fragment, sync: int) -> Link:
         """Where sync ``sync`` of fragment ``fr`` goes (this rank, the world size, its seeds)."""
+        group = self.sync_group
+        if group is not None:
+            rank, world, exchange = group.rank, group.world, group.exchange(self._issuer())
+            return Link(group.process_group, rank, world, fr.index, sync, self._issuer(),
+                        lambda op, sent: self._describe_sync(fr, op, sent, world), exchange)
         rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         return Link(self.process_group, rank, world, fr.index, sync, self._issuer(),
                     lambda op, sent: self._describe_sync(fr, op, sent, world))
@@ -374,14 +414,16 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
     def _progress(self, pending: InFlight) -> None:
         """Issue the remaining phase of ``pending`` (two-shot's all-gather), at its step on every rank."""
         sent = pending.sent
-        if not sent.needs_progress:
+        if not sent.needs_progress or pending.failed:
             return
         fr = self._fragments[pending.fragment]
         assert fr.anchor is not None and fr.transport is not None
+        group = self.sync_group
         link = self._link(fr, pending.sync)
         before = sent.bytes_sent, sent.link_bytes
-        fr.transport.progress(sent, fr.anchor, fr.owner.usable(link, f"{type(self).__name__}, fragment {fr.index}"),
-                              link)
+        owner = fr.owner.usable(link, f"{type(self).__name__}, fragment {fr.index}")
+        if guarded(group, lambda: fr.transport.progress(sent, fr.anchor, owner, link) or True) is None:  # type: ignore
+            pending.failed = True
         self._count(fr, sent.bytes_sent - before[0], sent.link_bytes - before[1])
 
     def _describe_sync(self, fr: Fragment, op: str, sent: int, world: int) -> str:
@@ -405,7 +447,17 @@ class StreamingDiLoCoAverager(FragmentCheckpoint):
         members = self._members(fr, tensors)
         assert fr.anchor is not None and fr.outer is not None and fr.transport is not None
         self._progress(pending)  # nothing left to issue unless a caller skipped its step
-        means, finite = fr.transport.mean(pending.sent, fr.anchor)
+        if self.sync_group is None:
+            means, finite = fr.transport.mean(pending.sent, fr.anchor)
+        else:
+            held = means_if_committed(self.sync_group, pending, fr.transport, fr.anchor)
+            if held is None:  # not committed: every averager tensor as it was, the fragment at its anchor
+                with torch.no_grad():
+                    for member, a in zip(members, fr.anchor):
+                        member.copy_(a)
+                self._in_flight.remove(pending)
+                return
+            means, finite = held
         # A non-finite Δ must not move the anchor nor the momentum: decided on the device.
         fr.outer.step(means, finite)
         with torch.no_grad():

@@ -49,10 +49,10 @@ class InFlight:
     """An outer gradient sent and not yet applied: what its transport has in flight (``sent``: the
     collectives' handles, their output buffers, and the residual this rank keeps if the result is
     finite), the step at which it is applied (``due``), the fragment's sync count when it was sent
-    (``sync``: it seeds the owner's rounding) and the step that issues its second phase, if it has one
-    (``progress_at``, at most ``due``)."""
+    (``sync``: it seeds the owner's rounding), the step that issues its second phase, if it has one
+    (``progress_at``, at most ``due``), and under a sync group whether one of its collectives failed."""
 
-    __slots__ = ("fragment", "due", "sent", "sync", "progress_at")
+    __slots__ = ("fragment", "due", "sent", "sync", "progress_at", "failed")
 
     def __init__(self, fragment: int, due: int, sent: Sent, sync: int = 0, progress_at: int | None = None) -> None:
         self.fragment = fragment
@@ -60,6 +60,8 @@ class InFlight:
         self.sent = sent
         self.sync = sync
         self.progress_at = due if progress_at is None else progress_at
+        #: Under a sync group: a collective of this sync failed (it will not be applied).
+        self.failed = False
 
 
 class FragmentCheckpoint(ModelAverager):
@@ -85,6 +87,26 @@ class FragmentCheckpoint(ModelAverager):
             **self._own_fragment(fr), "syncs": fr.syncs} for fr in self._fragments]
         state["in_flight"] = self._in_flight_state()
         return state
+
+    def global_state_dict(self) -> dict[str, Any]:
+        """What every replica holds alike, as copies: the step, ``num_averages``, the fragment layout and
+        each fragment's anchor, outer momentum and sync count. What a fault-tolerant group copies to a
+        joining replica when it heals it (:meth:`load_global_state_dict` there); the rest of the state is
+        this replica's own (residuals, owner residuals, byte counters, updates in flight) and starts from
+        zero on the joiner: copying a peer's residual would apply that peer's unsent mass twice."""
+        return {"step": self.step, "num_averages": self.num_averages, "compression": repr(self.compression),
+                "layout": None if self._layout is None else list(self._layout),
+                "fragments": [{**(fr.outer.state_dict() if fr.outer is not None else {"anchor": None, "outer": None}),
+                               "syncs": fr.syncs} for fr in self._fragments]}
+
+    def load_global_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take a peer's :meth:`global_state_dict` (a replica healed by its group): the shared values are
+        copied, this replica's own start from zero (no residual, no owner residual, nothing in flight, byte
+        counters at 0). ``ValueError`` for a state of another compression or fragment count."""
+        if state.get("compression") != repr(self.compression):
+            raise ValueError(f"{type(self).__name__}.load_global_state_dict: the state was saved with compression="
+                             f"{state.get('compression')}, this averager has compression={self.compression!r}")
+        self._load(state, None, True)
 
     def _own_fragment(self, fr: Fragment) -> dict[str, Any]:
         return {"residual": None if fr.residual is None else fr.residual.clone(),
