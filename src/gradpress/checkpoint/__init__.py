@@ -30,11 +30,13 @@ import torch.distributed as dist
 
 from ..comm import gather_objects, scatter_objects
 from .per_rank import (PER_RANK_FORMAT, check_placement, check_saved_options, check_world_size_policy, dcp_load_key,
-                       dcp_saved_keys, dcp_stateful, per_rank_state, placement, read_per_rank, to_cpu)
+                       dcp_saved_keys, dcp_stateful, per_rank_state, placement, read_per_rank, to_cpu,
+                       clone_tensors)
 
 __all__ = ["save", "load", "placement", "check_placement", "check_saved_options", "reject_gathered", "gather_state",
-           "scatter_state", "state_nbytes", "to_cpu", "ARRIVAL_TIMEOUT", "PER_RANK_FORMAT", "per_rank_state",
-           "read_per_rank", "check_world_size_policy", "dcp_load_key", "dcp_saved_keys", "dcp_stateful"]
+           "scatter_state", "state_nbytes", "to_cpu", "clone_tensors", "ARRIVAL_TIMEOUT", "PER_RANK_FORMAT",
+           "per_rank_state", "read_per_rank", "check_world_size_policy", "dcp_load_key", "dcp_saved_keys",
+           "dcp_stateful"]
 
 logger = logging.getLogger(__name__)
 

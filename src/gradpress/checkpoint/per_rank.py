@@ -32,6 +32,19 @@ def to_cpu(obj: Any) -> Any:
     return obj
 
 
+def clone_tensors(obj: Any) -> Any:
+    """``obj`` with every tensor detached and cloned where it is (mappings, lists and tuples walked): a
+    state that stays as it is while training goes on changing the live tensors (a fault-tolerant group
+    serves a joiner the state after the quorum)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, Mapping):
+        return {key: clone_tensors(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone_tensors(value) for value in obj)
+    return obj
+
+
 def placement(process_group: Any = None) -> dict[str, int]:
     """``{"rank": r, "world_size": w}`` of this process in ``process_group`` (``0``/``1`` when
     ``torch.distributed`` is not initialized): stored in every per-rank state_dict."""

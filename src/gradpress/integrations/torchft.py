@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..aggregator import PowerSGD
+from ..checkpoint import clone_tensors
 from ..comm import GroupExchange, is_torchft_object
 from ..hooks import PowerSGDState, powerSGD_hook
 from ..streaming import StreamingDiLoCoAverager
@@ -194,7 +195,7 @@ class FaultTolerantGroup:
             save = lambda: powersgd_global_state(obj)  # noqa: E731
             load = lambda state: obj.load_state_dict(state, allow_other_rank=True)  # noqa: E731
         elif isinstance(obj, (nn.Module, torch.optim.Optimizer)):
-            save = lambda: _copies(obj.state_dict())  # noqa: E731
+            save = lambda: clone_tensors(obj.state_dict())  # noqa: E731
             load = obj.load_state_dict
         else:
             raise TypeError(f"register's obj must be a StreamingDiLoCoAverager, PowerSGD, PowerSGDState, nn.Module "
@@ -258,7 +259,7 @@ def powersgd_global_state(obj: PowerSGD | PowerSGDState) -> dict[str, Any]:
         raise ValueError("powersgd_global_state: batched_powerSGD_hook's per-bucket memory is not supported under "
                          "torchft; use powerSGD_hook")
     state["memory"] = {key: {**entry, "error": None} for key, entry in state["memory"].items()}
-    return _copies(state)
+    return clone_tensors(state)
 
 
 def fault_tolerant_ddp(module: nn.Module, state: PowerSGDState,
@@ -293,18 +294,6 @@ def fault_tolerant_ddp(module: nn.Module, state: PowerSGDState,
                                                 find_unused_parameters=True, **ddp_kwargs)
     model.register_comm_hook(state, hook)
     return model
-
-
-def _copies(value: Any) -> Any:
-    """``value`` with every tensor cloned (torchft serves a state dict after the quorum, while training
-    goes on and changes the live tensors)."""
-    if isinstance(value, Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _copies(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copies(v) for v in value)
-    return value
 
 
 def _nbytes(value: Any) -> int:

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...checkpoint import clone_tensors
+
 __all__ = ["Attempt", "Departed", "Membership", "MembershipGroup", "schedule_from_records"]
 
 
@@ -169,7 +171,7 @@ class MembershipGroup:
         if hasattr(obj, "global_state_dict"):
             self._saves[key], self._loads[key] = obj.global_state_dict, obj.load_global_state_dict
         elif isinstance(obj, (nn.Module, torch.optim.Optimizer)):
-            self._saves[key] = lambda: _copies(obj.state_dict())
+            self._saves[key] = lambda: clone_tensors(obj.state_dict())
             self._loads[key] = obj.load_state_dict
         else:
             raise TypeError(f"register's obj must be a StreamingDiLoCoAverager, nn.Module or torch.optim.Optimizer, "
@@ -251,13 +253,3 @@ def _tensors(value: Any) -> list[Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     return []
-
-
-def _copies(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().clone()
-    if isinstance(value, Mapping):
-        return {k: _copies(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copies(v) for v in value)
-    return value
