@@ -18,6 +18,7 @@ from ..checkpoint import check_placement, placement
 from ..validation import check_number
 from ..comm import broadcast_parameters, is_distributed, is_member, link_bytes
 from .averagers import PeriodicModelAverager, sharded_copies
+from .outer_settings import warn_if_measured_to_lose
 from .saved import Kind
 from .shards import Spec, as_sharded, from_saved, local_views
 from .tensors import Params
@@ -176,6 +177,7 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         super().__init__(period, warmup_steps, process_group, average_buffers=average_buffers)
         self.outer_lr, self.outer_momentum, self.nesterov = OuterStep.check_options(outer_lr, outer_momentum, nesterov)
         self._transport = transport_for(compression, schedule)  # ValueError listing the accepted values
+        warn_if_measured_to_lose(type(self).__name__, self.period, self.outer_lr, self.outer_momentum)
         self.first_sync = check_first_sync(first_sync)
         self.compression = compression
         self.schedule = schedule

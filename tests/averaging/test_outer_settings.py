@@ -1,0 +1,80 @@
+"""The short-period warning of DiLoCo's outer settings against the runs it quotes
+(``benchmarks/results/diloco-outer``: the replica simulator's GPT, every method from the same weights and
+data order), and its logging once per setting."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from gradpress import OuterOptimizerAverager
+from gradpress.averaging import outer_settings
+from gradpress.averaging.outer_settings import MEASURED_LOSSES, short_period_loss, warn_if_measured_to_lose
+
+RUNS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "diloco-outer"
+
+
+def _runs() -> dict[str, dict]:
+    return {run["label"]: run for run in (json.loads(p.read_text()) for p in sorted(RUNS.glob("*.json")))}
+
+
+def _diloco(runs: dict[str, dict]) -> list[tuple[int, int, float, float, float, float]]:
+    """``(replicas, period, outer_lr, outer_momentum, vs allreduce, no sync vs allreduce)`` of every DiLoCo run
+    whose replicas have an allreduce and a no-sync run beside it."""
+    out = []
+    for label, run in runs.items():
+        if not run["method"].startswith("diloco:"):
+            continue
+        prefix = label.split("-diloco")[0]
+        base, nosync = runs.get(prefix + "-allreduce"), runs.get(prefix + "-nosync")
+        if base is None or nosync is None:
+            continue
+        out.append((run["workers"], int(run["method"].split(":")[1]), run["config"]["outer_lr"],
+                    run["config"]["outer_momentum"], run["ppl_end"] / base["ppl_end"] - 1,
+                    nosync["ppl_end"] / base["ppl_end"] - 1))
+    return out
+
+
+def test_every_quoted_loss_is_a_measured_run_that_ended_behind_no_sync():
+    measured = _diloco(_runs())
+    assert measured, f"no runs in {RUNS}"
+    for row in MEASURED_LOSSES:
+        match = [m for m in measured if m[:4] == (row.replicas, row.period, row.outer_lr, row.outer_momentum)]
+        assert match, row
+        _, _, _, _, vs_allreduce, no_sync = match[0]
+        assert (round(vs_allreduce, 3), round(no_sync, 3)) == (row.vs_allreduce, row.no_sync_vs_allreduce), row
+        assert vs_allreduce > no_sync, row
+
+
+def test_the_warning_covers_every_measured_run_that_lost_to_no_sync_and_none_of_the_advised_settings():
+    measured = _diloco(_runs())
+    for replicas, period, outer_lr, momentum, vs_allreduce, no_sync in measured:
+        if vs_allreduce > no_sync:
+            assert short_period_loss(period, outer_lr, momentum) is not None, (replicas, period, outer_lr, momentum)
+    # momentum 0 with an outer lr of 0.5 to 1.0 never lost to no sync, on any replica count: never warned
+    advised = [m for m in measured if m[3] == 0.0 and 0.5 <= m[2] <= 1.0]
+    assert advised and all(m[4] < m[5] for m in advised), advised
+    assert all(short_period_loss(m[1], m[2], m[3]) is None for m in advised)
+
+
+def test_the_averager_warns_once_per_setting_and_not_for_long_periods_or_no_momentum(caplog, monkeypatch):
+    monkeypatch.setattr(outer_settings, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="gradpress.averaging"):
+        OuterOptimizerAverager(period=20)                       # the defaults: outer lr 0.7, momentum 0.9
+        OuterOptimizerAverager(period=20)
+        OuterOptimizerAverager(period=500)
+        OuterOptimizerAverager(period=20, outer_lr=0.7, outer_momentum=0.0)
+    warnings = [r.getMessage() for r in caplog.records if "measured to end behind not synchronizing" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "OuterOptimizerAverager(period=20, outer_lr=0.7, outer_momentum=0.9)" in warnings[0]
+    assert warn_if_measured_to_lose("X", 10, 1.0, 0.9) and not warn_if_measured_to_lose("X", 10, 1.0, 0.9)
+
+
+@pytest.mark.parametrize("period", [1, 10, 20])
+def test_the_defaults_are_quoted_as_a_loss_at_short_periods_and_not_past_the_measured_ones(period):
+    row = short_period_loss(period, 0.7, 0.9)
+    assert row is not None and period <= row.period and (row.outer_lr, row.outer_momentum) == (0.7, 0.9)
+    assert short_period_loss(max(r.period for r in MEASURED_LOSSES) + 1, 0.7, 0.9) is None
