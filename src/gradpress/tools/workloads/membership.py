@@ -210,7 +210,9 @@ class MembershipGroup:
         if not before and self.membership.init_sync:  # torchft's init_sync: the first quorum heals from rank 0
             before, sources = {attempt.members[0]}, [attempt.members[0]]
         if self.taken == 0 and sources and self.name not in before:  # a joiner: heal from a peer
-            event.wait(timeout=self.membership.timeout_s)
+            if not event.wait(timeout=self.membership.timeout_s):
+                raise TimeoutError(f"MembershipGroup {self.name}: no member served the registered state of attempt "
+                                   f"{index} within {self.membership.timeout_s} s (timeout_s of the Membership)")
             for key, load in self._loads.items():
                 self.healed_bytes.append(sum(t.numel() * t.element_size() for t in _tensors(state[key])))
                 load(state[key])
