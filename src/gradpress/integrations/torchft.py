@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..aggregator import PowerSGD
-from ..checkpoint import clone_tensors
+from ..checkpoint import clone_tensors, state_nbytes
 from ..comm import GroupExchange, is_torchft_object
 from ..hooks import PowerSGDState, powerSGD_hook
 from ..streaming import StreamingDiLoCoAverager
@@ -202,7 +202,7 @@ class FaultTolerantGroup:
                             f"or torch.optim.Optimizer, got {type(obj).__name__}")
 
         def counted(state: Any) -> None:
-            self.healed_bytes.append(_nbytes(state))
+            self.healed_bytes.append(state_nbytes(state))
             load(state)
 
         self.manager.register_state_dict_fn(key, counted, save)
@@ -294,14 +294,3 @@ def fault_tolerant_ddp(module: nn.Module, state: PowerSGDState,
                                                 find_unused_parameters=True, **ddp_kwargs)
     model.register_comm_hook(state, hook)
     return model
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_nbytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return 0
-

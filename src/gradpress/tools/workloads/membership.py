@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...checkpoint import clone_tensors
+from ...checkpoint import clone_tensors, state_nbytes
 
 __all__ = ["Attempt", "Departed", "Membership", "MembershipGroup", "schedule_from_records"]
 
@@ -214,7 +214,7 @@ class MembershipGroup:
                 raise TimeoutError(f"MembershipGroup {self.name}: no member served the registered state of attempt "
                                    f"{index} within {self.membership.timeout_s} s (timeout_s of the Membership)")
             for key, load in self._loads.items():
-                self.healed_bytes.append(sum(t.numel() * t.element_size() for t in _tensors(state[key])))
+                self.healed_bytes.append(state_nbytes(state[key]))
                 load(state[key])
         elif sources and self.name == sources[0] and any(n not in before for n in attempt.members):
             state.update({key: save() for key, save in self._saves.items()})
@@ -245,13 +245,3 @@ class MembershipGroup:
 
     def committed(self) -> int:
         return self._committed
-
-
-def _tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
