@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -134,10 +135,14 @@ def test_advice_follows_the_rows() -> None:
     # Larger than every measured batch, nothing failed: PowerSGD, said to be beyond the map.
     advice = advise(128, "adamw", _tokens(1024), task="gpt")
     assert (advice.method, advice.status) == ("powersgd", "beyond the map")
-    # Another model with AdamW: the width rule's rank, no lr, beyond the map, at any batch; the rows it rests on.
+    # Another model with AdamW: the width rule's rank, no lr, beyond the map, at any batch, larger at a larger
+    # batch; the rows it rests on.
     advice = advise(768, "adamw", _tokens(1024))
-    assert (advice.rank, advice.status, advice.lr, advice.measured_width) == (64, "beyond the map (rule)", None, None)
-    assert advice.status_text == "beyond the map (rule: 2 x sqrt(width) up the ladder = 64; not measured at 768)"
+    assert (advice.rank, advice.status, advice.lr, advice.measured_width) == (96, "beyond the map (rule)", None, None)
+    assert advice.status_text == ("beyond the map (rule: 2 x sqrt(width) x (65,536 / 2,048)^0.125 up the ladder = 96; "
+                                  "not measured at 768)")
+    assert advise(768, "adamw", _tokens(32)).status_text == ("beyond the map (rule: 2 x sqrt(width) up the ladder = "
+                                                             "64; not measured at 768)")
     assert "width 384: 48 held, 32 fell behind" in advice.reason and advice.evidence == rule_evidence("adamw")
     assert "width 512: 48 held;" in advice.reason or "width 512: 48 held)" in advice.reason
     assert advise(768, "adamw", _tokens(16)).rank == 64
@@ -231,7 +236,7 @@ def test_no_advice_is_labelled_measured_at_a_width_no_row_has(optimizer: str) ->
             assert advice.status == {"adamw": "beyond the map (rule)", "sgd": "borrowed"}[optimizer], (width, tokens)
             assert record["status"] == advice.status and "measured" not in record["status_text"].split(" (")[0]
             if advice.status == "beyond the map (rule)":
-                assert advice.rank == width_rule_rank(width) and advice.measured_width is None
+                assert advice.rank == width_rule_rank(width, tokens) and advice.measured_width is None
                 assert record["status_text"].endswith(f"= {advice.rank}; not measured at {width})")
             if advice.status == "borrowed":
                 assert advice.measured_width in measured_widths and advice.measured_width != width
@@ -543,3 +548,32 @@ def test_the_demo_warns_when_recommended_starts_before_adamws_warm_up_ends(
     assert rec["method"].startswith("powersgd:")
     assert "step 2, before the learning-rate warm-up ends at step 3" in rec["warning"]
     assert "leave --start-iter out" in capsys.readouterr().err
+
+
+def test_the_width_rule_with_its_batch_term_holds_at_every_batch_the_map_measured() -> None:
+    """The oracle is the map's own rows (AdamW, data seen once where a width was measured on it, as
+    ``advise`` reads them for a user's model): at every measured width and batch, the rule's rank was
+    trained there and held, and the measured rank below it (above the floor) fell behind. Without the
+    batch term, width 256 from 4 workers' worth up gets 32, which fell behind; with a larger exponent,
+    width 128 at 32 workers' worth would get 48, one ladder step more than the 32 that held."""
+    from gradpress.tools.quality_map import RULE_BATCH_EXPONENT, RULE_FLOOR, _seen_once_first, _settings
+
+    rows = [m for m in MEASURED if m.optimizer == "adamw"]
+    checked = 0
+    for width in sorted({m.width for m in rows}):
+        here = _seen_once_first([m for m in rows if m.width == width])
+        for tokens in sorted({m.tokens_per_step for m in here}):
+            rank = width_rule_rank(width, tokens)
+            held = _settings([m for m in here if m.rank == rank]).get(tokens)
+            assert held is not None and held.holds, (width, tokens, rank)
+            below = [k for k in {m.rank for m in here} if RULE_FLOOR <= k < rank]
+            for k in below:
+                setting = _settings([m for m in here if m.rank == k]).get(tokens)
+                assert setting is None or not setting.holds, (width, tokens, k)
+            checked += 1
+            if width == 256 and tokens >= _tokens(64):
+                assert rank == 48 and width_rule_rank(width) == 32 and not _settings(
+                    [m for m in here if m.rank == 32])[tokens].holds
+    assert checked == 13
+    assert width_rule_rank(128, _tokens(512)) == 32
+    assert RULE_BATCH_EXPONENT == 0.125 and 2 * math.sqrt(128) * 16 ** 0.13 > 32   # a larger exponent: 48 there

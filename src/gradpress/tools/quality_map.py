@@ -39,9 +39,11 @@ measured width 512; not measured at 768)``.
 16
 >>> advise(width=128, optimizer="sgd", tokens_per_step=4 * 16 * 64).method   # gpt, 4 workers, SGD: +4.3%
 'fp16'
->>> advice = advise(width=768, optimizer="adamw", tokens_per_step=2 * 64 * 64)   # GPT-2's width: not measured
+>>> advice = advise(width=768, optimizer="adamw", tokens_per_step=2 * 16 * 64)   # GPT-2's width: not measured
 >>> advice.rank, advice.status_text
 (64, 'beyond the map (rule: 2 x sqrt(width) up the ladder = 64; not measured at 768)')
+>>> advise(width=768, optimizer="adamw", tokens_per_step=2 * 64 * 64).status_text   # 4x the batch: the batch term
+'beyond the map (rule: 2 x sqrt(width) x (8,192 / 2,048)^0.125 up the ladder = 96; not measured at 768)'
 >>> advise(width=768, optimizer="sgd", tokens_per_step=2 * 16 * 64).status_text
 'borrowed (nearest measured width 512; not measured at 768)'
 """
@@ -56,7 +58,7 @@ from ..autorank import DEFAULT_MIN_RANK, RANK_LADDER
 from .quality_rows import CHARS_PER_SEQUENCE, MEASURED, OPTIMIZER_WORDS, QUALITY_TARGET, Measured, describe_runs
 
 __all__ = ["ADAMW_OPTIONS", "BORROWED", "FP16_WIRE", "HALF_WARM_UP_EVIDENCE", "MEASURED", "QUALITY_TARGET", "RULE",
-           "RULE_COEFFICIENT", "START_RULE", "Advice", "Measured", "advise", "early_start_warning",
+           "RULE_BATCH_EXPONENT", "RULE_BATCH_TOKENS", "RULE_COEFFICIENT", "START_RULE", "rule_batch_factor", "Advice", "Measured", "advise", "early_start_warning",
            "markdown_table", "rank_for_width", "recipe_options", "rule_evidence", "width_rule_rank"]
 
 #: The status of advice read from the rows of another width than the model's (the nearest measured one):
@@ -148,29 +150,64 @@ RULE_COEFFICIENT = 2.0
 #: 8 workers' worth, where 32 held. It decides the rule only below width 256. ``AutoRank``'s default floor
 #: is the same rank, for the same reason.
 RULE_FLOOR = DEFAULT_MIN_RANK
+#: The width rule's batch term: the rank grows as ``(tokens_per_step / RULE_BATCH_TOKENS) **
+#: RULE_BATCH_EXPONENT`` above the batch the rule was fitted at (32 sequences of 64 tokens, 2 workers' worth
+#: of 16; never below 1: smaller batches keep the width's rank). The averaged gradient's noise shrinks as
+#: the batch grows, so a residual that hid under it at a small batch shows at a large one: at width 256 on
+#: data seen once rank 32 held at 2,048 tokens per step and fell behind at 4,096, 8,192 and 16,384, where
+#: 48 held; at width 128, 32 held up to 32,768 (2 x sqrt(128) x 16^(1/8) = 32 exactly): the largest
+#: exponent the map's rows allow (docs/tuning.md, "The width rule").
+RULE_BATCH_TOKENS = 2048
+RULE_BATCH_EXPONENT = 0.125
 
 
-def width_rule_rank(width: int) -> int:
-    """The width rule's rank for a model of ``width``: the smallest rank of
-    :data:`~gradpress.autorank.RANK_LADDER` at least ``RULE_COEFFICIENT * sqrt(width)`` and at least
-    :data:`RULE_FLOOR` (past the ladder's top, that product rounded up), at most ``width``.
+def rule_batch_factor(tokens_per_step: int | None) -> float:
+    """The width rule's batch term at ``tokens_per_step`` (over all workers): ``(tokens_per_step /
+    RULE_BATCH_TOKENS) ** RULE_BATCH_EXPONENT``, at least 1; 1 where ``None``.
+
+    >>> rule_batch_factor(2048), rule_batch_factor(1024), round(rule_batch_factor(8 * 2048), 3)
+    (1.0, 1.0, 1.297)
+    """
+    if tokens_per_step is None:
+        return 1.0
+    if not (isinstance(tokens_per_step, int) and tokens_per_step >= 1):
+        raise ValueError(f"tokens_per_step must be None or an integer >= 1, got {tokens_per_step!r}")
+    return max(1.0, (tokens_per_step / RULE_BATCH_TOKENS) ** RULE_BATCH_EXPONENT)
+
+
+def width_rule_rank(width: int, tokens_per_step: int | None = None) -> int:
+    """The width rule's rank for a model of ``width`` trained at ``tokens_per_step`` over all workers: the
+    smallest rank of :data:`~gradpress.autorank.RANK_LADDER` at least ``RULE_COEFFICIENT * sqrt(width) *``
+    :func:`rule_batch_factor` ``(tokens_per_step)`` and at least :data:`RULE_FLOOR` (past the ladder's top,
+    that product rounded up), at most ``width``. Without ``tokens_per_step``, the rule at the batch it was
+    fitted at (no batch term).
 
     >>> [width_rule_rank(w) for w in (128, 256, 384, 512, 768, 4096)]
     [32, 32, 48, 48, 64, 128]
+    >>> [width_rule_rank(192, t) for t in (2048, 8192)], width_rule_rank(768, 512 * 1024)   # GPT-2, 0.5M tokens
+    ([32, 48], 128)
     """
     if not (isinstance(width, int) and width >= 1):
         raise ValueError(f"width must be an integer >= 1, got {width!r}")
-    return min(width, _up_the_ladder(max(RULE_FLOOR, RULE_COEFFICIENT * math.sqrt(width))))
+    target = RULE_COEFFICIENT * math.sqrt(width) * rule_batch_factor(tokens_per_step)
+    return min(width, _up_the_ladder(max(RULE_FLOOR, target)))
 
 
 def _up_the_ladder(target: float) -> int:
+    target = round(target, 9)   # a product that is a ladder rank in exact arithmetic stays that rank
     return next((r for r in RANK_LADDER if r >= target), math.ceil(target))
 
 
-def _rule_words(width: int | None = None) -> str:
-    """The width rule in words; with ``width``, the floor is named only where it raises the rank."""
-    floor = width is None or _up_the_ladder(RULE_COEFFICIENT * math.sqrt(width)) < RULE_FLOOR
-    return f"{RULE_COEFFICIENT:g} x sqrt(width)" + (f", at least {RULE_FLOOR}," if floor else "")
+def _rule_words(width: int | None = None, tokens_per_step: int | None = None) -> str:
+    """The width rule in words; with ``width``, the floor is named only where it raises the rank, and
+    with ``tokens_per_step``, the batch term only where it is more than 1."""
+    factor = rule_batch_factor(tokens_per_step)
+    if width is None or tokens_per_step is None:
+        batch = f" x (tokens/step / {RULE_BATCH_TOKENS:,})^{RULE_BATCH_EXPONENT:g} (at least 1)"
+    else:
+        batch = "" if factor == 1.0 else f" x ({tokens_per_step:,} / {RULE_BATCH_TOKENS:,})^{RULE_BATCH_EXPONENT:g}"
+    floor = width is None or _up_the_ladder(RULE_COEFFICIENT * math.sqrt(width) * factor) < RULE_FLOOR
+    return f"{RULE_COEFFICIENT:g} x sqrt(width){batch}" + (f", at least {RULE_FLOOR}," if floor else "")
 
 
 def rule_evidence(optimizer: str = "adamw") -> tuple[Measured, ...]:
@@ -189,9 +226,10 @@ def rule_evidence(optimizer: str = "adamw") -> tuple[Measured, ...]:
     return tuple(evidence)
 
 
-def _rule_advice(width: int, optimizer: str, rows: list[Measured]) -> Advice:
-    """The width rule's advice for a ``width`` the map's ``rows`` (``optimizer``'s) do not have."""
-    rank = width_rule_rank(width)
+def _rule_advice(width: int, optimizer: str, rows: list[Measured], tokens_per_step: int) -> Advice:
+    """The width rule's advice for a ``width`` the map's ``rows`` (``optimizer``'s) do not have, at
+    ``tokens_per_step``."""
+    rank = width_rule_rank(width, tokens_per_step)
     evidence = rule_evidence(optimizer)
     fit = []
     for w in sorted({m.width for m in evidence}):
@@ -201,10 +239,12 @@ def _rule_advice(width: int, optimizer: str, rows: list[Measured]) -> Advice:
     widths = ", ".join(str(w) for w in sorted({m.width for m in rows}))
     return Advice("powersgd", rank, recipe_options(optimizer), RULE,
                   f"{OPTIMIZER_WORDS[optimizer]} at width {width}, not measured (measured widths {widths}): the width "
-                  f"rule's rank, {_rule_words()} up the rank ladder = {rank}, the smallest measured "
-                  f"rank that held at each measured width's smallest batch ({'; '.join(fit)}); AutoRank chooses one "
-                  "on your own gradients instead (docs/tuning.md)",
-                  None, evidence, width=width)
+                  f"rule's rank at {tokens_per_step:,} tokens/step, {_rule_words(width, tokens_per_step)} up the rank "
+                  f"ladder = {rank}, the smallest measured rank that held at each measured width's smallest batch "
+                  f"({'; '.join(fit)}), and more as the batch grows (48 from 2 x 32 sequences at width 256); "
+                  f"AutoRank(max_rank={_up_the_ladder(2 * rank)}) chooses one on your own gradients instead, against "
+                  "the noise of their average (docs/tuning.md)",
+                  None, evidence, width=width, tokens_per_step=tokens_per_step)
 
 
 def rank_for_width(width: int) -> int:
@@ -239,6 +279,7 @@ class Advice:
     width: int | None = None
     measured_width: int | None = None
     nearest_status: str | None = None
+    tokens_per_step: int | None = None
 
     @property
     def status_text(self) -> str:
@@ -246,7 +287,7 @@ class Advice:
         from and what that width's rows said, e.g. ``"borrowed (nearest measured width 256; not measured at
         768)"``, ``"borrowed (nearest measured width 256, beyond the map there; not measured at 768)"``."""
         if self.status == RULE:
-            return (f"{RULE[:-1]}: {_rule_words(self.width)} up the ladder = {self.rank}; "
+            return (f"{RULE[:-1]}: {_rule_words(self.width, self.tokens_per_step)} up the ladder = {self.rank}; "
                     f"not measured at {self.width})")
         if self.status != BORROWED:
             return self.status
@@ -306,7 +347,7 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
     words = OPTIMIZER_WORDS[optimizer]
     if task is not None and not any(m.task == task for m in MEASURED):
         if optimizer == "adamw" and rows and task.startswith("gpt"):  # the rule's models: GPTs of any width
-            return _rule_advice(width, optimizer, rows)
+            return _rule_advice(width, optimizer, rows, tokens_per_step)
         return Advice("powersgd", rank, recipe_options(optimizer), "not measured",
                       f"PowerSGD was not measured on {task}: rank {rank} (width {width} / 8) with an fp16 wire is the "
                       "rule of the measured recipes; watch the global residual (docs/tuning.md)", width=width)
@@ -320,7 +361,7 @@ def advise(width: int, optimizer: str, tokens_per_step: int, task: str | None = 
     else:
         near = _nearest_width(rows, width)
         if near != width and optimizer == "adamw":
-            return _rule_advice(width, optimizer, rows)
+            return _rule_advice(width, optimizer, rows, tokens_per_step)
         rows = _seen_once_first([m for m in rows if m.width == near])
         where = f"at width {near}" + ("" if near == width else f" (the nearest measured to {width})")
     measured_width = rows[0].width
