@@ -78,3 +78,42 @@ def test_the_defaults_are_quoted_as_a_loss_at_short_periods_and_not_past_the_mea
     row = short_period_loss(period, 0.7, 0.9)
     assert row is not None and period <= row.period and (row.outer_lr, row.outer_momentum) == (0.7, 0.9)
     assert short_period_loss(max(r.period for r in MEASURED_LOSSES) + 1, 0.7, 0.9) is None
+
+
+def test_the_best_settings_quoted_are_the_best_measured_at_each_setting():
+    """Each :data:`MEASURED_BEST` row is, among the JSON's DiLoCo runs at its replicas and period, the one
+    with the lowest final perplexity, and its plain-averaging, defaults and no-sync figures are those runs'."""
+    from gradpress.averaging.outer_settings import MEASURED_BEST
+
+    measured = _diloco(_runs())
+    settings = {(m[0], m[1]) for m in measured}
+    assert settings == {(row.replicas, row.period) for row in MEASURED_BEST}
+    for row in MEASURED_BEST:
+        here = [m for m in measured if (m[0], m[1]) == (row.replicas, row.period)]
+        best = min(here, key=lambda m: m[4])
+        assert (best[2], best[3], round(best[4], 3)) == (row.outer_lr, row.outer_momentum, row.vs_allreduce), row
+        by_setting = {(m[2], m[3]): round(m[4], 3) for m in here}
+        assert by_setting[(1.0, 0.0)] == row.plain_vs_allreduce and by_setting[(0.7, 0.9)] == row.defaults_vs_allreduce
+        assert round(best[5], 3) == row.no_sync_vs_allreduce
+        assert row.vs_allreduce < row.no_sync_vs_allreduce < row.defaults_vs_allreduce or row.period == 50
+
+
+def test_the_advice_reads_the_nearest_measured_setting_and_says_where_plain_averaging_won():
+    from gradpress.averaging.outer_settings import MEASURED_BEST, advise_outer
+
+    for row in MEASURED_BEST:
+        advice = advise_outer(row.period, row.replicas)
+        assert (advice.outer_lr, advice.outer_momentum, advice.status) == (row.outer_lr, row.outer_momentum,
+                                                                          "measured")
+        assert advice.plain_averaging == (row.outer_lr == 1.0 and row.outer_momentum == 0.0)
+        assert ("did not beat it" in advice.reason) == advice.plain_averaging
+        assert short_period_loss(row.period, advice.outer_lr, advice.outer_momentum) is None   # never warned
+    assert advise_outer(20, 16).evidence.replicas == 8 and advise_outer(20, 16).status == "nearest measured"
+    assert advise_outer(30, 3).evidence.period == 20 and advise_outer(5).evidence.period == 10
+    beyond = advise_outer(100, 4)
+    assert beyond.status == "beyond the measured periods" and beyond.evidence.period == 50
+    assert (advise_outer(500).outer_lr, advise_outer(500).outer_momentum, advise_outer(500).evidence) == (0.7, 0.9, None)
+    for bad, match in [({"period": 0}, "period must be an integer >= 1, got 0"),
+                       ({"period": 20, "replicas": 1}, "replicas must be None or an integer >= 2, got 1")]:
+        with pytest.raises(ValueError, match=match):
+            advise_outer(**bad)

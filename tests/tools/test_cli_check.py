@@ -20,6 +20,7 @@ import gradpress.tools.check.advice
 import gradpress.tools.check.loader
 import gradpress.tools.check.wire
 import gradpress.tools.quality_map
+from gradpress.averaging.outer_settings import advise_outer
 from gradpress.tools.check import Link, candidate_methods, predict, recommend, run_correctness
 from gradpress.tools.check.advice import BUCKET_BYTES, model_width, recipe_rule, recommended_powersgd
 from gradpress.tools.cli.main import main
@@ -120,8 +121,15 @@ def test_the_report_holds_one_powersgd_rank_the_maps_with_its_label_and_bytes(ca
     # recipes' rule's 22 (width x 1/8, at most 22) is not printed beside it.
     assert (info["width"], info["powersgd_rank"], quality["method"], quality["status"]) == (
         192, 32, "powersgd:32", "beyond the map (rule)")
-    label = "beyond the map (rule: 2 x sqrt(width) up the ladder = 32; not measured at 192)"
+    label = "beyond the map (rule: 2 x sqrt(width) x (4,096 / 2,048)^0.125 up the ladder = 32; not measured at 192)"
     assert info["powersgd_source"] == f"by the quality map's width rule, {label}" and quality["status_text"] == label
+    # DiLoCo's row and its own line carry the outer settings advised for its period (64: past the measured 50)
+    outer = advise_outer(64)
+    diloco = next(p for p in report["predictions"] if p["name"] == "diloco-h64")
+    assert diloco["config"] == f"OuterOptimizerAverager(period=64, {outer.arguments})" == \
+        "OuterOptimizerAverager(period=64, outer_lr=0.5, outer_momentum=0)"
+    assert report["diloco_outer"]["status"] == "beyond the measured periods"
+    assert "DiLoCo every 64 steps: outer_lr=0.5, outer_momentum=0 (beyond the measured periods)" in out
     assert info["powersgd_options"] == {"bytes_per_weight": 2, "warm_up_bytes_per_weight": 2}
     assert f"PowerSGD's rank for its width 192: 32 by the quality map's width rule, {label}; " in out
     assert f"quality map (adamw, 4,096 tokens/step from --tokens-per-step): {label}, powersgd:32" in out
@@ -185,7 +193,8 @@ def test_the_check_page_shows_the_rank_line_the_report_prints():
     assert model_width(gpt2) == 768 and "--model gpt2 --optimizer adamw --tokens-per-step 491520" in page
     line = _rank_line({"width": 768, **powersgd_choice(gpt2, advise(768, "adamw", 491520))})
     assert line + "\n" in page
-    assert "beyond the map (rule: 2 x sqrt(width) up the ladder = 64; not measured at 768)" in line
+    assert ("beyond the map (rule: 2 x sqrt(width) x (491,520 / 2,048)^0.125 up the ladder = 128; not measured at 768)"
+            in line)
 
 
 # --- the recommended rank follows the model's width ---------------------------------------------------------

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ...averaging.outer_settings import advise_outer
 from ...powersgd import make_plan
 from .link import Link
 from ..bytes import StepBytes, allreduce_bytes, powersgd_bytes, sync_bytes
@@ -185,11 +186,13 @@ class Prediction:
 
 
 def candidate_methods(shapes: Sequence[Sequence[int]], local_sgd_period: int = 8, diloco_period: int = 64,
-                      powersgd_ranks: Sequence[int] = (4,), recommended: Recommended | None = None) -> list[Method]:
+                      powersgd_ranks: Sequence[int] = (4,), recommended: Recommended | None = None,
+                      replicas: int | None = None) -> list[Method]:
     """The candidates for a model whose gradients have ``shapes`` (fp32 gradients): allreduce, fp16,
     :func:`powersgd_configs` (``recommended``: PowerSGD's one recommended ``(rank, options)``, its config
     the ``PowerSGDState`` to build with all of ``options``; ranks below it carry a note), local SGD and
-    DiLoCo."""
+    DiLoCo, with the outer settings :func:`gradpress.averaging.outer_settings.advise_outer` gives for
+    ``diloco_period`` and ``replicas`` (``None`` or 1: its default count)."""
     if local_sgd_period < 1 or diloco_period < 1:
         raise ValueError(f"local_sgd_period={local_sgd_period} and diloco_period={diloco_period} must be >= 1")
     shapes = [tuple(int(d) for d in s) for s in shapes]
@@ -216,8 +219,10 @@ def candidate_methods(shapes: Sequence[Sequence[int]], local_sgd_period: int = 8
     sync = sum(sync_bytes(shapes, fp32))  # every parameter, exactly
     methods.append(Method(f"local-sgd-h{local_sgd_period}", f"PeriodicModelAverager(period={local_sgd_period})",
                           sync / local_sgd_period, 1 / local_sgd_period, True, periodic))
-    methods.append(Method(f"diloco-h{diloco_period}", f"OuterOptimizerAverager(period={diloco_period})",
-                          sync / diloco_period, 1 / diloco_period, True, periodic))
+    outer = advise_outer(diloco_period, replicas if replicas is not None and replicas >= 2 else None)
+    note = periodic + ("; plain averaging did as well at this period" if outer.plain_averaging else "")
+    methods.append(Method(f"diloco-h{diloco_period}", f"OuterOptimizerAverager(period={diloco_period}, {outer.arguments})",
+                          sync / diloco_period, 1 / diloco_period, True, note))
     return methods
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ... import comm
 from ..cli.table import format_table
 from ...comm import link_bytes
+from ...averaging.outer_settings import advise_outer
 from ..bytes import allreduce_bytes, diloco_links, powersgd_bytes, reported_worlds
 from ..quality_map import RULE, Advice, advise, recipe_options
 from ..workloads.tasks import TASKS
@@ -97,7 +98,12 @@ def collect(model: str, device: torch.device, given_step_ms: float | None = None
     report["model_info"] = {"parameters": sum(p.numel() for p in module.parameters() if p.requires_grad),
                             "tensors": len(shapes), "step_ms": measured, "step_source": source,
                             "hook_compute_ms": hook_ms, "width": width, **choice}
-    methods = candidate_methods(shapes, local_sgd_period, diloco_period, powersgd_ranks, recommended)
+    replicas = world if world_size is None else world_size
+    methods = candidate_methods(shapes, local_sgd_period, diloco_period, powersgd_ranks, recommended, replicas)
+    outer = advise_outer(diloco_period, replicas if replicas >= 2 else None)
+    report["diloco_outer"] = {"period": diloco_period, "outer_lr": outer.outer_lr,
+                              "outer_momentum": outer.outer_momentum, "status": outer.status,
+                              "plain_averaging": outer.plain_averaging, "reason": outer.reason}
     rows = predict(methods, link, measured, hook_ms)
     rows = _mark_measured_behind(rows, report["quality"])
     best, reason = recommend(rows)
@@ -275,6 +281,10 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", f"{head}: {q.get('status_text', q['status'])}" + (f", {method}" if method else ""),
                   f"  {q['reason']}"]
         lines += [f"  {q['start']}"] if q.get("start") else []
+    outer = report.get("diloco_outer")
+    if outer:
+        lines += ["", f"DiLoCo every {outer['period']} steps: outer_lr={outer['outer_lr']:g}, "
+                      f"outer_momentum={outer['outer_momentum']:g} ({outer['status']})", f"  {outer['reason']}"]
     rec = report["recommendation"]
     lines += ["", f"recommended: {rec['method']} = {rec['config']}", f"  because {rec['reason']}",
               "", "all correctness checks passed" if report["ok"] else "SOME CORRECTNESS CHECKS FAILED"]
