@@ -8,10 +8,26 @@ the exact mean gradient (the warm-up is an allreduce). ``AutoRank`` measures, fo
     E(k) = sum over matrices of ||best rank-k approximation of G||^2 / sum over matrices of ||G||^2
 
 (a matrix that rank k would send exactly, because compressing it would not pay ``min_compression_rate``,
-counts whole; vectors are left out: they are always sent exactly). It pools the measured iterations and
-the workers (their carried and total energies summed, one all-reduce of ``max_rank + 1`` floats at the
-first compressed iteration, so every rank takes the same decision), and compression starts at the
-smallest rank of :meth:`AutoRank.candidates` whose E reaches ``threshold`` (``max_rank`` if none does).
+counts whole; vectors are left out: they are always sent exactly).
+
+How much of the mean a rank may leave behind depends on the batch: the larger the global batch, the less
+noise the mean carries, and the less residual it takes to matter. So by default
+(``criterion="noise"``) it also measures the **noise energy of the mean**, from the workers' own
+gradients before the warm-up's allreduce (one squared norm per matrix, summed on each worker, no
+collective of its own): with W workers, S the workers' mean of ||g_i||^2 and T = ||mean g||^2,
+
+    N = (S - T) / (W - 1)
+
+estimates E||mean g - E mean g||^2 without bias, and the **residual over noise** of rank k is
+
+    R(k) = (1 - E(k)) T / N.
+
+Compression starts at the smallest rank of :meth:`AutoRank.candidates` whose R(k) is at most
+``noise_multiple`` (``max_rank`` if none is). ``criterion="energy"`` (the rule before) instead takes the
+smallest whose E(k) reaches ``threshold``; a run on one worker, whose noise cannot be read this way, and
+one whose workers' gradients are identical (the same data on every worker) decide by the energy too, and
+the log says so. Both pool the measured iterations and the workers (energies summed, one all-reduce of
+``max_rank + 2`` floats at the first compressed iteration, so every rank takes the same decision).
 The candidates start at a floor, ``min_rank`` (by default :data:`DEFAULT_MIN_RANK`, 32, or ``max_rank``
 if that is lower): below it the energy alone chose ranks that fell behind on data seen about once.
 The decision is logged at INFO, kept in the state's checkpoints, and a resume does not decide again.
@@ -22,22 +38,29 @@ one power iteration; Halko, Martinsson and Tropp 2011), whose estimate can only 
 value, so the rank it picks errs high. Matrices of one shape are measured together (one batched product
 per shape). Nothing is read on the host until the decision.
 
-What threshold to use is a measured question, not a law: docs/tuning.md ("A rank chosen on your own
-gradients") gives the study behind the default (0.997) and where it held and where it did not.
+What multiple to use is a measured question, not a law: docs/tuning.md ("A rank chosen on your own
+gradients") gives the study behind the default (:data:`DEFAULT_NOISE_MULTIPLE`) and the energy's
+threshold (0.997), and where each held and where it did not.
 
 >>> import torch
 >>> g = torch.randn(64, 8) @ torch.randn(8, 96)          # a rank-8 matrix
 >>> profile = energy_profile([g], max_rank=16, min_compression_rate=1.0, seed=0)
 >>> round(float(profile[7] / profile[-1]), 4), round(float(profile[3] / profile[-1]), 2) < 1
 (1.0, True)
->>> AutoRank(threshold=0.9, max_rank=16, min_rank=1).choose([0.5, 0.7, 0.8, 0.85, 0.88, 0.89, 0.9, 0.95] + [1.0] * 8)
+>>> AutoRank(threshold=0.9, max_rank=16, min_rank=1, criterion="energy").choose(
+...     [0.5, 0.7, 0.8, 0.85, 0.88, 0.89, 0.9, 0.95] + [1.0] * 8)
 8
+>>> # residual over noise R(k) = (1 - E(k)) T / N: here 0.8 / k, since T = 10 N and 1 - E(k) = 0.08 / k
+>>> AutoRank(max_rank=16, min_rank=1, noise_multiple=0.25).choose_by_noise(
+...     [1 - 0.08 / k for k in range(1, 17)], total=10.0, noise=1.0)
+4
 >>> AutoRank(max_rank=64).candidates()   # the default floor, 32
 (32, 48, 64)
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,7 +73,11 @@ from .powersgd.linalg import as_matrix_shape
 from .powersgd.plan import should_compress
 from .powersgd.seeding import upload
 
-__all__ = ["DEFAULT_MIN_RANK", "AutoRank", "energy_profile"]
+__all__ = ["CRITERIA", "DEFAULT_MIN_RANK", "DEFAULT_NOISE_MULTIPLE", "AutoRank", "energy_profile"]
+
+#: What :class:`AutoRank` decides by: the residual a rank leaves against the mean's noise, or the energy
+#: it captures alone.
+CRITERIA = ("noise", "energy")
 
 #: The ranks an automatic rank chooses from (up to ``max_rank``, which is always a candidate).
 RANK_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -64,21 +91,28 @@ RANK_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 #: same floor.
 DEFAULT_MIN_RANK = 32
 
+#: The residual a rank may leave in the averaged gradient, as a multiple of that average's noise energy
+#: (``AutoRank(criterion="noise")``), fitted on the quality study's settings (docs/tuning.md, "A rank
+#: chosen on your own gradients"): below it every rank the study trained held, above it each fell behind.
+DEFAULT_NOISE_MULTIPLE = 0.011
+
 #: Extra columns of the randomized range finder.
 OVERSAMPLING = 8
 
 
 @dataclass(frozen=True)
 class AutoRank:
-    """Choose PowerSGD's rank from the captured energy of the averaged gradients at the end of the warm-up
-    (see :mod:`gradpress.autorank`).
+    """Choose PowerSGD's rank from the averaged gradients at the end of the warm-up: the residual a rank
+    leaves against the noise of the average, or the energy it captures (see :mod:`gradpress.autorank`).
 
     Args:
-        threshold: the captured energy E(k) in (0, 1] the chosen rank must reach. The default, 0.997,
+        threshold: with ``criterion="energy"`` (and where the noise cannot be measured: one worker), the
+            captured energy E(k) in (0, 1] the chosen rank must reach. The default, 0.997,
             chooses, on every setting of the quality study's GPTs where the chosen rank was trained, one
             that held, above the floor (docs/tuning.md, "A rank chosen on your own gradients"); 0.996, the
             default before, chose rank 32 at width 256 and 16 workers' worth (E(32) 0.9967), where it fell
             behind, and 0.995, before it, chose 32 there from 4 workers' worth up (E(32) 0.9952 and 0.9954).
+            It costs more bytes than the noise criterion where the batch is small.
         max_rank: the highest rank it may choose (>= 1), also the one taken when no lower rank reaches
             ``threshold``.
         measure_iters: how many of the last warm-up iterations are measured (>= 1; fewer if the warm-up
@@ -86,6 +120,11 @@ class AutoRank:
         min_rank: the lowest rank it may choose (1 <= ``min_rank`` <= ``max_rank``); ``None`` (the default):
             :data:`DEFAULT_MIN_RANK`, or ``max_rank`` if that is lower. ``min_rank=1`` lets the energy alone
             decide (how the study's ``AutoRank`` runs before this floor chose).
+        criterion: ``"noise"`` (the default): the smallest candidate whose residual over noise R(k) is at
+            most ``noise_multiple``; ``"energy"``: the smallest whose E(k) reaches ``threshold`` (the rule
+            of earlier versions, and of rules saved or pickled by them).
+        noise_multiple: with ``criterion="noise"``, the largest R(k) (> 0) the chosen rank may leave; the
+            default, :data:`DEFAULT_NOISE_MULTIPLE`, is fitted on the study's settings.
 
     >>> import gradpress
     >>> state = gradpress.PowerSGDState(None, matrix_approximation_rank=64, start_powerSGD_iter=80,
@@ -96,6 +135,8 @@ class AutoRank:
     max_rank: int = 64
     measure_iters: int = 4
     min_rank: int | None = None
+    criterion: str = "noise"
+    noise_multiple: float = DEFAULT_NOISE_MULTIPLE
 
     def __post_init__(self) -> None:
         for name in ("max_rank", "measure_iters"):
@@ -109,10 +150,17 @@ class AutoRank:
         if low is not None and (isinstance(low, bool) or not isinstance(low, int) or not 1 <= low <= self.max_rank):
             raise ValueError(f"AutoRank.min_rank must be None or an integer from 1 to max_rank ({self.max_rank}), "
                              f"got {low!r}")
+        if self.criterion not in CRITERIA:
+            raise ValueError(f"AutoRank.criterion must be one of {', '.join(map(repr, CRITERIA))}, "
+                             f"got {self.criterion!r}")
+        multiple = self.noise_multiple
+        if isinstance(multiple, bool) or not isinstance(multiple, (int, float)) or not 0 < multiple < math.inf:
+            raise ValueError(f"AutoRank.noise_multiple must be a finite number > 0, got {multiple!r}")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # A rule pickled before min_rank existed chose by the energy alone, from rank 1.
-        for name, value in {"min_rank": 1, **state}.items():
+        # A rule pickled before min_rank existed chose by the energy alone, from rank 1; one pickled before
+        # the criterion existed, by the energy.
+        for name, value in {**_SAVED_BEFORE, **state}.items():
             object.__setattr__(self, name, value)
 
     @property
@@ -127,22 +175,44 @@ class AutoRank:
         return tuple(sorted({r for r in RANK_LADDER if floor < r < self.max_rank} | {floor, self.max_rank}))
 
     def choose(self, captured: Sequence[float]) -> int:
-        """The smallest candidate rank k whose ``captured[k - 1]`` (E(k)) reaches ``threshold``."""
+        """The smallest candidate rank k whose ``captured[k - 1]`` (E(k)) reaches ``threshold`` (the energy
+        criterion, whatever ``criterion`` says)."""
         for rank in self.candidates():
             if captured[rank - 1] >= self.threshold:
+                return rank
+        return self.max_rank
+
+    def choose_by_noise(self, captured: Sequence[float], total: float, noise: float) -> int:
+        """The smallest candidate rank k whose residual over noise, ``(1 - captured[k - 1]) * total /
+        noise`` (R(k); ``total``: the mean's energy T, ``noise``: its noise energy N > 0), is at most
+        ``noise_multiple`` (the noise criterion, whatever ``criterion`` says)."""
+        for rank, ratio in zip(self.candidates(), residual_over_noise(captured, total, noise, self.candidates())):
+            if ratio <= self.noise_multiple:
                 return rank
         return self.max_rank
 
     def to_dict(self) -> dict[str, Any]:
         """The keyword arguments that rebuild it (a checkpoint's form)."""
         return {"threshold": self.threshold, "max_rank": self.max_rank, "measure_iters": self.measure_iters,
-                "min_rank": self.min_rank}
+                "min_rank": self.min_rank, "criterion": self.criterion, "noise_multiple": self.noise_multiple}
 
     @classmethod
     def from_saved(cls, saved: dict[str, Any]) -> AutoRank:
         """The rule a checkpoint's :meth:`to_dict` was saved from; one saved before ``min_rank`` existed
-        (no such key) chose from rank 1."""
-        return cls(**{"min_rank": 1, **saved})
+        (no such key) chose from rank 1, one saved before ``criterion`` existed by the energy."""
+        return cls(**{**_SAVED_BEFORE, **saved})
+
+
+#: What a rule saved or pickled before an option existed did: chose from rank 1 (before ``min_rank``) and
+#: by the energy alone (before ``criterion``).
+_SAVED_BEFORE: dict[str, Any] = {"min_rank": 1, "criterion": "energy", "noise_multiple": DEFAULT_NOISE_MULTIPLE}
+
+
+def residual_over_noise(captured: Sequence[float], total: float, noise: float,
+                        ranks: Sequence[int]) -> list[float]:
+    """R(k) = (1 - E(k)) T / N for each of ``ranks`` (``captured[k - 1]``: E(k); ``total``: T; ``noise``:
+    N > 0)."""
+    return [max(0.0, 1.0 - captured[k - 1]) * total / noise for k in ranks]
 
 
 def energy_profile(matrices: Sequence[Tensor], max_rank: int, min_compression_rate: float,
@@ -188,21 +258,34 @@ def _singular_values(stack: Tensor, max_rank: int, generator: torch.Generator) -
 
 
 class RankDecision:
-    """One state's automatic rank in progress: the profile summed over the measured iterations, then the
-    decision (the same on every rank), and their checkpoint form."""
+    """One state's automatic rank in progress: the profile summed over the measured iterations (and, for
+    the noise criterion, this worker's own squared norms before averaging), then the decision (the same on
+    every rank), and their checkpoint form."""
 
-    __slots__ = ("rule", "profile", "measured", "rank", "captured")
+    __slots__ = ("rule", "profile", "local", "measured", "rank", "captured", "noise_ratio", "decided_by")
 
     def __init__(self, rule: AutoRank) -> None:
         self.rule = rule
         self.profile: Tensor | None = None   # sum over measured iterations of E's numerators, and the total
+        self.local: Tensor | None = None     # sum over them of this worker's ||g||^2 before averaging
         self.measured = 0                    # iterations measured
         self.rank: int | None = None         # the decision (None: not taken yet)
         self.captured: list[float] | None = None  # E(1..max_rank) it was taken on
+        self.noise_ratio: list[float] | None = None  # R(1..max_rank) it was taken on (noise criterion)
+        self.decided_by: str | None = None   # "noise" or "energy": what decided (energy where no noise was read)
 
     def measures(self, iteration: int, start: int) -> bool:
         """Whether warm-up ``iteration`` (of ``start``) is measured: one of the last ``measure_iters``."""
         return self.rank is None and start - self.rule.measure_iters <= iteration < start
+
+    def add_local(self, matrices: Sequence[Tensor]) -> None:
+        """Add this worker's own ``matrices`` (one bucket's, before they are averaged) to its squared norm
+        (on the device, no read); only for the noise criterion."""
+        if self.rule.criterion != "noise" or not matrices:
+            return
+        norms = torch.stack([torch.linalg.vector_norm(m.reshape(-1), dtype=torch.float64) for m in matrices])
+        square = norms.square().sum()
+        self.local = square if self.local is None else self.local.add_(square.to(self.local.device))
 
     def add(self, matrices: Sequence[Tensor], min_compression_rate: float, seed: int) -> None:
         """Add the averaged ``matrices`` of one bucket of a measured iteration (on the device, no read)."""
@@ -215,25 +298,40 @@ class RankDecision:
         self.measured += 1
 
     def decide(self, comm: Any, fallback: int, device: torch.device) -> tuple[int, list[float] | None]:
-        """Average the profile over the workers (one all-reduce on ``device``, every rank calls it) and
-        decide: the rank and E(1..max_rank) (``fallback`` and ``None`` where no rank measured anything)."""
+        """Average the profile (and the workers' own squared norms) over the workers (one all-reduce on
+        ``device``, every rank calls it) and decide: the rank and E(1..max_rank) (``fallback`` and ``None``
+        where no rank measured anything)."""
         size = self.rule.max_rank + 1
-        vector = torch.zeros(size, dtype=torch.float64, device=device) if self.profile is None \
-            else self.profile.to(device, torch.float64)
-        vector = vector.div(comm.world_size) if comm.world_size > 1 else vector.clone()
+        noise_criterion = self.rule.criterion == "noise"
+        vector = torch.zeros(size + noise_criterion, dtype=torch.float64, device=device)
+        if self.profile is not None:
+            vector[:size] = self.profile.to(device, torch.float64)
+        if noise_criterion and self.local is not None:
+            vector[size] = self.local.to(device, torch.float64)
+        world = comm.world_size
+        vector = vector.div(world) if world > 1 else vector.clone()
         comm.allreduce_sum(vector).wait()
         values = vector.tolist()  # the decision's one host read
-        if not values[-1] > 0:
+        total = values[size - 1]
+        if not total > 0:
             self.rank = fallback
             return fallback, None
-        self.captured = [v / values[-1] for v in values[:-1]]
-        self.rank = self.rule.choose(self.captured)
-        self.profile = None
+        self.captured = [v / total for v in values[:size - 1]]
+        self.rank, self.decided_by = self.rule.choose(self.captured), "energy"
+        if noise_criterion and world > 1:
+            noise = (values[size] - total) / (world - 1)
+            if noise > total * 1e-9:   # identical workers' gradients carry no noise to compare with
+                self.noise_ratio = residual_over_noise(self.captured, total, noise, range(1, size))
+                self.rank = self.rule.choose_by_noise(self.captured, total, noise)
+                self.decided_by = "noise"
+        self.profile = self.local = None
         return self.rank, self.captured
 
     def state(self) -> dict[str, Any]:
         return {"rule": self.rule.to_dict(), "rank": self.rank, "measured": self.measured, "captured": self.captured,
-                "profile": None if self.profile is None else self.profile.detach().cpu().tolist()}
+                "profile": None if self.profile is None else self.profile.detach().cpu().tolist(),
+                "local": None if self.local is None else float(self.local),
+                "noise_ratio": self.noise_ratio, "decided_by": self.decided_by}
 
     def load(self, state: dict[str, Any]) -> None:
         self.rank = state.get("rank")
@@ -241,3 +339,7 @@ class RankDecision:
         self.captured = state.get("captured")
         profile = state.get("profile")
         self.profile = None if profile is None else torch.tensor(profile, dtype=torch.float64)
+        local = state.get("local")
+        self.local = None if local is None else torch.tensor(local, dtype=torch.float64)
+        self.noise_ratio = state.get("noise_ratio")
+        self.decided_by = state.get("decided_by", None if self.rank is None else "energy")

@@ -122,23 +122,27 @@ def test_the_default_threshold_chooses_a_rank_that_held_wherever_the_study_train
 
 
 def test_a_checkpoint_or_pickle_saved_before_min_rank_chose_from_rank_1() -> None:
-    """A saved rule without ``min_rank`` decided by the energy alone: it loads into a state given
-    ``min_rank=1`` and is refused, naming auto_rank, by one with the default floor; unpickled, it stays so."""
-    old = gradpress.PowerSGDState(None, 2, start_powerSGD_iter=4, auto_rank=AutoRank(0.999, 24, 2, min_rank=1))
+    """A saved rule without ``min_rank`` decided by the energy alone from rank 1 (and one without
+    ``criterion`` by the energy): it loads into a state given ``min_rank=1, criterion="energy"`` and is
+    refused, naming auto_rank, by one with the default floor or criterion; unpickled, it stays so."""
+    old = gradpress.PowerSGDState(None, 2, start_powerSGD_iter=4,
+                                  auto_rank=AutoRank(0.999, 24, 2, min_rank=1, criterion="energy"))
     saved = old.local_state_dict()
-    del saved["options"]["auto_rank"]["min_rank"]                 # the form saved before it existed
+    for name in ("min_rank", "criterion", "noise_multiple"):   # the form saved before they existed
+        del saved["options"]["auto_rank"][name]
     gradpress.PowerSGDState(None, 2, start_powerSGD_iter=4,
-                            auto_rank=AutoRank(0.999, 24, 2, min_rank=1)).load_state_dict(saved)
-    with pytest.raises(ValueError, match="auto_rank"):
-        gradpress.PowerSGDState(None, 2, start_powerSGD_iter=4,
-                                auto_rank=AutoRank(0.999, 24, 2)).load_state_dict(saved)
+                            auto_rank=AutoRank(0.999, 24, 2, min_rank=1, criterion="energy")).load_state_dict(saved)
+    for refusing in (AutoRank(0.999, 24, 2, criterion="energy"), AutoRank(0.999, 24, 2, min_rank=1)):
+        with pytest.raises(ValueError, match="auto_rank"):
+            gradpress.PowerSGDState(None, 2, start_powerSGD_iter=4, auto_rank=refusing).load_state_dict(saved)
     copy = gradpress.PowerSGDState.__new__(gradpress.PowerSGDState)
     copy.__setstate__(saved)
-    assert copy.auto_rank == AutoRank(0.999, 24, 2, min_rank=1)
+    assert copy.auto_rank == AutoRank(0.999, 24, 2, min_rank=1, criterion="energy")
     rule = AutoRank.__new__(AutoRank)
     rule.__setstate__({"threshold": 0.9, "max_rank": 8, "measure_iters": 2})
-    assert rule == AutoRank(0.9, 8, 2, 1) and rule.candidates() == (1, 2, 4, 8)
+    assert rule == AutoRank(0.9, 8, 2, 1, criterion="energy") and rule.candidates() == (1, 2, 4, 8)
     assert pickle.loads(pickle.dumps(AutoRank(0.9, 8, 2))).min_rank is None   # a new pickle keeps its own
+    assert pickle.loads(pickle.dumps(AutoRank(0.9, 8, 2))).criterion == "noise"
 
 
 def test_what_it_cannot_be_combined_with_is_refused_at_construction() -> None:
@@ -184,7 +188,8 @@ def _train(rank: int, world: int, steps: int, true_rank: int, saved: list[bytes]
 
     model = DDP(_Matrices())
     state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=4,
-                                    auto_rank=AutoRank(threshold=0.999, max_rank=24, measure_iters=2, min_rank=1))
+                                    auto_rank=AutoRank(threshold=0.999, max_rank=24, measure_iters=2, min_rank=1,
+                                                              criterion="energy"))
     if saved is not None:
         state.load_state_dict(torch.load(io.BytesIO(saved[rank]), weights_only=False))
     model.register_comm_hook(state, gradpress.powerSGD_hook)
@@ -204,7 +209,7 @@ def test_ddp_ranks_decide_the_averaged_gradients_rank_and_a_resume_never_decides
     assert [rank for rank, *_ in decided] == [8, 8]            # E(8) = 1 (to rounding); E(4) is not
     assert [it for _, it, *_ in decided] == [6, 6]
     copy = decided[0][3]                                       # pickling keeps the rule and the decision
-    assert (copy.matrix_approximation_rank, copy.auto_rank) == (8, AutoRank(0.999, 24, 2, 1))
+    assert (copy.matrix_approximation_rank, copy.auto_rank) == (8, AutoRank(0.999, 24, 2, 1, criterion="energy"))
     assert [rank for rank, *_ in run(_train, 2, 6, 16, None, 0)] == [16, 16]   # a fresh run on rank-16 means
     # Resumed after the decision, on gradients of rank 16: the saved decision stands.
     after = run(_train, 2, 2, 16, [blob for _, _, blob, *_ in decided], 6)
@@ -229,7 +234,7 @@ def _a_decision_outlives_the_options_that_only_choose(decided: gradpress.PowerSG
     the decision stands and the log says so. Options that shape the measurement must still agree, and a
     checkpoint whose decision is still to be taken is refused under another threshold, naming auto_rank."""
     def fresh(**rule: object) -> gradpress.PowerSGDState:
-        options = {"threshold": 0.99, "max_rank": 24, "measure_iters": 2} | rule
+        options = {"threshold": 0.99, "max_rank": 24, "measure_iters": 2, "criterion": "energy"} | rule
         return gradpress.PowerSGDState(None, 2, start_powerSGD_iter=4, auto_rank=AutoRank(**options))
 
     resumed = fresh()                                          # threshold 0.99 and the default floor (24)
@@ -254,7 +259,8 @@ def _compressed_grads(rank: int, world: int, auto: bool):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = DDP(_Matrices())
-    options = {"auto_rank": AutoRank(threshold=0.999, max_rank=24, measure_iters=2, min_rank=1)} if auto else {}
+    options = {"auto_rank": AutoRank(threshold=0.999, max_rank=24, measure_iters=2, min_rank=1,
+                                                              criterion="energy")} if auto else {}
     state = gradpress.PowerSGDState(None, matrix_approximation_rank=2 if auto else 8, start_powerSGD_iter=4,
                                     **options)
     model.register_comm_hook(state, gradpress.powerSGD_hook)

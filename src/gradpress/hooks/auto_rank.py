@@ -31,7 +31,7 @@ def auto_rank_decision(auto_rank: AutoRank | dict[str, Any] | None, adaptive_ran
         auto_rank = AutoRank(**auto_rank)
     if not isinstance(auto_rank, AutoRank):
         raise TypeError("auto_rank must be None or a gradpress.AutoRank(threshold, max_rank, measure_iters, "
-                        f"min_rank), got {type(auto_rank).__name__}")
+                        f"min_rank, criterion, noise_multiple), got {type(auto_rank).__name__}")
     if adaptive_rank is not None:
         raise ValueError("auto_rank and adaptive_rank both choose the rank: give one of them")
     if rank_policy is not None and callable(rank_policy):
@@ -45,7 +45,8 @@ def measure_bucket(decision: RankDecision | None, params: ParameterKeys, bucket:
     """What a measured warm-up iteration (``iteration`` of a state compressing from ``start``) runs once
     ``bucket``'s exact average is written: add its matrices' energy profile (matrices a ``rank_policy``
     sends exactly are left out) to ``decision``. ``None`` where the iteration is not measured (or there is
-    no automatic rank)."""
+    no automatic rank). Called before the average is taken: the noise criterion's squared norms of this
+    worker's own matrices are added now."""
     if decision is None or not decision.measures(iteration, start):
         return None
     parameters, grads = bucket.parameters(), bucket.gradients()
@@ -53,6 +54,7 @@ def measure_bucket(decision: RankDecision | None, params: ParameterKeys, bucket:
     chosen = [g for i, g in enumerate(grads) if g.dim() >= 2 and (ranks is None or ranks[i] is not None)]
     seed = (random_seed * 1_000_003 + iteration) * 1_009 + bucket.index()
     last = bucket.is_last()
+    decision.add_local(chosen)   # this worker's own gradients, before the allreduce overwrites them
 
     def measure() -> None:
         decision.add(chosen, min_compression_rate, seed)
@@ -73,10 +75,22 @@ def decide_rank(decision: RankDecision | None, bucket: Any, comm: Callable[[], C
         logger.warning("PowerSGDState auto_rank: no warm-up iteration was measured (resumed past the warm-up "
                        "from a checkpoint without a decision?); keeping matrix_approximation_rank=%s", rank)
         return
-    shown = ", ".join(f"E({k})={captured[k - 1]:.3f}" for k in decision.rule.candidates())
+    rule = decision.rule
+    shown = ", ".join(f"E({k})={captured[k - 1]:.4f}" for k in rule.candidates())
+    if decision.noise_ratio is not None:
+        ratios = ", ".join(f"R({k})={decision.noise_ratio[k - 1]:.3g}" for k in rule.candidates())
+        logger.info("PowerSGDState auto_rank: rank %s, the smallest from %s whose residual in the averaged "
+                    "gradients over %s warm-up iterations is at most %s x their noise (%s; %s)", rank, rule.floor,
+                    decision.measured, rule.noise_multiple, ratios, shown)
+        return
+    if rule.criterion == "noise":
+        why = ("one worker: no workers' gradients to read the noise from" if comm().world_size < 2
+               else "the workers' gradients were identical: no noise to compare with")
+        logger.warning("PowerSGDState auto_rank: %s; deciding by the captured energy (threshold %s) instead",
+                       why, rule.threshold)
     logger.info("PowerSGDState auto_rank: rank %s, the smallest from %s whose captured energy of the averaged "
-                "gradients over %s warm-up iterations reaches %s (%s)", rank, decision.rule.floor,
-                decision.measured, decision.rule.threshold, shown)
+                "gradients over %s warm-up iterations reaches %s (%s)", rank, rule.floor,
+                decision.measured, rule.threshold, shown)
 
 
 def apply_rank(rank: int, session: EngineSession, params: ParameterKeys) -> None:

@@ -130,9 +130,10 @@ class PowerSGDState(StateBuckets, StateReport, StateCheckpoint):
             resume exactly. With a ``rank_policy``, the policy says which parameters are sent exactly
             and the adaptive rank sets the others'. See :mod:`gradpress.adaptive`.
         auto_rank: an :class:`~gradpress.autorank.AutoRank`: the rank is chosen once, at the first
-            compressed iteration, as the smallest from ``min_rank`` (32 by default) that carries ``threshold``
-            of the averaged gradients' energy in the last warm-up iterations (the same on every rank;
-            logged; checkpointed), then read as ``matrix_approximation_rank``. DDP hooks only; a mapping
+            compressed iteration, as the smallest from ``min_rank`` (32 by default) whose residual in the
+            averaged gradients of the last warm-up iterations is at most ``noise_multiple`` times their noise
+            (read from the workers' own gradients; ``criterion="energy"``: that carries ``threshold`` of their
+            energy), the same on every rank, logged, checkpointed, then read as ``matrix_approximation_rank``. DDP hooks only; a mapping
             ``rank_policy`` keeps its own ranks. See :mod:`gradpress.autorank`.
         orient_matrices: ``True`` compresses a wide gradient (``n < m``) as its transpose, so that a model's
             ``(a, b)`` and ``(b, a)`` shapes share one batched product (fewer kernels, the same bytes);

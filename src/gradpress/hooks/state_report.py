@@ -82,6 +82,14 @@ class StateReport:
         auto = getattr(self, "_auto", None)
         return None if auto is None or auto.captured is None else list(auto.captured)
 
+    def auto_rank_noise_ratio(self) -> list[float] | None:
+        """What ``auto_rank``'s noise criterion decided on: the residual over noise R(k) = (1 - E(k)) T / N
+        of the averaged gradients for k = 1 .. ``max_rank`` (``[k - 1]``; T their energy, N their noise
+        energy read from the workers' own gradients); ``None`` before the decision, without ``auto_rank``,
+        or where the energy decided (``criterion="energy"``, one worker; see :mod:`gradpress.autorank`)."""
+        auto = getattr(self, "_auto", None)
+        return None if auto is None or auto.noise_ratio is None else list(auto.noise_ratio)
+
     def compression_stats(self: _State) -> tuple[float, int, int]:
         """``(rate, numel before, numel after)`` summed over every compressed bucket step so far.
 

@@ -357,8 +357,10 @@ def train(rank: int, world_size: int, method: Method, config: DemoConfig,
         # The same for the global residual (of the workers' mean; sketched), and its last values by parameter.
         "global_residual": _mean([p["global_residual"] for p in curve if p.get("global_residual") is not None]),
         "global_residuals": state.global_residual() if isinstance(state, PowerSGDState) else None,
-        # PowerSGD's automatic rank: what it chose, and the captured energies E(1..max_rank) it chose on.
-        "auto_rank": ({"rank": state.matrix_approximation_rank, "captured": state.auto_rank_captured()}
+        # PowerSGD's automatic rank: what it chose, the captured energies E(1..max_rank) and, with the noise
+        # criterion, the residuals over noise R(1..max_rank) it chose on.
+        "auto_rank": ({"rank": state.matrix_approximation_rank, "captured": state.auto_rank_captured(),
+                       "noise_ratio": state.auto_rank_noise_ratio()}
                       if isinstance(state, PowerSGDState) and state.auto_rank is not None else None),
         "curve": curve,
         "checksum": checksum,
