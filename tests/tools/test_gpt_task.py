@@ -19,7 +19,7 @@ VOCAB = len(CHARSET)
 
 # (task, layers, width, heads): the sizes the task descriptions promise.
 SIZES = [("gpt", 4, 128, 4), ("gpt-wide", 4, 256, 8), ("gpt-stdlib-w384", 4, 384, 12),
-         ("gpt-stdlib-w512", 4, 512, 16)]
+         ("gpt-stdlib-w512", 4, 512, 16), ("gpt-stdlib-w768-l2", 2, 768, 24)]
 
 
 def formula(vocab: int, context: int, layers: int, d: int) -> int:
@@ -213,3 +213,9 @@ def test_the_width_family_is_gpt_stdlib_at_any_width() -> None:
             get_task(bad)
     with pytest.raises(ValueError, match=r"gpt-stdlib-w<width>"):
         get_task("gpt-stdlib-wide")
+    # -l<layers>: the same model with another depth; -l4 is the family's own depth, weight for weight
+    four, given = get_task("gpt-stdlib-w192").model(seed=1), get_task("gpt-stdlib-w192-l4").model(seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(four.state_dict().values(), given.state_dict().values(), strict=True))
+    for bad in ("gpt-stdlib-w768-l0", "gpt-stdlib-w768-l13"):
+        with pytest.raises(ValueError, match="layers must be from 1 to 12, got"):
+            get_task(bad)

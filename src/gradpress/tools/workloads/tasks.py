@@ -303,18 +303,24 @@ TASKS: dict[str, Task] = {
 
 
 #: The width axis: ``gpt-stdlib-w<width>`` is gpt-stdlib's GPT (4 layers, context 64) at any width that is a
-#: multiple of 32 from 64 to 4096, with heads of 32 dimensions as gpt (128, 4 heads) and gpt-wide (256, 8).
-WIDTH_FAMILY = "gpt-stdlib-w<width>"
-_WIDTH_TASK = re.compile(r"gpt-stdlib-w(\d+)")
+#: multiple of 32 from 64 to 4096, with heads of 32 dimensions as gpt (128, 4 heads) and gpt-wide (256, 8);
+#: ``gpt-stdlib-w<width>-l<layers>`` the same with 1 to 12 layers (a shallow wide model: ``-w768-l2``).
+WIDTH_FAMILY = "gpt-stdlib-w<width>[-l<layers>]"
+_WIDTH_TASK = re.compile(r"gpt-stdlib-w(\d+)(?:-l(\d+))?")
 
 
 @functools.lru_cache(maxsize=None)
-def _width_task(width: int) -> Task:
+def _width_task(width: int, layers: int | None = None) -> Task:
     if width % 32 or not 64 <= width <= 4096:
         raise ValueError(f"task gpt-stdlib-w<width>: width must be a multiple of 32 from 64 to 4096, got {width}")
-    return Task(f"gpt-stdlib-w{width}", f"character-level GPT (4 layers, width {width}, {width // 32} heads) on "
+    if layers is not None and not 1 <= layers <= 12:
+        raise ValueError(f"task gpt-stdlib-w<width>-l<layers>: layers must be from 1 to 12, got {layers}")
+    name = f"gpt-stdlib-w{width}" + ("" if layers is None else f"-l{layers}")
+    n_layers = 4 if layers is None else layers
+    return Task(name, f"character-level GPT ({n_layers} layers, width {width}, {width // 32} heads) on "
                 "Python's standard library source, seen about once", "perplexity", _load_stdlib,
-                functools.partial(char_gpt, d_model=width, n_heads=width // 32), lr=0.1, batch_size=16)
+                functools.partial(char_gpt, n_layers=n_layers, d_model=width, n_heads=width // 32), lr=0.1,
+                batch_size=16)
 
 
 def task_names() -> tuple[str, ...]:
@@ -329,6 +335,6 @@ def get_task(name: str) -> Task:
         return TASKS[name]
     match = _WIDTH_TASK.fullmatch(name)
     if match:
-        return _width_task(int(match.group(1)))
+        return _width_task(int(match.group(1)), None if match.group(2) is None else int(match.group(2)))
     raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}, or {WIDTH_FAMILY} "
                      "(a multiple of 32 from 64 to 4096)")
