@@ -115,6 +115,17 @@ def table(out: Path) -> None:
     for r in rows:
         print(f"| {r['task']} | {r['sequences']} | {r['lr']:g} | {r['seed']} | "
               + " | ".join(shown(r["captured"][k - 1]) for k in RANKS) + " |")
+    noisy = [r for r in rows if "noise" in r]
+    if not noisy:
+        return
+    ranks = [k for k in RANKS if k >= 16]
+    print("\n| task | sequences/step | N / T | N, two halves / four groups | "
+          + " | ".join(f"R({k})" for k in ranks) + " |")
+    print("|---|---|---|---|" + "---|" * len(ranks))
+    for r in noisy:
+        ratios = r["residual_over_noise"]
+        print(f"| {r['task']} | {r['sequences']} | {r['noise'] / r['total']:.3f} | {r['noise_halves'] / r['noise']:.2f} | "
+              + " | ".join(f"{ratios[k - 1]:.4f}" if k <= len(ratios) else "" for k in ranks) + " |")
 
 
 def main() -> None:

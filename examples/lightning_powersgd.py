@@ -58,7 +58,8 @@ def make_strategy(method: str) -> tuple[GradpressDDPStrategy, object]:
     if method == "localsgd":
         return GradpressDDPStrategy(ddp_comm_state=state, ddp_comm_hook=gradpress.post_localSGD_hook,
                                     model_averaging_period=8), state
-    averager = gradpress.OuterOptimizerAverager(period=8, warmup_steps=15, outer_lr=0.7, outer_momentum=0.9)
+    # outer settings for a short period: advise_outer(8) (momentum 0; the paper's 0.7 / 0.9 are for H ~ 500)
+    averager = gradpress.OuterOptimizerAverager(period=8, warmup_steps=15, outer_lr=0.5, outer_momentum=0.0)
     return GradpressDDPStrategy(ddp_comm_state=state, ddp_comm_hook=gradpress.post_localSGD_hook,
                                 model_averager=averager), state
 
