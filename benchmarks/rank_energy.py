@@ -124,7 +124,8 @@ def table(out: Path) -> None:
     print("|---|---|---|---|" + "---|" * len(ranks))
     for r in noisy:
         ratios = r["residual_over_noise"]
-        print(f"| {r['task']} | {r['sequences']} | {r['noise'] / r['total']:.3f} | {r['noise_halves'] / r['noise']:.2f} | "
+        print(f"| {r['task']} | {r['sequences']} | {r['noise'] / r['total']:.3f} | "
+              f"{r['noise_halves'] / r['noise']:.2f} | "
               + " | ".join(f"{ratios[k - 1]:.4f}" if k <= len(ratios) else "" for k in ranks) + " |")
 
 

@@ -112,7 +112,8 @@ def test_the_advice_reads_the_nearest_measured_setting_and_says_where_plain_aver
     assert advise_outer(30, 3).evidence.period == 20 and advise_outer(5).evidence.period == 10
     beyond = advise_outer(100, 4)
     assert beyond.status == "beyond the measured periods" and beyond.evidence.period == 50
-    assert (advise_outer(500).outer_lr, advise_outer(500).outer_momentum, advise_outer(500).evidence) == (0.7, 0.9, None)
+    paper = advise_outer(500)
+    assert (paper.outer_lr, paper.outer_momentum, paper.evidence) == (0.7, 0.9, None)
     for bad, match in [({"period": 0}, "period must be an integer >= 1, got 0"),
                        ({"period": 20, "replicas": 1}, "replicas must be None or an integer >= 2, got 1")]:
         with pytest.raises(ValueError, match=match):

@@ -141,7 +141,8 @@ def advise_outer(period: int, replicas: int | None = None) -> OuterAdvice:
                                        else "nearest measured")
     plain = row.outer_lr == 1.0 and row.outer_momentum == 0.0
     where = f"period {row.period} on {row.replicas} replicas"
-    reason = (f"read at {where} (the study's GPT, 200 steps): outer lr {row.outer_lr:g}, momentum {row.outer_momentum:g} ended "
+    reason = (f"read at {where} (the study's GPT, 200 steps): outer lr {row.outer_lr:g}, momentum "
+              f"{row.outer_momentum:g} ended "
               f"{100 * row.vs_allreduce:+.1f}% from allreduce in perplexity; the defaults 0.7 / 0.9 "
               f"{100 * row.defaults_vs_allreduce:+.1f}%, no sync after warm-up {100 * row.no_sync_vs_allreduce:+.1f}%")
     if plain:

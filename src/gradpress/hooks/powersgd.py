@@ -133,8 +133,8 @@ class PowerSGDState(StateBuckets, StateReport, StateCheckpoint):
             compressed iteration, as the smallest from ``min_rank`` (32 by default) whose residual in the
             averaged gradients of the last warm-up iterations is at most ``noise_multiple`` times their noise
             (read from the workers' own gradients; ``criterion="energy"``: that carries ``threshold`` of their
-            energy), the same on every rank, logged, checkpointed, then read as ``matrix_approximation_rank``. DDP hooks only; a mapping
-            ``rank_policy`` keeps its own ranks. See :mod:`gradpress.autorank`.
+            energy), the same on every rank, logged, checkpointed, then read as ``matrix_approximation_rank``.
+            DDP hooks only; a mapping ``rank_policy`` keeps its own ranks. See :mod:`gradpress.autorank`.
         orient_matrices: ``True`` compresses a wide gradient (``n < m``) as its transpose, so that a model's
             ``(a, b)`` and ``(b, a)`` shapes share one batched product (fewer kernels, the same bytes);
             ``False``: PyTorch's ``(shape[0], -1)`` view always; ``"auto"`` (default): oriented on

@@ -58,8 +58,9 @@ from ..autorank import DEFAULT_MIN_RANK, RANK_LADDER
 from .quality_rows import CHARS_PER_SEQUENCE, MEASURED, OPTIMIZER_WORDS, QUALITY_TARGET, Measured, describe_runs
 
 __all__ = ["ADAMW_OPTIONS", "BORROWED", "FP16_WIRE", "HALF_WARM_UP_EVIDENCE", "MEASURED", "QUALITY_TARGET", "RULE",
-           "RULE_BATCH_EXPONENT", "RULE_BATCH_TOKENS", "RULE_COEFFICIENT", "START_RULE", "rule_batch_factor", "Advice", "Measured", "advise", "early_start_warning",
-           "markdown_table", "rank_for_width", "recipe_options", "rule_evidence", "width_rule_rank"]
+           "RULE_BATCH_EXPONENT", "RULE_BATCH_TOKENS", "RULE_COEFFICIENT", "START_RULE", "Advice", "Measured", "advise",
+           "early_start_warning", "markdown_table", "rank_for_width", "recipe_options", "rule_batch_factor",
+           "rule_evidence", "width_rule_rank"]
 
 #: The status of advice read from the rows of another width than the model's (the nearest measured one):
 #: the rank those rows gave, not measured at this width (:attr:`Advice.status_text` says which widths).

@@ -221,7 +221,8 @@ def candidate_methods(shapes: Sequence[Sequence[int]], local_sgd_period: int = 8
                           sync / local_sgd_period, 1 / local_sgd_period, True, periodic))
     outer = advise_outer(diloco_period, replicas if replicas is not None and replicas >= 2 else None)
     note = periodic + ("; plain averaging did as well at this period" if outer.plain_averaging else "")
-    methods.append(Method(f"diloco-h{diloco_period}", f"OuterOptimizerAverager(period={diloco_period}, {outer.arguments})",
+    methods.append(Method(f"diloco-h{diloco_period}",
+                          f"OuterOptimizerAverager(period={diloco_period}, {outer.arguments})",
                           sync / diloco_period, 1 / diloco_period, True, note))
     return methods
 
