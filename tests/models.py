@@ -25,6 +25,19 @@ class SmallCNN(nn.Module):
         return self.out(torch.relu(self.head(x.flatten(1))))
 
 
+class GivenGradients(nn.Module):
+    """Two 64 x 48 weights and a bias; the gradient of each weight is the input given for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(64, 48))
+        self.b = nn.Parameter(torch.zeros(64, 48))
+        self.bias = nn.Parameter(torch.zeros(48))
+
+    def forward(self, xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+        return (self.a * xa).sum() + (self.b * xb).sum() + self.bias.sum()
+
+
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, **kwargs) -> nn.Module:
     torch.manual_seed(seed)
     return SmallCNN(**kwargs).to(dtype)

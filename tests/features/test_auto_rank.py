@@ -18,6 +18,7 @@ import gradpress
 from gradpress.autorank import DEFAULT_MIN_RANK, RANK_LADDER, AutoRank, energy_profile
 
 from distributed import run
+from models import GivenGradients
 
 
 def _exact(matrices: list[torch.Tensor], max_rank: int, rate: float) -> torch.Tensor:
@@ -155,19 +156,6 @@ def test_what_it_cannot_be_combined_with_is_refused_at_construction() -> None:
         gradpress.PowerSGDState(None, 4, auto_rank=0.5)
 
 
-class _Matrices(torch.nn.Module):
-    """Two 64 x 48 weights and a bias; the gradient of each weight is the input given for it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Parameter(torch.zeros(64, 48))
-        self.b = torch.nn.Parameter(torch.zeros(64, 48))
-        self.bias = torch.nn.Parameter(torch.zeros(48))
-
-    def forward(self, xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
-        return (self.a * xa).sum() + (self.b * xb).sum() + self.bias.sum()
-
-
 def _inputs(rank: int, step: int, true_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The workers' gradients: a shared part of rank ``true_rank`` plus noise that cancels in the mean
     of two workers (+N on rank 0, -N on rank 1), so the averaged gradient has rank ``true_rank``."""
@@ -186,7 +174,7 @@ def _train(rank: int, world: int, steps: int, true_rank: int, saved: list[bytes]
     state_dicts, if given): the state's rank and iteration after them, its state_dict, a pickled copy."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = DDP(_Matrices())
+    model = DDP(GivenGradients())
     state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=4,
                                     auto_rank=AutoRank(threshold=0.999, max_rank=24, measure_iters=2, min_rank=1,
                                                               criterion="energy"))
@@ -258,7 +246,7 @@ def _compressed_grads(rank: int, world: int, auto: bool):
     decision, rank 8, given from the start."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = DDP(_Matrices())
+    model = DDP(GivenGradients())
     options = {"auto_rank": AutoRank(threshold=0.999, max_rank=24, measure_iters=2, min_rank=1,
                                                               criterion="energy")} if auto else {}
     state = gradpress.PowerSGDState(None, matrix_approximation_rank=2 if auto else 8, start_powerSGD_iter=4,

@@ -19,6 +19,7 @@ from gradpress.autorank import CRITERIA, AutoRank, residual_over_noise
 from gradpress.powersgd.plan import should_compress
 
 from distributed import run
+from models import GivenGradients
 
 START, MEASURED, MAX_RANK = 4, 2, 40   # iterations 2 and 3 measured; 64 x 48 matrices measured exactly
 RATE = 1.0   # min_compression_rate: rank k compresses a 64 x 48 matrix up to k = 27, and sends it whole above
@@ -47,19 +48,6 @@ def test_bad_options_are_refused_naming_the_argument(bad: dict, match: str) -> N
     assert CRITERIA == ("noise", "energy")
     with pytest.raises(ValueError, match=match):
         AutoRank(**bad)
-
-
-class _Matrices(torch.nn.Module):
-    """Two 64 x 48 weights and a bias; the gradient of each weight is the input given for it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Parameter(torch.zeros(64, 48))
-        self.b = torch.nn.Parameter(torch.zeros(64, 48))
-        self.bias = torch.nn.Parameter(torch.zeros(48))
-
-    def forward(self, xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
-        return (self.a * xa).sum() + (self.b * xb).sum() + self.bias.sum()
 
 
 def _gradients(rank: int, step: int, sigma: float) -> list[torch.Tensor]:
@@ -99,7 +87,7 @@ def _oracle(world: int, sigma: float) -> tuple[list[float], list[float]]:
 def _train(rank: int, world: int, sigma: float, criterion: str, steps: range, saved: list[bytes] | None):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = DDP(_Matrices())
+    model = DDP(GivenGradients())
     state = gradpress.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=START,
                                     min_compression_rate=RATE,
                                     auto_rank=AutoRank(max_rank=MAX_RANK, measure_iters=MEASURED, min_rank=1,
