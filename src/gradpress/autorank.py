@@ -64,7 +64,7 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -135,7 +135,7 @@ class AutoRank:
     max_rank: int = 64
     measure_iters: int = 4
     min_rank: int | None = None
-    criterion: str = "noise"
+    criterion: Literal["noise", "energy"] = "noise"
     noise_multiple: float = DEFAULT_NOISE_MULTIPLE
 
     def __post_init__(self) -> None:
