@@ -262,7 +262,7 @@ class RankDecision:
     the noise criterion, this worker's own squared norms before averaging), then the decision (the same on
     every rank), and their checkpoint form."""
 
-    __slots__ = ("rule", "profile", "local", "measured", "rank", "captured", "noise_ratio", "decided_by")
+    __slots__ = ("rule", "profile", "local", "measured", "rank", "captured", "noise_ratio")
 
     def __init__(self, rule: AutoRank) -> None:
         self.rule = rule
@@ -271,8 +271,7 @@ class RankDecision:
         self.measured = 0                    # iterations measured
         self.rank: int | None = None         # the decision (None: not taken yet)
         self.captured: list[float] | None = None  # E(1..max_rank) it was taken on
-        self.noise_ratio: list[float] | None = None  # R(1..max_rank) it was taken on (noise criterion)
-        self.decided_by: str | None = None   # "noise" or "energy": what decided (energy where no noise was read)
+        self.noise_ratio: list[float] | None = None  # R(1..max_rank) it was taken on; None: the energy decided
 
     def measures(self, iteration: int, start: int) -> bool:
         """Whether warm-up ``iteration`` (of ``start``) is measured: one of the last ``measure_iters``."""
@@ -317,13 +316,12 @@ class RankDecision:
             self.rank = fallback
             return fallback, None
         self.captured = [v / total for v in values[:size - 1]]
-        self.rank, self.decided_by = self.rule.choose(self.captured), "energy"
-        if noise_criterion and world > 1:
-            noise = (values[size] - total) / (world - 1)
-            if noise > total * 1e-9:   # identical workers' gradients carry no noise to compare with
-                self.noise_ratio = residual_over_noise(self.captured, total, noise, range(1, size))
-                self.rank = self.rule.choose_by_noise(self.captured, total, noise)
-                self.decided_by = "noise"
+        noise = (values[size] - total) / (world - 1) if noise_criterion and world > 1 else 0.0
+        if noise > total * 1e-9:   # identical workers' gradients (or one worker) carry no noise to compare with
+            self.noise_ratio = residual_over_noise(self.captured, total, noise, range(1, size))
+            self.rank = self.rule.choose_by_noise(self.captured, total, noise)
+        else:
+            self.rank = self.rule.choose(self.captured)
         self.profile = self.local = None
         return self.rank, self.captured
 
@@ -331,7 +329,7 @@ class RankDecision:
         return {"rule": self.rule.to_dict(), "rank": self.rank, "measured": self.measured, "captured": self.captured,
                 "profile": None if self.profile is None else self.profile.detach().cpu().tolist(),
                 "local": None if self.local is None else float(self.local),
-                "noise_ratio": self.noise_ratio, "decided_by": self.decided_by}
+                "noise_ratio": self.noise_ratio}
 
     def load(self, state: dict[str, Any]) -> None:
         self.rank = state.get("rank")
@@ -342,4 +340,3 @@ class RankDecision:
         local = state.get("local")
         self.local = None if local is None else torch.tensor(local, dtype=torch.float64)
         self.noise_ratio = state.get("noise_ratio")
-        self.decided_by = state.get("decided_by", None if self.rank is None else "energy")

@@ -125,6 +125,8 @@ def test_the_report_holds_one_powersgd_rank_the_maps_with_its_label_and_bytes(ca
     assert info["powersgd_source"] == f"by the quality map's width rule, {label}" and quality["status_text"] == label
     # DiLoCo's row and its own line carry the outer settings advised for its period (64: past the measured 50)
     outer = advise_outer(64)
+    assert gradpress.tools.check.advice.outer_advice(64, 1) == outer   # one rank: the advice's default count
+    assert gradpress.tools.check.advice.outer_advice(20, 8) == advise_outer(20, 8) != advise_outer(20)
     diloco = next(p for p in report["predictions"] if p["name"] == "diloco-h64")
     assert diloco["config"] == f"OuterOptimizerAverager(period=64, {outer.arguments})" == \
         "OuterOptimizerAverager(period=64, outer_lr=0.5, outer_momentum=0)"

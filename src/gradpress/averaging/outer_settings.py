@@ -62,6 +62,7 @@ MEASURED_LOSSES: tuple[MeasuredLoss, ...] = (
     MeasuredLoss(8, 20, 0.7, 0.9, 0.432, 0.376),
 )
 
+
 class MeasuredBest(NamedTuple):
     """The best outer settings measured at ``period`` on ``replicas`` (final perplexity against tuned
     allreduce's), beside plain averaging (outer lr 1, momentum 0), the defaults (0.7, 0.9) and no sync."""

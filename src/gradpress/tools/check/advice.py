@@ -42,13 +42,13 @@ from typing import Any
 
 import torch
 
-from ...averaging.outer_settings import advise_outer
+from ...averaging.outer_settings import OuterAdvice, advise_outer
 from ...powersgd import make_plan
 from .link import Link
 from ..bytes import StepBytes, allreduce_bytes, powersgd_bytes, sync_bytes
 
 __all__ = ["BUCKET_BYTES", "Method", "Prediction", "RankRule", "Recommended", "candidate_methods", "model_width",
-           "powersgd_configs", "predict", "recipe_rule", "recommend", "recommended_powersgd"]
+           "outer_advice", "powersgd_configs", "predict", "recipe_rule", "recommend", "recommended_powersgd"]
 
 #: DDP's default bucket size (``bucket_cap_mb=25``): one collective (per phase) per bucket.
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -219,12 +219,18 @@ def candidate_methods(shapes: Sequence[Sequence[int]], local_sgd_period: int = 8
     sync = sum(sync_bytes(shapes, fp32))  # every parameter, exactly
     methods.append(Method(f"local-sgd-h{local_sgd_period}", f"PeriodicModelAverager(period={local_sgd_period})",
                           sync / local_sgd_period, 1 / local_sgd_period, True, periodic))
-    outer = advise_outer(diloco_period, replicas if replicas is not None and replicas >= 2 else None)
+    outer = outer_advice(diloco_period, replicas)
     note = periodic + ("; plain averaging did as well at this period" if outer.plain_averaging else "")
     methods.append(Method(f"diloco-h{diloco_period}",
                           f"OuterOptimizerAverager(period={diloco_period}, {outer.arguments})",
                           sync / diloco_period, 1 / diloco_period, True, note))
     return methods
+
+
+def outer_advice(diloco_period: int, replicas: int | None) -> OuterAdvice:
+    """The outer settings check gives DiLoCo's row: :func:`~gradpress.averaging.outer_settings.advise_outer`
+    for ``diloco_period`` on ``replicas`` ranks (``None`` or one rank: its default count)."""
+    return advise_outer(diloco_period, replicas if replicas is not None and replicas >= 2 else None)
 
 
 def predict(methods: Sequence[Method], link: Link, step_ms: float,

@@ -17,12 +17,11 @@ import torch.distributed as dist
 from ... import comm
 from ..cli.table import format_table
 from ...comm import link_bytes
-from ...averaging.outer_settings import advise_outer
 from ..bytes import allreduce_bytes, diloco_links, powersgd_bytes, reported_worlds
 from ..quality_map import RULE, Advice, advise, recipe_options
 from ..workloads.tasks import TASKS
-from .advice import (Method, Prediction, candidate_methods, model_width, predict, recipe_rule, recommend,
-                     recommended_powersgd)
+from .advice import (Method, Prediction, candidate_methods, model_width, outer_advice, predict, recipe_rule,
+                     recommend, recommended_powersgd)
 from .compute import hook_compute_ms, step_ms
 from .correctness import run_correctness
 from .link import DEFAULT_SIZES, measure_link, node_groups
@@ -100,7 +99,7 @@ def collect(model: str, device: torch.device, given_step_ms: float | None = None
                             "hook_compute_ms": hook_ms, "width": width, **choice}
     replicas = world if world_size is None else world_size
     methods = candidate_methods(shapes, local_sgd_period, diloco_period, powersgd_ranks, recommended, replicas)
-    outer = advise_outer(diloco_period, replicas if replicas >= 2 else None)
+    outer = outer_advice(diloco_period, replicas)
     report["diloco_outer"] = {"period": diloco_period, "outer_lr": outer.outer_lr,
                               "outer_momentum": outer.outer_momentum, "status": outer.status,
                               "plain_averaging": outer.plain_averaging, "reason": outer.reason}
