@@ -123,15 +123,15 @@ def test_the_report_holds_one_powersgd_rank_the_maps_with_its_label_and_bytes(ca
         192, 32, "powersgd:32", "beyond the map (rule)")
     label = "beyond the map (rule: 2 x sqrt(width) x (4,096 / 2,048)^0.125 up the ladder = 32; not measured at 192)"
     assert info["powersgd_source"] == f"by the quality map's width rule, {label}" and quality["status_text"] == label
-    # DiLoCo's row and its own line carry the outer settings advised for its period (64: past the measured 50)
+    # DiLoCo's row and its own line carry the outer settings advised for its period (64: the nearest measured, 50)
     outer = advise_outer(64)
     assert gradpress.tools.check.advice.outer_advice(64, 1) == outer   # one rank: the advice's default count
     assert gradpress.tools.check.advice.outer_advice(20, 8) == advise_outer(20, 8) != advise_outer(20)
     diloco = next(p for p in report["predictions"] if p["name"] == "diloco-h64")
     assert diloco["config"] == f"OuterOptimizerAverager(period=64, {outer.arguments})" == \
         "OuterOptimizerAverager(period=64, outer_lr=0.5, outer_momentum=0)"
-    assert report["diloco_outer"]["status"] == "beyond the measured periods"
-    assert "DiLoCo every 64 steps: outer_lr=0.5, outer_momentum=0 (beyond the measured periods)" in out
+    assert report["diloco_outer"]["status"] == "nearest measured" and outer.evidence.period == 50
+    assert "DiLoCo every 64 steps: outer_lr=0.5, outer_momentum=0 (nearest measured)" in out
     assert info["powersgd_options"] == {"bytes_per_weight": 2, "warm_up_bytes_per_weight": 2}
     assert f"PowerSGD's rank for its width 192: 32 by the quality map's width rule, {label}; " in out
     assert f"quality map (adamw, 4,096 tokens/step from --tokens-per-step): {label}, powersgd:32" in out
