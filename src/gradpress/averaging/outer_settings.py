@@ -175,7 +175,7 @@ def advise_outer(period: int, replicas: int | None = None, steps: int | None = N
         near = min(other, key=lambda r: abs(math.log(r.replicas / wanted)))
         reason += (f"; in runs of {near.steps} steps ({near.replicas} replicas) the best was outer lr "
                    f"{near.outer_lr:g}, momentum {near.outer_momentum:g} ({100 * near.vs_allreduce:+.1f}%): "
-                   "give the run's steps")
+                   "advise_outer(period, replicas, steps) reads the run's length")
     return OuterAdvice(row.outer_lr, row.outer_momentum, status, plain, reason, row)
 
 
