@@ -98,6 +98,7 @@ def test_the_averager_warns_once_per_setting_and_not_for_long_periods_or_no_mome
     assert len(warnings) == 1, warnings
     assert "OuterOptimizerAverager(period=20, outer_lr=0.7, outer_momentum=0.9)" in warnings[0]
     assert warn_if_measured_to_lose("X", 10, 1.0, 0.9) and not warn_if_measured_to_lose("X", 10, 1.0, 0.9)
+    assert "in a run of 800 steps on 2 replicas they ended +5.5% (plain averaging +8.0%)" in warnings[0]
 
 
 @pytest.mark.parametrize("period", [1, 10, 20])
@@ -128,7 +129,10 @@ def test_the_advice_reads_the_nearest_measured_setting_and_says_where_plain_aver
                                                                           "measured")
         assert advice.plain_averaging == (row.outer_lr == 1.0 and row.outer_momentum == 0.0)
         assert ("did not beat it" in advice.reason) == advice.plain_averaging
-        assert short_period_loss(row.period, advice.outer_lr, advice.outer_momentum) is None   # never warned
+        # never warned in runs as short as those that lost; a longer run's advice may be settings that lost in
+        # short ones (the defaults at 800 steps on 4 replicas): the warning cannot know the run's length, so
+        # it names the longer run's figure (checked below)
+        assert short_period_loss(row.period, advice.outer_lr, advice.outer_momentum) is None or row.steps > 200
     assert advise_outer(20, 16).evidence.replicas == 8 and advise_outer(20, 16).status == "nearest measured"
     assert advise_outer(30, 3).evidence.period == 20 and advise_outer(5).evidence.period == 10
     longest = max(row.period for row in MEASURED_BEST)
