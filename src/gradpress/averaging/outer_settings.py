@@ -171,13 +171,19 @@ def advise_outer(period: int, replicas: int | None = None, steps: int | None = N
                    "optimizer did not beat it")
     else:
         reason += f", plain averaging {100 * row.plain_vs_allreduce:+.1f}%"
-    other = [r for r in MEASURED_BEST if r.period == row.period and r.steps != row.steps]
-    if steps is None and other:  # the run's length was not given: say where a longer run chose otherwise
-        near = min(other, key=lambda r: abs(math.log(r.replicas / wanted)))
+    near = _longer_run(row.period, row.steps, wanted)
+    if steps is None and near is not None:  # the run's length was not given: say what a longer run chose
         reason += (f"; in runs of {near.steps} steps ({near.replicas} replicas) the best was outer lr "
                    f"{near.outer_lr:g}, momentum {near.outer_momentum:g} ({100 * near.vs_allreduce:+.1f}%): "
                    "advise_outer(period, replicas, steps) reads the run's length")
     return OuterAdvice(row.outer_lr, row.outer_momentum, status, plain, reason, row)
+
+
+def _longer_run(period: int, steps: int, replicas: int) -> MeasuredBest | None:
+    """The :data:`MEASURED_BEST` row at ``period`` from runs longer than ``steps``, the nearest to
+    ``replicas`` (in log-distance); ``None`` where no longer run was measured at that period."""
+    longer = [r for r in MEASURED_BEST if r.period == period and r.steps > steps]
+    return min(longer, key=lambda r: abs(math.log(r.replicas / replicas)), default=None)
 
 
 _warned: set[tuple[str, int, float, float]] = set()
@@ -203,12 +209,12 @@ def warn_if_measured_to_lose(owner: str, period: int, outer_lr: float, outer_mom
     if row is None or key in _warned:
         return False
     _warned.add(key)
-    longer = [r for r in MEASURED_BEST if r.period == row.period and r.steps > row.steps
-              and math.isclose(outer_lr, 0.7) and math.isclose(outer_momentum, 0.9)]
-    after = "".join(f"; in a run of {r.steps} steps on {r.replicas} replicas they ended "
-                    f"{100 * r.defaults_vs_allreduce:+.1f}% (plain averaging {100 * r.plain_vs_allreduce:+.1f}%): "
-                    "outer momentum needs many outer steps"
-                    for r in sorted(longer, key=lambda r: abs(math.log(r.replicas / row.replicas)))[:1])
+    longer = _longer_run(row.period, row.steps, row.replicas)
+    after = ""
+    if longer is not None and math.isclose(outer_lr, 0.7) and math.isclose(outer_momentum, 0.9):  # the defaults
+        after = (f"; in a run of {longer.steps} steps on {longer.replicas} replicas they ended "
+                 f"{100 * longer.defaults_vs_allreduce:+.1f}% (plain averaging "
+                 f"{100 * longer.plain_vs_allreduce:+.1f}%): outer momentum needs many outer steps")
     logger.warning(
         "%s(period=%d, outer_lr=%g, outer_momentum=%g): these outer settings were measured to end behind not "
         "synchronizing at all at period %d (the study's GPT on %d replicas, a %d-step run: %+.1f%% in perplexity "
