@@ -89,7 +89,8 @@ def test_bad_model_values_are_clear_errors(capsys, model, message):
 @pytest.mark.slow
 def test_one_process_report_with_a_user_batch(capsys, tmp_path):
     path = tmp_path / "check.json"
-    assert main(["check", "--model", "test_cli_check:with_batch", "--iters", "1", "--json", str(path)]) == 0
+    assert main(["check", "--model", "test_cli_check:with_batch", "--iters", "1", "--json", str(path),
+                 "--diloco-period", "20", "--max-steps", "800", "--world-size", "2"]) == 0
     out = capsys.readouterr().out
     report = json.loads(path.read_text())
     assert report["ok"] and report["world_size"] == 1 and "PASS  full-rank PowerSGD equals allreduce" in out
@@ -101,6 +102,13 @@ def test_one_process_report_with_a_user_batch(capsys, tmp_path):
     assert report["recommendation"]["method"] == "allreduce"  # one rank: nothing to send
     assert "link: one rank, nothing to measure" in out
     assert all(p["comm_ms"] == 0 for p in report["predictions"])
+    # DiLoCo's outer settings read the run's length: 800 steps on 2 replicas (--world-size), not the 200-step rows
+    outer = advise_outer(20, 2, steps=800)
+    assert outer.status == "measured" and outer.arguments != advise_outer(20, 2).arguments
+    diloco = next(p for p in report["predictions"] if p["name"] == "diloco-h20")
+    assert diloco["config"] == f"OuterOptimizerAverager(period=20, {outer.arguments})"
+    assert report["diloco_outer"]["max_steps"] == 800
+    assert f"DiLoCo every 20 steps in a run of 800 steps: {outer.arguments} (measured)" in out
 
 
 def width_192() -> tuple[nn.Module, torch.Tensor]:

@@ -187,12 +187,13 @@ class Prediction:
 
 def candidate_methods(shapes: Sequence[Sequence[int]], local_sgd_period: int = 8, diloco_period: int = 64,
                       powersgd_ranks: Sequence[int] = (4,), recommended: Recommended | None = None,
-                      replicas: int | None = None) -> list[Method]:
+                      replicas: int | None = None, max_steps: int | None = None) -> list[Method]:
     """The candidates for a model whose gradients have ``shapes`` (fp32 gradients): allreduce, fp16,
     :func:`powersgd_configs` (``recommended``: PowerSGD's one recommended ``(rank, options)``, its config
     the ``PowerSGDState`` to build with all of ``options``; ranks below it carry a note), local SGD and
     DiLoCo, with the outer settings :func:`gradpress.averaging.outer_settings.advise_outer` gives for
-    ``diloco_period`` and ``replicas`` (``None`` or 1: its default count)."""
+    ``diloco_period``, ``replicas`` (``None`` or 1: its default count) and a run of ``max_steps``
+    (``None``: its default length)."""
     if local_sgd_period < 1 or diloco_period < 1:
         raise ValueError(f"local_sgd_period={local_sgd_period} and diloco_period={diloco_period} must be >= 1")
     shapes = [tuple(int(d) for d in s) for s in shapes]
@@ -219,7 +220,7 @@ def candidate_methods(shapes: Sequence[Sequence[int]], local_sgd_period: int = 8
     sync = sum(sync_bytes(shapes, fp32))  # every parameter, exactly
     methods.append(Method(f"local-sgd-h{local_sgd_period}", f"PeriodicModelAverager(period={local_sgd_period})",
                           sync / local_sgd_period, 1 / local_sgd_period, True, periodic))
-    outer = outer_advice(diloco_period, replicas)
+    outer = outer_advice(diloco_period, replicas, max_steps)
     note = periodic + ("; plain averaging did as well at this period" if outer.plain_averaging else "")
     methods.append(Method(f"diloco-h{diloco_period}",
                           f"OuterOptimizerAverager(period={diloco_period}, {outer.arguments})",
@@ -227,10 +228,11 @@ def candidate_methods(shapes: Sequence[Sequence[int]], local_sgd_period: int = 8
     return methods
 
 
-def outer_advice(diloco_period: int, replicas: int | None) -> OuterAdvice:
+def outer_advice(diloco_period: int, replicas: int | None, max_steps: int | None = None) -> OuterAdvice:
     """The outer settings check gives DiLoCo's row: :func:`~gradpress.averaging.outer_settings.advise_outer`
-    for ``diloco_period`` on ``replicas`` ranks (``None`` or one rank: its default count)."""
-    return advise_outer(diloco_period, replicas if replicas is not None and replicas >= 2 else None)
+    for ``diloco_period`` on ``replicas`` ranks (``None`` or one rank: its default count) in a run of
+    ``max_steps`` optimizer steps (``None``: its default length)."""
+    return advise_outer(diloco_period, replicas if replicas is not None and replicas >= 2 else None, max_steps)
 
 
 def predict(methods: Sequence[Method], link: Link, step_ms: float,

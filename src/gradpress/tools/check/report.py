@@ -47,7 +47,8 @@ def collect(model: str, device: torch.device, given_step_ms: float | None = None
             hooks: Mapping[str, Callable[..., Any]] | None = None, local_world_size: int | None = None,
             sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 5, powersgd_ranks: Sequence[int] = (4,),
             local_sgd_period: int = 8, diloco_period: int = 64, optimizer: str | None = None,
-            tokens_per_step: int | None = None, world_size: int | None = None) -> dict[str, Any]:
+            tokens_per_step: int | None = None, world_size: int | None = None,
+            max_steps: int | None = None) -> dict[str, Any]:
     """Run every part of the check on every rank of the default group; the same report on every rank.
 
     ``model``: as ``--model`` (``ValueError`` naming it if invalid, raised before any collective).
@@ -61,6 +62,8 @@ def collect(model: str, device: torch.device, given_step_ms: float | None = None
     step wins over it. ``hooks`` / ``local_world_size``: see :func:`~gradpress.tools.check.correctness.run_correctness`.
     ``world_size``: the world size of ``report["link_bytes"]`` (default: the launched group's), what one
     rank's link carries per step for each method (:func:`link_bytes_table`), also at W = 8, 64, 512.
+    ``max_steps``: the run's length in optimizer steps, for DiLoCo's outer settings
+    (:func:`~gradpress.averaging.outer_settings.advise_outer`; ``None``: its default length).
     """
     module, batch, loss = load_model(model, device)
     world = dist.get_world_size()
@@ -98,9 +101,10 @@ def collect(model: str, device: torch.device, given_step_ms: float | None = None
                             "tensors": len(shapes), "step_ms": measured, "step_source": source,
                             "hook_compute_ms": hook_ms, "width": width, **choice}
     replicas = world if world_size is None else world_size
-    methods = candidate_methods(shapes, local_sgd_period, diloco_period, powersgd_ranks, recommended, replicas)
-    outer = outer_advice(diloco_period, replicas)
-    report["diloco_outer"] = {"period": diloco_period, "outer_lr": outer.outer_lr,
+    methods = candidate_methods(shapes, local_sgd_period, diloco_period, powersgd_ranks, recommended, replicas,
+                                max_steps)
+    outer = outer_advice(diloco_period, replicas, max_steps)
+    report["diloco_outer"] = {"period": diloco_period, "max_steps": max_steps, "outer_lr": outer.outer_lr,
                               "outer_momentum": outer.outer_momentum, "status": outer.status,
                               "plain_averaging": outer.plain_averaging, "reason": outer.reason}
     rows = predict(methods, link, measured, hook_ms)
@@ -282,7 +286,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines += [f"  {q['start']}"] if q.get("start") else []
     outer = report.get("diloco_outer")
     if outer:
-        lines += ["", f"DiLoCo every {outer['period']} steps: outer_lr={outer['outer_lr']:g}, "
+        run = f" in a run of {outer['max_steps']:,} steps" if outer.get("max_steps") else ""
+        lines += ["", f"DiLoCo every {outer['period']} steps{run}: outer_lr={outer['outer_lr']:g}, "
                       f"outer_momentum={outer['outer_momentum']:g} ({outer['status']})", f"  {outer['reason']}"]
     rec = report["recommendation"]
     lines += ["", f"recommended: {rec['method']} = {rec['config']}", f"  because {rec['reason']}",

@@ -49,6 +49,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                              "candidate; docs/tuning.md)")
     parser.add_argument("--local-sgd-period", type=int_at_least(1), default=8, metavar="H")
     parser.add_argument("--diloco-period", type=int_at_least(1), default=64, metavar="H")
+    parser.add_argument("--max-steps", type=int_at_least(1), default=None, metavar="N",
+                        help="your run's length in optimizer steps (Trainer's max_steps), for DiLoCo's outer "
+                             "settings: outer momentum was measured to pay only in runs of tens of outer steps "
+                             "(default: the most measured length, 200 steps, and the longer run's choice quoted)")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default=None,
                         help="your optimizer, for the quality map's advice (docs/tuning.md): where PowerSGD was "
                              "measured behind allreduce at your global batch, it is not recommended")
@@ -111,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                              iters=args.iters, powersgd_ranks=args.powersgd_ranks,
                              local_sgd_period=args.local_sgd_period, diloco_period=args.diloco_period,
                              optimizer=args.optimizer, tokens_per_step=args.tokens_per_step,
-                             world_size=args.world_size)
+                             world_size=args.world_size, max_steps=args.max_steps)
         except ValueError as exc:
             print(f"gradpress check: error: {exc}", file=sys.stderr)
             return 2
