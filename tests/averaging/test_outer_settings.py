@@ -4,7 +4,7 @@ data order), and its logging once per setting."""
 
 from __future__ import annotations
 
-import json
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -14,52 +14,20 @@ from gradpress import OuterOptimizerAverager
 from gradpress.averaging import outer_settings
 from gradpress.averaging.outer_settings import MEASURED_LOSSES, short_period_loss, warn_if_measured_to_lose
 
-RUNS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "diloco-outer"
+_spec = importlib.util.spec_from_file_location(
+    "outer_table", Path(__file__).resolve().parents[2] / "benchmarks" / "outer_table.py")
+assert _spec is not None and _spec.loader is not None
+outer_table = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(outer_table)
+RUNS, best_measured, diloco_runs, load_runs = (outer_table.RUNS, outer_table.best_measured,
+                                               outer_table.diloco_runs, outer_table.load_runs)
 
 
 def _runs() -> dict[str, dict]:
-    return {run["label"]: run for run in (json.loads(p.read_text()) for p in sorted(RUNS.glob("*.json")))}
+    return load_runs(RUNS)
 
 
-def _diloco(runs: dict[str, dict]) -> list[tuple[int, int, float, float, float, float, int, int]]:
-    """``(replicas, period, outer_lr, outer_momentum, vs allreduce, no sync vs allreduce, steps, seed)`` of every
-    DiLoCo run whose replicas have an allreduce and a no-sync run of the same seed and length beside it."""
-    out = []
-    for label, run in runs.items():
-        if not run["method"].startswith("diloco:"):
-            continue
-        prefix = label.split("-diloco")[0]
-        base, nosync = runs.get(prefix + "-allreduce"), runs.get(prefix + "-nosync")
-        if base is None or nosync is None:
-            continue
-        assert {run["config"][k] for k in ("seed", "steps")} == {base["config"][k] for k in ("seed", "steps")} \
-            == {nosync["config"][k] for k in ("seed", "steps")}, label
-        out.append((run["workers"], int(run["method"].split(":")[1]), run["config"]["outer_lr"],
-                    run["config"]["outer_momentum"], run["ppl_end"] / base["ppl_end"] - 1,
-                    nosync["ppl_end"] / base["ppl_end"] - 1, run["config"]["steps"], run["config"]["seed"]))
-    return out
-
-
-def best_measured(measured: list[tuple[int, int, float, float, float, float, int, int]]) -> list[tuple]:
-    """Per (replicas, period, steps): the outer setting with the lowest mean over its seeds, among those
-    measured on the most seeds there, as a :class:`MeasuredBest` tuple (figures rounded to 3 places)."""
-    from statistics import mean
-
-    out = []
-    for replicas, period, steps in sorted({(m[0], m[1], m[6]) for m in measured}):
-        here = [m for m in measured if (m[0], m[1], m[6]) == (replicas, period, steps)]
-        by_setting: dict[tuple[float, float], list[tuple]] = {}
-        for m in here:
-            by_setting.setdefault((m[2], m[3]), []).append(m)
-        most = max(len(v) for v in by_setting.values())
-        (lr, momentum), runs = min(((k, v) for k, v in by_setting.items() if len(v) == most),
-                                   key=lambda kv: mean(m[4] for m in kv[1]))
-
-        def vs(setting: tuple[float, float]) -> float:
-            return round(mean(m[4] for m in by_setting[setting]), 3)
-        out.append((replicas, period, lr, momentum, vs((lr, momentum)), vs((1.0, 0.0)), vs((0.7, 0.9)),
-                    round(mean(m[5] for m in runs), 3), steps, most))
-    return out
+_diloco = diloco_runs
 
 
 def test_every_quoted_loss_is_a_measured_run_that_ended_behind_no_sync():
@@ -148,3 +116,16 @@ def test_the_advice_reads_the_nearest_measured_setting_and_says_where_plain_aver
                        ({"period": 20, "steps": 0}, "steps must be None or an integer >= 1, got 0")]:
         with pytest.raises(ValueError, match=match):
             advise_outer(**bad)
+
+
+def test_the_seed_mean_table_stars_the_advised_setting_of_each_measured_setting(capsys):
+    """``benchmarks/outer_table.py`` prints every setting's mean over its seeds; the starred one of each
+    (replicas, period, steps) is :data:`MEASURED_BEST`'s, and ``--rows`` prints those rows."""
+    from gradpress.averaging.outer_settings import MEASURED_BEST
+
+    assert outer_table.main([]) == 0
+    starred = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if " *" in line]
+    assert sorted((int(c[0].strip("| ")), int(c[1]), int(c[2]), float(c[3]), float(c[4])) for c in starred) == \
+        sorted((r.replicas, r.period, r.steps, r.outer_lr, r.outer_momentum) for r in MEASURED_BEST)
+    assert outer_table.main(["--rows"]) == 0
+    assert capsys.readouterr().out.count("MeasuredBest(") == len(MEASURED_BEST)
