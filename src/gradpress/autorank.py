@@ -29,7 +29,12 @@ one whose workers' gradients are identical (the same data on every worker) decid
 the log says so. Both pool the measured iterations and the workers (energies summed, one all-reduce of
 ``max_rank + 2`` floats at the first compressed iteration, so every rank takes the same decision).
 The candidates start at a floor, ``min_rank`` (by default :data:`DEFAULT_MIN_RANK`, 32, or ``max_rank``
-if that is lower): below it the energy alone chose ranks that fell behind on data seen about once.
+if that is lower): below it the energy alone chose ranks that fell behind on data seen about once. With
+``width_floor`` (the default) and no ``min_rank`` the floor is raised to the width rule's rank for the
+compressed matrices' width (:func:`width_rule`: 2 sqrt(width) up the ladder, the quality map's rule
+without its batch term): at width 768 the noise criterion alone chose 32 where it fell behind and the
+rule's 64 held, and on the map's settings the criterion's ranks are at or above the rule's, so the floor
+costs them no bytes.
 The decision is logged at INFO, kept in the state's checkpoints, and a resume does not decide again.
 
 E(k) comes from the singular values of each mean gradient: exactly for matrices with at most
@@ -56,13 +61,15 @@ threshold (0.997), and where each held and where it did not.
 4
 >>> AutoRank(max_rank=64).candidates()   # the default floor, 32
 (32, 48, 64)
+>>> AutoRank(max_rank=128).candidates(width=768)   # raised to the width rule's 64 for width-768 matrices
+(64, 96, 128)
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -73,7 +80,8 @@ from .powersgd.linalg import as_matrix_shape
 from .powersgd.plan import should_compress
 from .powersgd.seeding import upload
 
-__all__ = ["CRITERIA", "DEFAULT_MIN_RANK", "DEFAULT_NOISE_MULTIPLE", "AutoRank", "energy_profile"]
+__all__ = ["CRITERIA", "DEFAULT_MIN_RANK", "DEFAULT_NOISE_MULTIPLE", "WIDTH_RULE_COEFFICIENT", "AutoRank",
+           "energy_profile", "matrix_width", "width_rule"]
 
 #: What :class:`AutoRank` decides by: the residual a rank leaves against the mean's noise, or the energy
 #: it captures alone.
@@ -95,6 +103,43 @@ DEFAULT_MIN_RANK = 32
 #: (``AutoRank(criterion="noise")``), fitted on the quality study's settings (docs/tuning.md, "A rank
 #: chosen on your own gradients"): below it every rank the study trained held, above it each fell behind.
 DEFAULT_NOISE_MULTIPLE = 0.011
+
+#: The width rule's coefficient: the rank ``WIDTH_RULE_COEFFICIENT * sqrt(width)``, up the ladder
+#: (:func:`width_rule`; the quality map's rule, ``gradpress.tools.quality_map.width_rule_rank``, adds its
+#: batch term).
+WIDTH_RULE_COEFFICIENT = 2.0
+
+
+def width_rule(width: int, factor: float = 1.0) -> int:
+    """The smallest rank of :data:`RANK_LADDER` at least ``WIDTH_RULE_COEFFICIENT * sqrt(width) * factor``
+    and at least :data:`DEFAULT_MIN_RANK` (past the ladder's top, that product rounded up), at most
+    ``width``.
+
+    >>> [width_rule(w) for w in (16, 128, 256, 384, 768, 4096)]
+    [16, 32, 32, 48, 64, 128]
+    """
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"width must be an integer >= 1, got {width!r}")
+    target = round(max(DEFAULT_MIN_RANK, WIDTH_RULE_COEFFICIENT * math.sqrt(width) * factor), 9)
+    return min(width, next((r for r in RANK_LADDER if r >= target), math.ceil(target)))
+
+
+def matrix_width(shapes: Iterable[tuple[int, int]]) -> int:
+    """The width of matrices of ``shapes`` (``(n, m)`` views, as PowerSGD compresses them): the median of
+    ``min(n, m)`` over them, each weighted by its elements (a transformer of width d gives d, an LSTM its
+    hidden size); 0 without one.
+
+    >>> matrix_width([(512, 128), (128, 128), (97, 128)])
+    128
+    """
+    matrices = sorted((min(n, m), n * m) for n, m in shapes if n * m)
+    total, seen = sum(numel for _, numel in matrices), 0
+    for width, numel in matrices:
+        seen += numel
+        if 2 * seen >= total:
+            return width
+    return 0
+
 
 #: Extra columns of the randomized range finder.
 OVERSAMPLING = 8
@@ -125,6 +170,11 @@ class AutoRank:
             of earlier versions, and of rules saved or pickled by them).
         noise_multiple: with ``criterion="noise"``, the largest R(k) (> 0) the chosen rank may leave; the
             default, :data:`DEFAULT_NOISE_MULTIPLE`, is fitted on the study's settings.
+        width_floor: without ``min_rank``, raise the default floor to :func:`width_rule` of the measured
+            matrices' width (:func:`matrix_width`; at most ``max_rank``): on a width-768 model the noise
+            criterion alone chose a rank that fell behind where the rule's held. ``False`` (and wherever
+            ``min_rank`` is given): the floor is :attr:`floor` alone (rules saved or pickled before this
+            option had none).
 
     >>> import gradpress
     >>> state = gradpress.PowerSGDState(None, matrix_approximation_rank=64, start_powerSGD_iter=80,
@@ -137,6 +187,7 @@ class AutoRank:
     min_rank: int | None = None
     criterion: Literal["noise", "energy"] = "noise"
     noise_multiple: float = DEFAULT_NOISE_MULTIPLE
+    width_floor: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_rank", "measure_iters"):
@@ -156,6 +207,8 @@ class AutoRank:
         multiple = self.noise_multiple
         if isinstance(multiple, bool) or not isinstance(multiple, (int, float)) or not 0 < multiple < math.inf:
             raise ValueError(f"AutoRank.noise_multiple must be a finite number > 0, got {multiple!r}")
+        if not isinstance(self.width_floor, bool):
+            raise ValueError(f"AutoRank.width_floor must be True or False, got {self.width_floor!r}")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A rule pickled before min_rank existed chose by the energy alone, from rank 1; one pickled before
@@ -168,25 +221,35 @@ class AutoRank:
         """The lowest rank it chooses: ``min_rank``, or :data:`DEFAULT_MIN_RANK` capped at ``max_rank``."""
         return min(DEFAULT_MIN_RANK, self.max_rank) if self.min_rank is None else self.min_rank
 
-    def candidates(self) -> tuple[int, ...]:
-        """The ranks it chooses from: :attr:`floor`, the ranks of :data:`RANK_LADDER` between it and
-        ``max_rank``, and ``max_rank``."""
-        floor = self.floor
+    def floor_for(self, width: int | None = None) -> int:
+        """The lowest rank it chooses for matrices of ``width`` (``None`` or 0: not known): :attr:`floor`,
+        and where that is the default one (no ``min_rank``) and ``width_floor`` is on, raised to
+        :func:`width_rule` ``(width)`` (at most ``max_rank``)."""
+        if not self.width_floor or not width or self.min_rank is not None:
+            return self.floor
+        return max(self.floor, min(self.max_rank, width_rule(width)))
+
+    def candidates(self, width: int | None = None) -> tuple[int, ...]:
+        """The ranks it chooses from: :meth:`floor_for` ``(width)``, the ranks of :data:`RANK_LADDER`
+        between it and ``max_rank``, and ``max_rank``."""
+        floor = self.floor_for(width)
         return tuple(sorted({r for r in RANK_LADDER if floor < r < self.max_rank} | {floor, self.max_rank}))
 
-    def choose(self, captured: Sequence[float]) -> int:
-        """The smallest candidate rank k whose ``captured[k - 1]`` (E(k)) reaches ``threshold`` (the energy
-        criterion, whatever ``criterion`` says)."""
-        for rank in self.candidates():
+    def choose(self, captured: Sequence[float], width: int | None = None) -> int:
+        """The smallest candidate rank k (for matrices of ``width``) whose ``captured[k - 1]`` (E(k))
+        reaches ``threshold`` (the energy criterion, whatever ``criterion`` says)."""
+        for rank in self.candidates(width):
             if captured[rank - 1] >= self.threshold:
                 return rank
         return self.max_rank
 
-    def choose_by_noise(self, captured: Sequence[float], total: float, noise: float) -> int:
-        """The smallest candidate rank k whose residual over noise, ``(1 - captured[k - 1]) * total /
-        noise`` (R(k); ``total``: the mean's energy T, ``noise``: its noise energy N > 0), is at most
-        ``noise_multiple`` (the noise criterion, whatever ``criterion`` says)."""
-        for rank, ratio in zip(self.candidates(), residual_over_noise(captured, total, noise, self.candidates())):
+    def choose_by_noise(self, captured: Sequence[float], total: float, noise: float,
+                        width: int | None = None) -> int:
+        """The smallest candidate rank k (for matrices of ``width``) whose residual over noise, ``(1 -
+        captured[k - 1]) * total / noise`` (R(k); ``total``: the mean's energy T, ``noise``: its noise
+        energy N > 0), is at most ``noise_multiple`` (the noise criterion, whatever ``criterion`` says)."""
+        ranks = self.candidates(width)
+        for rank, ratio in zip(ranks, residual_over_noise(captured, total, noise, ranks)):
             if ratio <= self.noise_multiple:
                 return rank
         return self.max_rank
@@ -194,18 +257,21 @@ class AutoRank:
     def to_dict(self) -> dict[str, Any]:
         """The keyword arguments that rebuild it (a checkpoint's form)."""
         return {"threshold": self.threshold, "max_rank": self.max_rank, "measure_iters": self.measure_iters,
-                "min_rank": self.min_rank, "criterion": self.criterion, "noise_multiple": self.noise_multiple}
+                "min_rank": self.min_rank, "criterion": self.criterion, "noise_multiple": self.noise_multiple,
+                "width_floor": self.width_floor}
 
     @classmethod
     def from_saved(cls, saved: dict[str, Any]) -> AutoRank:
         """The rule a checkpoint's :meth:`to_dict` was saved from; one saved before ``min_rank`` existed
-        (no such key) chose from rank 1, one saved before ``criterion`` existed by the energy."""
+        (no such key) chose from rank 1, one saved before ``criterion`` existed by the energy, one saved
+        before ``width_floor`` existed without it."""
         return cls(**{**_SAVED_BEFORE, **saved})
 
 
 #: What a rule saved or pickled before an option existed did: chose from rank 1 (before ``min_rank``) and
-#: by the energy alone (before ``criterion``).
-_SAVED_BEFORE: dict[str, Any] = {"min_rank": 1, "criterion": "energy", "noise_multiple": DEFAULT_NOISE_MULTIPLE}
+#: by the energy alone (before ``criterion``), with no width floor (before ``width_floor``).
+_SAVED_BEFORE: dict[str, Any] = {"min_rank": 1, "criterion": "energy", "noise_multiple": DEFAULT_NOISE_MULTIPLE,
+                                 "width_floor": False}
 
 
 def residual_over_noise(captured: Sequence[float], total: float, noise: float,
@@ -262,7 +328,7 @@ class RankDecision:
     the noise criterion, this worker's own squared norms before averaging), then the decision (the same on
     every rank), and their checkpoint form."""
 
-    __slots__ = ("rule", "profile", "local", "measured", "rank", "captured", "noise_ratio")
+    __slots__ = ("rule", "profile", "local", "measured", "rank", "captured", "noise_ratio", "shapes")
 
     def __init__(self, rule: AutoRank) -> None:
         self.rule = rule
@@ -272,6 +338,7 @@ class RankDecision:
         self.rank: int | None = None         # the decision (None: not taken yet)
         self.captured: list[float] | None = None  # E(1..max_rank) it was taken on
         self.noise_ratio: list[float] | None = None  # R(1..max_rank) it was taken on; None: the energy decided
+        self.shapes: list[tuple[int, int]] = []   # the measured matrices' (n, m) views (the same on every rank)
 
     def measures(self, iteration: int, start: int) -> bool:
         """Whether warm-up ``iteration`` (of ``start``) is measured: one of the last ``measure_iters``."""
@@ -290,11 +357,18 @@ class RankDecision:
         """Add the averaged ``matrices`` of one bucket of a measured iteration (on the device, no read)."""
         if not matrices:
             return
+        if self.measured == 0:   # the shapes of one iteration: every measured iteration has the same
+            self.shapes.extend(as_matrix_shape(tuple(m.shape)) for m in matrices)
         profile = energy_profile(matrices, self.rule.max_rank, min_compression_rate, seed)
         self.profile = profile if self.profile is None else self.profile.add_(profile.to(self.profile.device))
 
     def end_iteration(self) -> None:
         self.measured += 1
+
+    @property
+    def width(self) -> int:
+        """The measured matrices' :func:`matrix_width` (0 before any was measured)."""
+        return matrix_width(self.shapes)
 
     def decide(self, comm: Any, fallback: int, device: torch.device) -> tuple[int, list[float] | None]:
         """Average the profile (and the workers' own squared norms) over the workers (one all-reduce on
@@ -319,9 +393,9 @@ class RankDecision:
         noise = (values[size] - total) / (world - 1) if noise_criterion and world > 1 else 0.0
         if noise > total * 1e-9:   # identical workers' gradients (or one worker) carry no noise to compare with
             self.noise_ratio = residual_over_noise(self.captured, total, noise, range(1, size))
-            self.rank = self.rule.choose_by_noise(self.captured, total, noise)
+            self.rank = self.rule.choose_by_noise(self.captured, total, noise, self.width)
         else:
-            self.rank = self.rule.choose(self.captured)
+            self.rank = self.rule.choose(self.captured, self.width)
         self.profile = self.local = None
         return self.rank, self.captured
 
@@ -329,7 +403,7 @@ class RankDecision:
         return {"rule": self.rule.to_dict(), "rank": self.rank, "measured": self.measured, "captured": self.captured,
                 "profile": None if self.profile is None else self.profile.detach().cpu().tolist(),
                 "local": None if self.local is None else float(self.local),
-                "noise_ratio": self.noise_ratio}
+                "noise_ratio": self.noise_ratio, "shapes": [list(shape) for shape in self.shapes]}
 
     def load(self, state: dict[str, Any]) -> None:
         self.rank = state.get("rank")
@@ -340,3 +414,4 @@ class RankDecision:
         local = state.get("local")
         self.local = None if local is None else torch.tensor(local, dtype=torch.float64)
         self.noise_ratio = state.get("noise_ratio")
+        self.shapes = [(int(n), int(m)) for n, m in state.get("shapes") or []]

@@ -85,6 +85,53 @@ def test_by_default_it_never_chooses_below_the_floor_the_study_measured() -> Non
     assert AutoRank(max_rank=40, min_rank=20).choose(captured) == 24
 
 
+class _OneRank:
+    """A communicator of one rank: the decision's all-reduce leaves its vector as it is."""
+
+    world_size = 1
+
+    def allreduce_sum(self, tensor: torch.Tensor) -> Any:
+        class _Done:
+            def wait(self) -> None:
+                return None
+        return _Done()
+
+
+def test_the_default_floor_rises_to_the_width_rule_on_wide_matrices() -> None:
+    """Where the residual over noise alone would take 32, matrices of width 768 start at the width rule's
+    64 (2 sqrt(768) = 55.4, up the ladder); at width 128 the rule is the floor itself; an explicit
+    ``min_rank`` or ``width_floor=False`` keeps 32; ``max_rank`` caps it. The decision reads the width off
+    the matrices it measured (one iteration's), keeps it in its checkpoint form, and decides with it."""
+    from gradpress.autorank import RankDecision, width_rule
+    from gradpress.tools.quality_map import width_rule_rank
+
+    captured = [1 - 0.2 / k for k in range(1, 129)]            # R(k) = 0.2 / k with T = N: R(32) = 0.006
+    rule = AutoRank(max_rank=128)
+    assert rule.choose_by_noise(captured, 1.0, 1.0) == rule.choose_by_noise(captured, 1.0, 1.0, width=128) == 32
+    assert rule.choose_by_noise(captured, 1.0, 1.0, width=768) == 64 == width_rule(768) == width_rule_rank(768)
+    assert AutoRank(max_rank=128, width_floor=False).choose_by_noise(captured, 1.0, 1.0, width=768) == 32
+    assert AutoRank(max_rank=128, min_rank=32).choose_by_noise(captured, 1.0, 1.0, width=768) == 32
+    assert AutoRank(max_rank=48).candidates(width=768) == (48,) and rule.candidates(width=4096) == (128,)
+    assert rule.choose([1.0] * 128, width=768) == 64
+    with pytest.raises(ValueError, match="width_floor"):
+        AutoRank(width_floor=1)  # type: ignore[arg-type]
+
+    decision = RankDecision(AutoRank(max_rank=128, criterion="energy"))
+    generator = torch.Generator().manual_seed(0)
+    wide = [torch.randn(768, 8, generator=generator) @ torch.randn(8, m, generator=generator) for m in (768, 3072)]
+    for _ in range(2):
+        decision.add(wide + [torch.randn(96, 64, generator=generator)], 2.0, seed=0)
+        decision.end_iteration()
+    assert decision.width == 768 and len(decision.shapes) == 3
+    resumed = RankDecision(decision.rule)
+    resumed.load(decision.state())
+    assert resumed.width == 768
+    rank, energies = decision.decide(_OneRank(), 8, torch.device("cpu"))
+    # rank-8 matrices: E(8) = 1 already, so the energy alone takes the floor: 64 here, 32 without the width
+    assert energies is not None and energies[7] > 0.999 and rank == 64
+    assert AutoRank(max_rank=128, criterion="energy").choose(energies) == 32
+
+
 def _measured_settings() -> list[tuple[str, list[float], dict[int, Any]]]:
     """Every setting ``benchmarks/rank_energy.py`` measured: its name, E(1..) at the end of the warm-up, and
     each rank the quality map trained there (same task and tokens per step, AdamW) as the map groups it,
@@ -124,26 +171,31 @@ def test_the_default_threshold_chooses_a_rank_that_held_wherever_the_study_train
 
 def test_a_checkpoint_or_pickle_saved_before_min_rank_chose_from_rank_1() -> None:
     """A saved rule without ``min_rank`` decided by the energy alone from rank 1 (and one without
-    ``criterion`` by the energy): it loads into a state given ``min_rank=1, criterion="energy"`` and is
-    refused, naming auto_rank, by one with the default floor or criterion; unpickled, it stays so."""
+    ``criterion`` by the energy, one without ``width_floor`` with no width floor): it loads into a state
+    given ``min_rank=1, criterion="energy", width_floor=False`` and is refused, naming auto_rank, by one
+    with the default floor, criterion or width floor; unpickled, it stays so."""
     old = gradpress.PowerSGDState(None, 2, start_powerSGD_iter=4,
                                   auto_rank=AutoRank(0.999, 24, 2, min_rank=1, criterion="energy"))
     saved = old.local_state_dict()
-    for name in ("min_rank", "criterion", "noise_multiple"):   # the form saved before they existed
+    for name in ("min_rank", "criterion", "noise_multiple", "width_floor"):   # the form saved before they existed
         del saved["options"]["auto_rank"][name]
-    gradpress.PowerSGDState(None, 2, start_powerSGD_iter=4,
-                            auto_rank=AutoRank(0.999, 24, 2, min_rank=1, criterion="energy")).load_state_dict(saved)
-    for refusing in (AutoRank(0.999, 24, 2, criterion="energy"), AutoRank(0.999, 24, 2, min_rank=1)):
+    before = AutoRank(0.999, 24, 2, min_rank=1, criterion="energy", width_floor=False)
+    gradpress.PowerSGDState(None, 2, start_powerSGD_iter=4, auto_rank=before).load_state_dict(saved)
+    for refusing in (AutoRank(0.999, 24, 2, criterion="energy", width_floor=False),
+                     AutoRank(0.999, 24, 2, min_rank=1, width_floor=False),
+                     AutoRank(0.999, 24, 2, min_rank=1, criterion="energy")):
         with pytest.raises(ValueError, match="auto_rank"):
             gradpress.PowerSGDState(None, 2, start_powerSGD_iter=4, auto_rank=refusing).load_state_dict(saved)
     copy = gradpress.PowerSGDState.__new__(gradpress.PowerSGDState)
     copy.__setstate__(saved)
-    assert copy.auto_rank == AutoRank(0.999, 24, 2, min_rank=1, criterion="energy")
+    assert copy.auto_rank == before
     rule = AutoRank.__new__(AutoRank)
     rule.__setstate__({"threshold": 0.9, "max_rank": 8, "measure_iters": 2})
-    assert rule == AutoRank(0.9, 8, 2, 1, criterion="energy") and rule.candidates() == (1, 2, 4, 8)
+    assert rule == AutoRank(0.9, 8, 2, 1, criterion="energy", width_floor=False)
+    assert rule.candidates() == rule.candidates(width=768) == (1, 2, 4, 8)
     assert pickle.loads(pickle.dumps(AutoRank(0.9, 8, 2))).min_rank is None   # a new pickle keeps its own
     assert pickle.loads(pickle.dumps(AutoRank(0.9, 8, 2))).criterion == "noise"
+    assert pickle.loads(pickle.dumps(AutoRank(0.9, 8, 2))).width_floor
 
 
 def test_what_it_cannot_be_combined_with_is_refused_at_construction() -> None:

@@ -86,11 +86,19 @@ def test_each_trained_rank_is_predicted_by_the_multiple_fitted_without_it() -> N
 
 def test_the_default_rule_chooses_a_rank_that_held_wherever_the_study_trained_it() -> None:
     """The decision ``AutoRank()`` takes on each measured setting's E, T and N (the noise criterion, the
-    floor of 32) is a rank that held there, wherever that rank was trained; and at every setting where the
-    map's smallest rank that held is at or above the floor, it is that rank (no more bytes)."""
+    floor of 32, and the width floor on the map's settings, where it changes nothing) is a rank that held
+    there, wherever that rank was trained; and at every setting where the map's smallest rank that held
+    is at or above the floor, it is that rank (no more bytes)."""
+    from gradpress.tools.check.advice import model_width
+    from gradpress.tools.workloads import get_task
+
     judged = 0
     for name, run, trained in _measured():
         rank = AutoRank().choose_by_noise(run["captured"], run["total"], run["noise"])
+        # the width floor (the rule's rank for the task's width) changes none of these decisions: no bytes
+        width = model_width([tuple(p.shape) for p in get_task(run["task"]).build().parameters()])
+        if trained:
+            assert AutoRank().choose_by_noise(run["captured"], run["total"], run["noise"], width) == rank, name
         if rank in trained:
             assert trained[rank].holds, (name, rank)
             judged += 1

@@ -76,12 +76,13 @@ def decide_rank(decision: RankDecision | None, bucket: Any, comm: Callable[[], C
                        "from a checkpoint without a decision?); keeping matrix_approximation_rank=%s", rank)
         return
     rule = decision.rule
-    shown = ", ".join(f"E({k})={captured[k - 1]:.4f}" for k in rule.candidates())
+    width = decision.width
+    shown = ", ".join(f"E({k})={captured[k - 1]:.4f}" for k in rule.candidates(width))
     if decision.noise_ratio is not None:
-        ratios = ", ".join(f"R({k})={decision.noise_ratio[k - 1]:.3g}" for k in rule.candidates())
+        ratios = ", ".join(f"R({k})={decision.noise_ratio[k - 1]:.3g}" for k in rule.candidates(width))
         logger.info("PowerSGDState auto_rank: rank %s, the smallest from %s whose residual in the averaged "
-                    "gradients over %s warm-up iterations is at most %s x their noise (%s; %s)", rank, rule.floor,
-                    decision.measured, rule.noise_multiple, ratios, shown)
+                    "gradients over %s warm-up iterations is at most %s x their noise (%s; %s)", rank,
+                    rule.floor_for(width), decision.measured, rule.noise_multiple, ratios, shown)
         return
     if rule.criterion == "noise":
         why = ("one worker: no workers' gradients to read the noise from" if comm().world_size < 2
@@ -89,7 +90,7 @@ def decide_rank(decision: RankDecision | None, bucket: Any, comm: Callable[[], C
         logger.warning("PowerSGDState auto_rank: %s; deciding by the captured energy (threshold %s) instead",
                        why, rule.threshold)
     logger.info("PowerSGDState auto_rank: rank %s, the smallest from %s whose captured energy of the averaged "
-                "gradients over %s warm-up iterations reaches %s (%s)", rank, rule.floor,
+                "gradients over %s warm-up iterations reaches %s (%s)", rank, rule.floor_for(width),
                 decision.measured, rule.threshold, shown)
 
 

@@ -54,7 +54,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from ..autorank import DEFAULT_MIN_RANK, RANK_LADDER
+from ..autorank import DEFAULT_MIN_RANK, RANK_LADDER, WIDTH_RULE_COEFFICIENT, width_rule
 from .quality_rows import CHARS_PER_SEQUENCE, MEASURED, OPTIMIZER_WORDS, QUALITY_TARGET, Measured, describe_runs
 
 __all__ = ["ADAMW_OPTIONS", "BORROWED", "FP16_WIRE", "HALF_WARM_UP_EVIDENCE", "MEASURED", "QUALITY_TARGET", "RULE",
@@ -146,7 +146,7 @@ RULE = "beyond the map (rule)"
 #: width (128, 256, 384, 512) that is the smallest measured rank that held at the smallest measured batch
 #: (on data seen about once where the width was measured on it), and the measured rank below it fell
 #: behind there (:func:`rule_evidence`; docs/tuning.md, "The width rule").
-RULE_COEFFICIENT = 2.0
+RULE_COEFFICIENT = WIDTH_RULE_COEFFICIENT
 #: The width rule's smallest rank: at width 128 on data seen once, 2 x sqrt(width)'s 24 fell behind at 2 and
 #: 8 workers' worth, where 32 held. It decides the rule only below width 256. ``AutoRank``'s default floor
 #: is the same rank, for the same reason.
@@ -188,10 +188,7 @@ def width_rule_rank(width: int, tokens_per_step: int | None = None) -> int:
     >>> [width_rule_rank(192, t) for t in (2048, 8192)], width_rule_rank(768, 512 * 1024)   # GPT-2, 0.5M tokens
     ([32, 48], 128)
     """
-    if not (isinstance(width, int) and width >= 1):
-        raise ValueError(f"width must be an integer >= 1, got {width!r}")
-    target = RULE_COEFFICIENT * math.sqrt(width) * rule_batch_factor(tokens_per_step)
-    return min(width, _up_the_ladder(max(RULE_FLOOR, target)))
+    return width_rule(width, rule_batch_factor(tokens_per_step))
 
 
 def _up_the_ladder(target: float) -> int:

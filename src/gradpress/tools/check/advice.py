@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ...autorank import matrix_width
 from ...averaging.outer_settings import OuterAdvice, advise_outer
 from ...powersgd import make_plan
 from .link import Link
@@ -65,13 +66,7 @@ def model_width(shapes: Sequence[Sequence[int]]) -> int:
     128
     """
     plan = make_plan([tuple(int(d) for d in s) for s in shapes], 1, 0)
-    matrices = sorted((min(t.matrix), t.numel) for t in plan.tensors if len(t.shape) >= 2 and t.numel)
-    total, seen = sum(numel for _, numel in matrices), 0
-    for width, numel in matrices:
-        seen += numel
-        if 2 * seen >= total:
-            return width
-    return 0
+    return matrix_width(t.matrix for t in plan.tensors if len(t.shape) >= 2 and t.numel)
 
 
 @dataclass(frozen=True)
