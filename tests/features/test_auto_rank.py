@@ -284,6 +284,11 @@ def _a_decision_outlives_the_options_that_only_choose(decided: gradpress.PowerSG
     said = [r.getMessage() for r in caplog.records if "stands" in r.getMessage()]
     assert len(said) == 1 and "rank 8" in said[0] and "taken with threshold=0.999, min_rank=1;" in said[0] \
         and "this state's threshold=0.99, min_rank=None" in said[0]
+    saved = decided.local_state_dict()                         # saved before width_floor existed: it stands
+    del saved["options"]["auto_rank"]["width_floor"]
+    old = fresh()
+    old.load_state_dict(saved, allow_other_rank=True)
+    assert old.matrix_approximation_rank == 8
     with pytest.raises(ValueError, match="auto_rank"):          # max_rank shaped the measurement
         fresh(max_rank=16).load_state_dict(decided.local_state_dict(), allow_other_rank=True)
     with pytest.raises(ValueError, match="auto_rank"):          # not decided yet: the run's own rule decides

@@ -33,7 +33,7 @@ logger = logging.getLogger("gradpress.hooks.powersgd")
 _STATE_DICT_VERSION = 1
 
 # AutoRank's options that only choose the rank from what was measured (see load_state_dict).
-_CHOOSING = ("threshold", "min_rank", "criterion", "noise_multiple")
+_CHOOSING = ("threshold", "min_rank", "criterion", "noise_multiple", "width_floor")
 
 
 # Options that decide what the memory means; a checkpoint must agree with the state on them.
