@@ -81,7 +81,7 @@ from .powersgd.plan import should_compress
 from .powersgd.seeding import upload
 
 __all__ = ["CRITERIA", "DEFAULT_MIN_RANK", "DEFAULT_NOISE_MULTIPLE", "WIDTH_RULE_COEFFICIENT", "AutoRank",
-           "energy_profile", "matrix_width", "width_rule"]
+           "energy_profile", "matrix_width", "up_the_ladder", "width_rule"]
 
 #: What :class:`AutoRank` decides by: the residual a rank leaves against the mean's noise, or the energy
 #: it captures alone.
@@ -120,8 +120,18 @@ def width_rule(width: int, factor: float = 1.0) -> int:
     """
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise ValueError(f"width must be an integer >= 1, got {width!r}")
-    target = round(max(DEFAULT_MIN_RANK, WIDTH_RULE_COEFFICIENT * math.sqrt(width) * factor), 9)
-    return min(width, next((r for r in RANK_LADDER if r >= target), math.ceil(target)))
+    return min(width, up_the_ladder(max(DEFAULT_MIN_RANK, WIDTH_RULE_COEFFICIENT * math.sqrt(width) * factor)))
+
+
+def up_the_ladder(target: float) -> int:
+    """The smallest rank of :data:`RANK_LADDER` at least ``target`` (past its top, ``target`` rounded up); a
+    product that is a ladder rank in exact arithmetic stays that rank.
+
+    >>> up_the_ladder(55.4), up_the_ladder(48.0000000001), up_the_ladder(600)
+    (64, 48, 600)
+    """
+    target = round(target, 9)
+    return next((r for r in RANK_LADDER if r >= target), math.ceil(target))
 
 
 def matrix_width(shapes: Iterable[tuple[int, int]]) -> int:

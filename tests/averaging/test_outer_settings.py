@@ -23,15 +23,8 @@ RUNS, best_measured, diloco_runs, load_runs = (outer_table.RUNS, outer_table.bes
                                                outer_table.diloco_runs, outer_table.load_runs)
 
 
-def _runs() -> dict[str, dict]:
-    return load_runs(RUNS)
-
-
-_diloco = diloco_runs
-
-
 def test_every_quoted_loss_is_a_measured_run_that_ended_behind_no_sync():
-    measured = _diloco(_runs())
+    measured = diloco_runs(load_runs())
     assert measured, f"no runs in {RUNS}"
     for row in MEASURED_LOSSES:
         match = [m for m in measured if m[:4] == (row.replicas, row.period, row.outer_lr, row.outer_momentum)
@@ -43,7 +36,7 @@ def test_every_quoted_loss_is_a_measured_run_that_ended_behind_no_sync():
 
 
 def test_the_warning_covers_every_measured_run_that_lost_to_no_sync_and_none_of_the_advised_settings():
-    measured = _diloco(_runs())
+    measured = diloco_runs(load_runs())
     for replicas, period, outer_lr, momentum, vs_allreduce, no_sync, steps, seed in measured:
         if vs_allreduce > no_sync:
             assert (replicas, period, outer_lr, momentum, round(vs_allreduce, 3), round(no_sync, 3), steps, seed) \
@@ -82,7 +75,7 @@ def test_the_best_settings_quoted_are_the_best_measured_at_each_setting():
     plain-averaging, defaults and no-sync figures are those runs' means; every setting measured has a row."""
     from gradpress.averaging.outer_settings import MEASURED_BEST
 
-    assert [tuple(row) for row in MEASURED_BEST] == best_measured(_diloco(_runs()))
+    assert [tuple(row) for row in MEASURED_BEST] == best_measured(diloco_runs(load_runs()))
     for row in MEASURED_BEST:
         assert row.vs_allreduce < row.no_sync_vs_allreduce, row
         assert row.vs_allreduce < row.defaults_vs_allreduce or (row.outer_lr, row.outer_momentum) == (0.7, 0.9), row

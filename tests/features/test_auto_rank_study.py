@@ -96,8 +96,8 @@ def test_the_default_rule_chooses_a_rank_that_held_wherever_the_study_trained_it
     for name, run, trained in _measured():
         rank = AutoRank().choose_by_noise(run["captured"], run["total"], run["noise"])
         # the width floor (the rule's rank for the task's width) changes none of these decisions: no bytes
-        width = model_width([tuple(p.shape) for p in get_task(run["task"]).build().parameters()])
         if trained:
+            width = model_width([tuple(p.shape) for p in get_task(run["task"]).build().parameters()])
             assert AutoRank().choose_by_noise(run["captured"], run["total"], run["noise"], width) == rank, name
         if rank in trained:
             assert trained[rank].holds, (name, rank)

@@ -54,7 +54,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from ..autorank import DEFAULT_MIN_RANK, RANK_LADDER, WIDTH_RULE_COEFFICIENT, width_rule
+from ..autorank import DEFAULT_MIN_RANK, WIDTH_RULE_COEFFICIENT, up_the_ladder, width_rule
 from .quality_rows import CHARS_PER_SEQUENCE, MEASURED, OPTIMIZER_WORDS, QUALITY_TARGET, Measured, describe_runs
 
 __all__ = ["ADAMW_OPTIONS", "BORROWED", "FP16_WIRE", "HALF_WARM_UP_EVIDENCE", "MEASURED", "QUALITY_TARGET", "RULE",
@@ -191,11 +191,6 @@ def width_rule_rank(width: int, tokens_per_step: int | None = None) -> int:
     return width_rule(width, rule_batch_factor(tokens_per_step))
 
 
-def _up_the_ladder(target: float) -> int:
-    target = round(target, 9)   # a product that is a ladder rank in exact arithmetic stays that rank
-    return next((r for r in RANK_LADDER if r >= target), math.ceil(target))
-
-
 def _rule_words(width: int | None = None, tokens_per_step: int | None = None) -> str:
     """The width rule in words; with ``width``, the floor is named only where it raises the rank, and
     with ``tokens_per_step``, the batch term only where it is more than 1."""
@@ -204,7 +199,7 @@ def _rule_words(width: int | None = None, tokens_per_step: int | None = None) ->
         batch = f" x (tokens/step / {RULE_BATCH_TOKENS:,})^{RULE_BATCH_EXPONENT:g} (at least 1)"
     else:
         batch = "" if factor == 1.0 else f" x ({tokens_per_step:,} / {RULE_BATCH_TOKENS:,})^{RULE_BATCH_EXPONENT:g}"
-    floor = width is None or _up_the_ladder(RULE_COEFFICIENT * math.sqrt(width) * factor) < RULE_FLOOR
+    floor = width is None or up_the_ladder(RULE_COEFFICIENT * math.sqrt(width) * factor) < RULE_FLOOR
     return f"{RULE_COEFFICIENT:g} x sqrt(width){batch}" + (f", at least {RULE_FLOOR}," if floor else "")
 
 
@@ -240,7 +235,7 @@ def _rule_advice(width: int, optimizer: str, rows: list[Measured], tokens_per_st
                   f"rule's rank at {tokens_per_step:,} tokens/step, {_rule_words(width, tokens_per_step)} up the rank "
                   f"ladder = {rank}, the smallest measured rank that held at each measured width's smallest batch "
                   f"({'; '.join(fit)}), and more as the batch grows (48 from 2 x 32 sequences at width 256); "
-                  f"AutoRank(max_rank={_up_the_ladder(2 * rank)}) chooses one on your own gradients instead, against "
+                  f"AutoRank(max_rank={up_the_ladder(2 * rank)}) chooses one on your own gradients instead, against "
                   "the noise of their average (docs/tuning.md)",
                   None, evidence, width=width, tokens_per_step=tokens_per_step)
 
