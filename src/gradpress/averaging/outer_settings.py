@@ -100,6 +100,7 @@ MEASURED_BEST: tuple[MeasuredBest, ...] = (
     MeasuredBest(4, 50, 0.5, 0.0, 0.171, 0.178, 0.252, 0.277),
     MeasuredBest(8, 20, 1.0, 0.0, 0.283, 0.283, 0.376, 0.45, 200, 2),
     MeasuredBest(8, 20, 0.7, 0.9, 0.061, 0.124, 0.061, 1.104, 800, 1),
+    MeasuredBest(16, 20, 1.4, 0.0, 0.385, 0.403, 0.496, 0.571, 200, 1),
 )
 
 #: Up to this period :func:`advise_outer` reads :data:`MEASURED_BEST`; from :data:`PAPER_PERIOD` on it
